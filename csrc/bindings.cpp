@@ -1,0 +1,56 @@
+// The one place that registers cpshard's operator schemas and their CPU / CUDA kernels, and the
+// Python module that reports how the extension was built. Fake (meta) kernels and autograd
+// formulas are registered in Python (cpshard/ops.py).
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/headeronly/version.h>
+
+#include <string>
+
+#include "index/index_ops.h"
+#include "ragged/ragged_ops.h"
+#include "segment/segment_ops.h"
+
+TORCH_LIBRARY(cpshard, m) {
+  const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  m.def("pack_ragged(Tensor x, int[] counts, int dim, int pad_to, Scalar fill) -> Tensor", tags);
+  m.def("unpack_ragged(Tensor packed, int[] counts, int dim, int pad_to, SymInt[] out_shape) -> Tensor",
+        tags);
+  m.def("interleave_sequence(Tensor x, int dim) -> Tensor", tags);
+  m.def("deinterleave_sequence(Tensor x, int world, int dim) -> Tensor", tags);
+  m.def("index_gather(Tensor src, Tensor index, int dim, Scalar fill) -> Tensor", tags);
+  m.def("index_scatter_add(Tensor grad, Tensor index, int dim, int dim_size) -> Tensor", tags);
+  m.def("document_segments(Tensor doc_ids, int start, int end) -> (Tensor, Tensor, Tensor, Tensor)",
+        tags);
+}
+
+// The operators validate and dispatch to the device kernel themselves, so one registration
+// serves every backend the build has.
+#define CPSHARD_REGISTER_KERNELS(m)                                 \
+  m.impl("pack_ragged", &cpshard::pack_ragged);                     \
+  m.impl("unpack_ragged", &cpshard::unpack_ragged);                 \
+  m.impl("interleave_sequence", &cpshard::interleave_sequence);     \
+  m.impl("deinterleave_sequence", &cpshard::deinterleave_sequence); \
+  m.impl("index_gather", &cpshard::index_gather);                   \
+  m.impl("index_scatter_add", &cpshard::index_scatter_add);         \
+  m.impl("document_segments", &cpshard::document_segments)
+
+TORCH_LIBRARY_IMPL(cpshard, CPU, m) { CPSHARD_REGISTER_KERNELS(m); }
+#ifdef CPSHARD_WITH_CUDA
+TORCH_LIBRARY_IMPL(cpshard, CUDA, m) { CPSHARD_REGISTER_KERNELS(m); }
+#endif
+
+PYBIND11_MODULE(_C, module) {
+  module.doc() = "cpshard native core: operators are registered under torch.ops.cpshard";
+#ifdef CPSHARD_WITH_CUDA
+  module.attr("cuda_kernels") = true;
+#else
+  module.attr("cuda_kernels") = false;
+#endif
+#ifdef CPSHARD_SANITIZE
+  module.attr("sanitized") = true;
+#else
+  module.attr("sanitized") = false;
+#endif
+  module.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
+}
