@@ -1,0 +1,29 @@
+"""cpshard: context-parallel sharding building blocks for long-context LLM and VLM training."""
+
+from cpshard._build import BuildInfo, build_info
+from cpshard.ops import (
+    DocumentSegments,
+    deinterleave_sequence,
+    document_segments,
+    index_gather,
+    index_scatter_add,
+    interleave_sequence,
+    pack_ragged,
+    unpack_ragged,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BuildInfo",
+    "DocumentSegments",
+    "__version__",
+    "build_info",
+    "deinterleave_sequence",
+    "document_segments",
+    "index_gather",
+    "index_scatter_add",
+    "interleave_sequence",
+    "pack_ragged",
+    "unpack_ragged",
+]
