@@ -1,6 +1,7 @@
 """cpshard: context-parallel sharding building blocks for long-context LLM and VLM training."""
 
 from cpshard._build import BuildInfo, build_info
+from cpshard.consensus import raise_on_any_rank
 from cpshard.ops import (
     DocumentSegments,
     deinterleave_sequence,
@@ -11,6 +12,7 @@ from cpshard.ops import (
     pack_ragged,
     unpack_ragged,
 )
+from cpshard.transport import gather_halo, gather_metadata, gather_ragged, gather_sequence
 
 __version__ = "0.1.0"
 
@@ -21,9 +23,14 @@ __all__ = [
     "build_info",
     "deinterleave_sequence",
     "document_segments",
+    "gather_halo",
+    "gather_metadata",
+    "gather_ragged",
+    "gather_sequence",
     "index_gather",
     "index_scatter_add",
     "interleave_sequence",
     "pack_ragged",
+    "raise_on_any_rank",
     "unpack_ragged",
 ]

@@ -1,0 +1,89 @@
+"""Group consensus before collectives, so a check that fails on some ranks only makes EVERY
+rank raise instead of leaving the others blocked in the next collective.
+
+Each check exchanges one small int64 vector per rank (one all-gather): a failure flag plus the
+values that must agree across ranks (shapes, dtypes, sizes). Every rank sees the same table, so
+every rank reaches the same verdict and raises the same way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from cpshard.comm import Group, GroupLike, all_gather_small, resolve_group
+
+_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+]
+
+
+# Every rank sends this many integers, whatever its arguments, so the exchange itself never
+# mismatches.
+_CAPACITY = 64
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A small integer that names dtype identically on every rank."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + hash(str(dtype)) % 1000
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def agree(
+    group: Group,
+    what: str,
+    local_error: str | None,
+    fields: Mapping[str, Sequence[int]] | None = None,
+) -> None:
+    """Raise ``ValueError`` on every rank if any rank has a ``local_error`` or if any entry of
+    ``fields`` (name -> tuple of ints, same names and lengths on every rank) differs across ranks.
+
+    A rank with a local error raises its own detail; the others name the failed rank(s). A field
+    that differs names the ranks that disagree with the most common value (rank 0's on a tie).
+    """
+    if group.world == 1:
+        if local_error is not None:
+            raise ValueError(f"{what}: rank {group.rank}: {local_error}")
+        return
+    fields = dict(fields or {})  # fixed names and lengths per call site
+    lengths = [len(v) for v in fields.values()]
+    flat = [1 if local_error is not None else 0, *lengths]
+    for values in fields.values():
+        flat.extend(int(v) for v in values)
+    width = len(flat)
+    if width + 1 > _CAPACITY:
+        raise AssertionError(f"{what}: consensus fields exceed {_CAPACITY} integers")
+    padded = [width, *flat] + [0] * (_CAPACITY - width - 1)
+    table = all_gather_small(torch.tensor(padded, dtype=torch.int64), group)
+    failed = [r for r in range(group.world) if table[r, 1] != 0]
+    if failed:
+        if local_error is not None:
+            raise ValueError(f"{what}: rank {group.rank}: {local_error}")
+        raise ValueError(f"{what}: {_ranks(failed)} failed its checks (see the error on that rank)")
+    if any(int(table[r, 0]) != width or table[r, 2 : 2 + len(lengths)].tolist() != lengths
+           for r in range(group.world)):
+        raise ValueError(f"{what}: ranks passed arguments of different structure: {table[:, 0].tolist()}")
+    at = 2 + len(lengths)
+    for name, values in fields.items():
+        per_rank = [tuple(table[r, at : at + len(values)].tolist()) for r in range(group.world)]
+        at += len(values)
+        if len(set(per_rank)) == 1:
+            continue
+        common, top = Counter(per_rank).most_common(1)[0]
+        if list(Counter(per_rank).values()).count(top) > 1:
+            common = per_rank[0]
+        odd = [r for r, v in enumerate(per_rank) if v != common]
+        shown = ", ".join(f"rank {r}: {per_rank[r]}" for r in odd)
+        raise ValueError(f"{what}: {name} differs on {_ranks(odd)} ({shown}; the others have {common})")
+
+
+def raise_on_any_rank(failed: bool, local_detail: str, group: GroupLike, what: str) -> None:
+    """If ``failed`` on any rank of ``group``, raise ``ValueError`` on every rank: the failing
+    ranks with their ``local_detail``, the others naming the failed rank(s)."""
+    agree(resolve_group(group, what), what, local_detail if failed else None)
