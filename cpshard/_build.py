@@ -21,7 +21,7 @@ def build_info() -> BuildInfo:
     """The build configuration of the loaded extension."""
     return BuildInfo(
         cuda_kernels=bool(_C.cuda_kernels),
-        nccl=bool(getattr(_C, "nccl", False)),
+        nccl=bool(_C.nccl),
         sanitized=bool(_C.sanitized),
         torch_version=str(_C.torch_version),
     )

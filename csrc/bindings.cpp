@@ -10,6 +10,9 @@
 #include "index/index_ops.h"
 #include "ragged/ragged_ops.h"
 #include "segment/segment_ops.h"
+#ifdef CPSHARD_WITH_NCCL
+#include "comm/nccl_communicator.h"
+#endif
 
 TORCH_LIBRARY(cpshard, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
@@ -22,6 +25,20 @@ TORCH_LIBRARY(cpshard, m) {
   m.def("index_scatter_add(Tensor grad, Tensor index, int dim, int dim_size) -> Tensor", tags);
   m.def("document_segments(Tensor doc_ids, int start, int end) -> (Tensor, Tensor, Tensor, Tensor)",
         tags);
+#ifdef CPSHARD_WITH_NCCL
+  using cpshard::NcclCommunicator;
+  m.class_<NcclCommunicator>("NcclCommunicator")
+      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t>())
+      .def_static("unique_id", &NcclCommunicator::unique_id)
+      .def_static("version", &NcclCommunicator::version)
+      .def("rank", &NcclCommunicator::rank)
+      .def("world", &NcclCommunicator::world)
+      .def("all_gather", &NcclCommunicator::all_gather)
+      .def("all_gather_v", &NcclCommunicator::all_gather_v)
+      .def("reduce_scatter", &NcclCommunicator::reduce_scatter)
+      .def("reduce_scatter_v", &NcclCommunicator::reduce_scatter_v)
+      .def("send_recv", &NcclCommunicator::send_recv);
+#endif
 }
 
 // The operators validate and dispatch to the device kernel themselves, so one registration
@@ -46,6 +63,11 @@ PYBIND11_MODULE(_C, module) {
   module.attr("cuda_kernels") = true;
 #else
   module.attr("cuda_kernels") = false;
+#endif
+#ifdef CPSHARD_WITH_NCCL
+  module.attr("nccl") = true;
+#else
+  module.attr("nccl") = false;
 #endif
 #ifdef CPSHARD_SANITIZE
   module.attr("sanitized") = true;
