@@ -56,6 +56,8 @@ def _common_fields(x: torch.Tensor, dim: int, equal_shape: bool) -> dict[str, li
         "dtype": [dtype_code(x.dtype)],
         "device type": [0 if x.device.type == "cpu" else 1],
         "token dim": [dim],
+        # ranks that differ here would block in the backward collective
+        "requires_grad": [int(x.requires_grad and torch.is_grad_enabled())],
         "x.shape" if equal_shape else "x.shape (token dim aside)": _shape_field(
             x.shape, None if equal_shape else dim
         ),

@@ -107,7 +107,11 @@ def _blockdiag(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch
             scale,
         )
         rows[s.row].append((s, out))
-    return torch.cat([_assemble(row, q, v.shape[-1], state) for row in rows], dim=0)
+    out = torch.cat([_assemble(row, q, v.shape[-1], state) for row in rows], dim=0)
+    if not state.segments:
+        # An all-padding rank still joins the backward halo exchange its peers wait for.
+        out = out + kv.narrow(-1, 0, 0).sum()
+    return out
 
 
 def _assemble(pieces: list[tuple[Segment, torch.Tensor]], q: torch.Tensor, d_v: int, state: BlockDiagState) -> torch.Tensor:

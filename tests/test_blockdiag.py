@@ -1,0 +1,264 @@
+"""Block-diagonal CP attention against a single-process dense reference.
+
+The reference builds the block-diagonal causal mask independently (a document is a maximal run
+of one non-zero id; pads attend to nothing and output zeros) and runs plain softmax attention on
+the full sequence. Every rank's output and the float64 gradients of q, k, v and of an upstream
+``inputs_embeds`` (through projections) must match it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cpshard.blockdiag import document_ids
+from cpshard.blockdiag.state import active_state
+
+D = 8
+
+
+def _packing(name: str, b: int, s: int) -> torch.Tensor:
+    """Document ids [b, s] for a named packing pattern."""
+    doc = torch.zeros(b, s, dtype=torch.long)
+    for row in range(b):
+        if name == "short_docs":
+            doc[row] = torch.arange(s) // 3 + 1
+        elif name == "one_doc":
+            doc[row] = 1
+        elif name == "interior_pad":
+            doc[row, : s // 3] = 1
+            doc[row, s // 3 + 2 : s - 1] = 2
+        elif name == "leading_pad":
+            doc[row, 5:] = 7
+        elif name == "pad_rank":  # a whole middle stretch of padding (a full rank at W <= 4)
+            doc[row, : s // 5] = 1
+            doc[row, s - s // 5 :] = 2
+        elif name == "reused_ids":
+            doc[row] = torch.tensor([1, 1, 2, 2, 2, 1, 1, 0, 1, 1, 3, 3] * s)[:s]
+        elif name == "random":
+            g = torch.Generator().manual_seed(17 * row + s)
+            i = 0
+            while i < s:
+                n = int(torch.randint(1, max(2, s // 2), (1,), generator=g))
+                doc[row, i : i + n] = int(torch.randint(0, 3, (1,), generator=g))
+                i += n
+        else:
+            raise AssertionError(name)
+    return doc
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """Dense block-diagonal causal attention on the full sequence (pads output zeros)."""
+    s = q.shape[2]
+    new_run = torch.ones_like(doc, dtype=torch.bool)
+    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    run = torch.cumsum(new_run.long(), dim=1)
+    pos = torch.arange(s)
+    mask = (run[:, :, None] == run[:, None, :]) & (doc[:, :, None] != 0) & (pos[:, None] >= pos[None, :])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
+    return probs @ v
+
+
+class _Proj(torch.nn.Module):
+    """inputs_embeds -> q, k, v [B, heads, S, D]."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.heads, self.kv_heads = heads, kv_heads
+        self.q = torch.nn.Linear(hidden, heads * D, dtype=torch.float64)
+        self.kv = torch.nn.Linear(hidden, 2 * kv_heads * D, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b, s, _ = x.shape
+        q = self.q(x).view(b, s, self.heads, D).transpose(1, 2)
+        k, v = self.kv(x).view(b, s, 2, self.kv_heads, D).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+
+def _inputs(b: int, s: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    emb = torch.randn(b, s, hidden, dtype=torch.float64, generator=g)
+    upstream = torch.randn(b, 4, s + 4, D, dtype=torch.float64, generator=g)  # covers W <= 4 padding
+    return emb, upstream
+
+
+CASES = [
+    # packing, B, S, heads, kv heads
+    ("short_docs", 1, 24, 2, 2),
+    ("one_doc", 2, 23, 4, 2),
+    ("interior_pad", 2, 30, 2, 1),
+    ("leading_pad", 1, 21, 2, 2),
+    ("pad_rank", 1, 40, 2, 2),
+    ("reused_ids", 3, 26, 4, 4),
+    ("random", 2, 37, 4, 2),
+    ("random", 1, 5, 2, 1),
+]
+
+
+def _distributed(rank: int, world: int, cases: list[tuple]) -> list[tuple[torch.Tensor, ...]]:
+    """Per case: this rank's output, and the gradients of its embeds shard and the projections."""
+    import torch.distributed as dist
+
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    results = []
+    for name, b, s, heads, kv_heads in cases:
+        doc = _packing(name, b, s)
+        emb, upstream = _inputs(b, s, 6, seed=s)
+        emb.requires_grad_()
+        proj = _Proj(6, heads, kv_heads)
+        batch = {"inputs_embeds": emb, "_packed_seq_ids": doc, "labels": doc.clone()}
+        ctx, batch = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
+        local = batch["inputs_embeds"].shape[1]
+        q, k, v = proj(batch["inputs_embeds"])
+        with ctx():
+            out = cp_blockdiag_sdpa(q, k, v, enable_gqa=heads != kv_heads)
+        assert active_state() is None
+        weight = upstream[:, :heads, rank * local : (rank + 1) * local]
+        (out * weight).sum().backward()
+        # an all-padding rank's q projection takes no part in its output: no gradient there
+        grads = [emb.grad] + [torch.zeros_like(p) if p.grad is None else p.grad for p in proj.parameters()]
+        results.append((out.detach(), batch["padding_mask"], *grads))
+    return results
+
+
+def _single(cases: list[tuple], world: int) -> list[tuple[torch.Tensor, ...]]:
+    results = []
+    for name, b, s, heads, kv_heads in cases:
+        doc = _packing(name, b, s)
+        emb, upstream = _inputs(b, s, 6, seed=s)
+        emb.requires_grad_()
+        proj = _Proj(6, heads, kv_heads)
+        q, k, v = proj(emb)
+        out = _reference(q, k, v, doc)
+        (out * upstream[:, :heads, :s]).sum().backward()
+        results.append((out.detach(), doc == 0, emb.grad, *[p.grad for p in proj.parameters()]))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_matches_dense_reference(pools, world: int) -> None:
+    got = pools(world).run(_distributed, CASES, timeout=180)
+    want = _single(CASES, world)
+    for i, case in enumerate(CASES):
+        s = case[2]
+        out = torch.cat([got[r][i][0] for r in range(world)], dim=2)
+        torch.testing.assert_close(out[:, :, :s], want[i][0], rtol=0, atol=1e-12, msg=f"{case} output")
+        assert torch.all(out[:, :, s:] == 0), case
+        pad = torch.cat([got[r][i][1] for r in range(world)], dim=1)
+        assert torch.equal(pad[:, :s], want[i][1]) and bool(pad[:, s:].all()), case
+        for j, name in enumerate(["inputs_embeds", "q.weight", "q.bias", "kv.weight", "kv.bias"]):
+            total = sum(got[r][i][2 + j] for r in range(world))  # each rank holds a partial grad
+            torch.testing.assert_close(total, want[i][2 + j], rtol=0, atol=1e-10, msg=f"{case} grad {name}")
+
+
+def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
+    """Pad rows are exactly zero; W = 1 per-segment attention equals the dense reference."""
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    doc = _packing("interior_pad", 1, 30)
+    q, k, v = (torch.randn(1, 2, 30, D, dtype=torch.float64) for _ in range(3))
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, 30, 4), "_packed_seq_ids": doc})
+    with ctx():
+        out = cp_blockdiag_sdpa(q, k, v)
+    assert torch.all(out[:, :, doc[0] == 0] == 0)
+    torch.testing.assert_close(out, _reference(q, k, v, doc), rtol=0, atol=1e-12)
+
+
+def test_plain_sdpa_when_inactive_and_nesting_restores() -> None:
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    q, k, v = (torch.randn(2, 2, 6, D) for _ in range(3))
+    torch.testing.assert_close(cp_blockdiag_sdpa(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    outer, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(2, 6, dtype=torch.long)})
+    inner, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(2, 4, dtype=torch.long)})
+    with outer():
+        first = active_state()
+        with inner():
+            assert active_state() is not first and active_state().local_len == 4
+        assert active_state() is first
+    assert active_state() is None
+
+
+def test_batch_sharding_conventions(pools) -> None:
+    got = pools(3).run(_shard_batch, timeout=60)
+    for rank, batch in enumerate(got):
+        sl = slice(rank * 3, rank * 3 + 3)
+        ids = torch.cat([torch.arange(7).view(1, 7) + 10, torch.full((1, 2), 5)], 1)
+        labels = torch.cat([torch.arange(7).view(1, 7), torch.full((1, 2), -100)], 1)
+        pos = torch.arange(9).view(1, 9)
+        assert torch.equal(batch["input_ids"], ids[:, sl])
+        assert torch.equal(batch["labels"], labels[:, sl])
+        assert torch.equal(batch["position_ids"], pos[:, sl])
+        assert torch.equal(batch["loss_mask"], torch.cat([torch.ones(1, 7), torch.zeros(1, 2)], 1)[:, sl])
+        assert torch.equal(batch["padding_mask"], (torch.arange(9) >= 7).view(1, 9)[:, sl])
+        assert "attention_mask" not in batch
+        assert batch["pixel_values"].shape == (4, 3)  # not sequence-aligned: untouched
+
+
+def _shard_batch(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+
+    batch = {
+        "input_ids": torch.arange(7).view(1, 7) + 10,
+        "labels": torch.arange(7).view(1, 7),
+        "position_ids": torch.arange(7).view(1, 7),
+        "attention_mask": torch.ones(1, 7, dtype=torch.long),
+        "pixel_values": torch.zeros(4, 3),
+    }
+    _, out = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch, loss_mask=torch.ones(1, 7), padding_token_id=5)
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def test_document_ids_priority() -> None:
+    b, s = 2, 6
+    packed = torch.tensor([[1, 1, 2, 2, 0, 0], [3, 3, 3, 1, 1, 1]])
+    block = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    for row, lengths in enumerate([(2, 2), (3, 3)]):
+        at = 0
+        for n in lengths:
+            block[row, 0, at : at + n, at : at + n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
+            at += n
+    flat = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    assert torch.equal(document_ids({"_packed_seq_ids": packed, "attention_mask": flat}, s, "cpu", b), packed)
+    from_block = document_ids({"attention_mask": block}, s, "cpu", b)
+    assert torch.equal(from_block, torch.tensor([[1, 1, 2, 2, 0, 0], [1, 1, 1, 2, 2, 2]]))
+    additive = torch.where(block, 0.0, torch.finfo(torch.float32).min)
+    assert torch.equal(document_ids({"attention_mask": additive}, s, "cpu", b), from_block)
+    assert torch.equal(document_ids({"attention_mask": flat}, s, "cpu", b), flat)
+    assert torch.equal(document_ids({}, s, "cpu", b), torch.ones(b, s, dtype=torch.long))
+    with pytest.raises(ValueError, match="shape"):
+        document_ids({"_packed_seq_ids": packed[:, :4]}, s, "cpu", b)
+
+
+def _bad_rank(rank: int, world: int, kind: str) -> None:
+    import torch.distributed as dist
+
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    s = 12 if not (kind == "seq_len" and rank == 1) else 13
+    batch = {"inputs_embeds": torch.zeros(1, s, 4), "_packed_seq_ids": torch.ones(1, s, dtype=torch.long)}
+    if kind == "doc_ids" and rank == 1:
+        batch["_packed_seq_ids"][0, 0] = 2
+    if kind == "no_embeds" and rank == 1:
+        del batch["inputs_embeds"]
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
+    local = batch["inputs_embeds"].shape[1]
+    q = torch.zeros(1, 2, local if not (kind == "q_len" and rank == 1) else local + 1, D)
+    mask = torch.ones(1, 1) if kind == "mask" and rank == 1 else None
+    with ctx():
+        cp_blockdiag_sdpa(q, q, q, attn_mask=mask)
+
+
+@pytest.mark.parametrize("kind", ["seq_len", "doc_ids", "no_embeds", "q_len", "mask"])
+def test_bad_input_on_one_rank_raises_everywhere(pools, kind: str) -> None:
+    outcomes = pools(3).run_collect(_bad_rank, kind, timeout=30)
+    assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
+    assert all("rank 1" in o.error_message for o in outcomes), [o.error_message for o in outcomes]
