@@ -1,6 +1,7 @@
 """cpshard: context-parallel sharding building blocks for long-context LLM and VLM training."""
 
 from cpshard._build import BuildInfo, build_info
+from cpshard.blockdiag import cp_blockdiag_sdpa, document_ids, make_cp_blockdiag_batch_and_ctx
 from cpshard.consensus import raise_on_any_rank
 from cpshard.ops import (
     DocumentSegments,
@@ -21,7 +22,9 @@ __all__ = [
     "DocumentSegments",
     "__version__",
     "build_info",
+    "cp_blockdiag_sdpa",
     "deinterleave_sequence",
+    "document_ids",
     "document_segments",
     "gather_halo",
     "gather_metadata",
@@ -30,6 +33,7 @@ __all__ = [
     "index_gather",
     "index_scatter_add",
     "interleave_sequence",
+    "make_cp_blockdiag_batch_and_ctx",
     "pack_ragged",
     "raise_on_any_rank",
     "unpack_ragged",
