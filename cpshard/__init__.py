@@ -13,6 +13,15 @@ from cpshard.ops import (
     pack_ragged,
     unpack_ragged,
 )
+from cpshard.layout import (
+    LAYOUT_ALIASES,
+    LAYOUTS,
+    ShardLayout,
+    local_token_global_indices,
+    make_layout,
+    rank_major_inverse,
+)
+from cpshard.sharder import ContextParallelSharder
 from cpshard.transport import gather_halo, gather_metadata, gather_ragged, gather_sequence
 from cpshard.vision import (
     CpVisionFrameShardingConfig,
@@ -38,6 +47,7 @@ __all__ = [
     "__version__",
     "build_info",
     "BuildInfo",
+    "ContextParallelSharder",
     "cp_blockdiag_sdpa",
     "cp_vision_frame_sharding_active",
     "cp_vision_group",
@@ -57,15 +67,21 @@ __all__ = [
     "index_gather",
     "index_scatter_add",
     "interleave_sequence",
+    "LAYOUT_ALIASES",
+    "LAYOUTS",
+    "local_token_global_indices",
     "make_cp_blockdiag_batch_and_ctx",
+    "make_layout",
     "maybe_distribute_visual",
     "pack_ragged",
     "plan_contiguous",
     "plan_vision_frames",
     "raise_on_any_rank",
+    "rank_major_inverse",
     "reset_cp_vision_group",
     "resolve_cost_alpha",
     "set_cp_vision_group",
+    "ShardLayout",
     "unpack_ragged",
     "vision_hidden_size",
     "VisionFramePlan",
