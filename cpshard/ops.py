@@ -9,6 +9,7 @@ every data-moving op is differentiable, its backward being the adjoint move.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -65,6 +66,33 @@ def _pad_to(pad_to: int | None, counts: list[int], what: str) -> int:
     return pad_to
 
 
+def _fill(fill: Number, dtype: torch.dtype, what: str) -> Number:
+    """fill, if dtype can hold it exactly in range (rounding a float is fine; wrapping, truncating
+    or overflowing to inf is not)."""
+    if not isinstance(fill, (bool, int, float, complex)):
+        raise TypeError(f"{what}: fill must be a number, got {type(fill).__name__}")
+    if isinstance(fill, complex) and not dtype.is_complex:
+        raise TypeError(f"{what}: fill={fill!r} is complex but the data is {dtype}")
+    if dtype.is_complex or isinstance(fill, bool):
+        return fill
+    if dtype == torch.bool:
+        if fill not in (0, 1):
+            raise ValueError(f"{what}: fill={fill!r} is not representable in torch.bool (0 or 1)")
+    elif not dtype.is_floating_point:
+        info = torch.iinfo(dtype)
+        if isinstance(fill, float) and not fill.is_integer() or not info.min <= fill <= info.max:
+            raise ValueError(f"{what}: fill={fill!r} is not representable in {dtype}")
+    elif math.isfinite(fill) and abs(fill) > torch.finfo(dtype).max:
+        raise ValueError(f"{what}: fill={fill!r} overflows {dtype}")
+    return fill
+
+
+def _fits_int64(what: str, name: str, *factors: int) -> None:
+    """Raise naming ``name`` when the product of ``factors`` (a buffer's numel) overflows int64."""
+    if math.prod(factors) >= 2**63:
+        raise ValueError(f"{what}: {name} makes a buffer of {math.prod(factors)} elements (over int64)")
+
+
 def _index(index: torch.Tensor, data: torch.Tensor, what: str) -> torch.Tensor:
     _tensor(index, "index", what)
     if index.dim() != 1:
@@ -99,7 +127,9 @@ def pack_ragged(
     dim = _dim(dim, x.dim(), "dim", what)
     if sum(counts) != x.shape[dim]:
         raise ValueError(f"{what}: counts sum to {sum(counts)} but x.shape[{dim}] is {x.shape[dim]}")
-    return _ops.pack_ragged(x, counts, dim, _pad_to(pad_to, counts, what), fill)
+    pad = _pad_to(pad_to, counts, what)
+    _fits_int64(what, "pad_to", len(counts), max(pad, 0), _numel_without(x.shape, dim))
+    return _ops.pack_ragged(x, counts, dim, pad, _fill(fill, x.dtype, what))
 
 
 def unpack_ragged(
@@ -175,7 +205,7 @@ def index_gather(src: torch.Tensor, index: torch.Tensor, dim: int = 0, fill: Num
     if src.dim() == 0:
         raise ValueError(f"{what}: src must have at least one dimension")
     dim = _dim(dim, src.dim(), "dim", what)
-    return _ops.index_gather(src, _index(index, src, what), dim, fill)
+    return _ops.index_gather(src, _index(index, src, what), dim, _fill(fill, src.dtype, what))
 
 
 def index_scatter_add(grad: torch.Tensor, index: torch.Tensor, dim: int, dim_size: int) -> torch.Tensor:
@@ -234,6 +264,7 @@ def _padded_shape(shape: Sequence[int], dim: int, world: int, pad: int) -> list[
 
 @torch.library.register_fake("cpshard::pack_ragged")
 def _pack_ragged_fake(x, counts, dim, pad_to, fill):
+    dim = dim % x.dim()
     if pad_to >= 0:
         return x.new_empty(_padded_shape(x.shape, dim, len(counts), pad_to))
     return x.new_empty([x.numel()])
@@ -246,6 +277,7 @@ def _unpack_ragged_fake(packed, counts, dim, pad_to, out_shape):
 
 @torch.library.register_fake("cpshard::interleave_sequence")
 def _interleave_fake(x, dim):
+    dim = dim % (x.dim() - 1)
     shape = list(x.shape[1:])
     shape[dim] = shape[dim] * x.shape[0]
     return x.new_empty(shape)
@@ -253,11 +285,19 @@ def _interleave_fake(x, dim):
 
 @torch.library.register_fake("cpshard::deinterleave_sequence")
 def _deinterleave_fake(x, world, dim):
+    dim = dim % x.dim()
     return x.new_empty(_padded_shape(x.shape, dim, world, x.shape[dim] // world))
+
+
+def _same_device(data: torch.Tensor, index: torch.Tensor, what: str) -> None:
+    if index.device != data.device:
+        raise RuntimeError(f"{what}: index is on {index.device} but the data is on {data.device}")
 
 
 @torch.library.register_fake("cpshard::index_gather")
 def _index_gather_fake(src, index, dim, fill):
+    _same_device(src, index, "cpshard.index_gather")
+    dim = dim % src.dim()
     shape = list(src.shape)
     shape[dim] = index.shape[0]
     return src.new_empty(shape)
@@ -265,6 +305,8 @@ def _index_gather_fake(src, index, dim, fill):
 
 @torch.library.register_fake("cpshard::index_scatter_add")
 def _index_scatter_add_fake(grad, index, dim, dim_size):
+    _same_device(grad, index, "cpshard.index_scatter_add")
+    dim = dim % grad.dim()
     shape = list(grad.shape)
     shape[dim] = dim_size
     return grad.new_empty(shape)
@@ -302,6 +344,8 @@ def _unpack_ragged_backward(ctx, grad):
 
 
 def _interleave_backward(ctx, grad):
+    if ctx.first_shape[0] == 0:  # no ranks: nothing to route back
+        return grad.new_zeros(ctx.first_shape), None
     return _ops.deinterleave_sequence(grad, ctx.first_shape[0], ctx.dim), None
 
 

@@ -20,9 +20,9 @@ TORCH_LIBRARY(cpshard, m) {
   m.def("unpack_ragged(Tensor packed, int[] counts, int dim, int pad_to, SymInt[] out_shape) -> Tensor",
         tags);
   m.def("interleave_sequence(Tensor x, int dim) -> Tensor", tags);
-  m.def("deinterleave_sequence(Tensor x, int world, int dim) -> Tensor", tags);
+  m.def("deinterleave_sequence(Tensor x, SymInt world, int dim) -> Tensor", tags);
   m.def("index_gather(Tensor src, Tensor index, int dim, Scalar fill) -> Tensor", tags);
-  m.def("index_scatter_add(Tensor grad, Tensor index, int dim, int dim_size) -> Tensor", tags);
+  m.def("index_scatter_add(Tensor grad, Tensor index, int dim, SymInt dim_size) -> Tensor", tags);
   m.def("document_segments(Tensor doc_ids, int start, int end) -> (Tensor, Tensor, Tensor, Tensor)",
         tags);
 #ifdef CPSHARD_WITH_NCCL

@@ -1,5 +1,10 @@
 #include "common/geometry.h"
 
+#include <ATen/Dispatch.h>
+
+#include <cmath>
+#include <limits>
+
 namespace cpshard {
 
 int64_t checked_mul(int64_t a, int64_t b, const char* what) {
@@ -22,8 +27,38 @@ TokenView token_view(at::IntArrayRef sizes, int64_t dim, const char* what) {
                    checked_prod(sizes, dim + 1, rank, what)};
 }
 
-at::Tensor fill_bytes(const at::Scalar& fill, at::ScalarType dtype) {
-  // at::full checks that the value converts to dtype without overflow.
+namespace {
+
+bool representable(const at::Scalar& fill, at::ScalarType dtype) {
+  if (fill.isComplex()) return at::isComplexType(dtype);
+  if (at::isComplexType(dtype) || fill.isBoolean()) return true;
+  const double value = fill.toDouble();
+  if (dtype == at::kBool) return value == 0.0 || value == 1.0;
+  if (at::isIntegralType(dtype, /*includeBool=*/false)) {
+    if (fill.isFloatingPoint() && (value != std::floor(value) || std::abs(value) > 9.2e18)) {
+      return false;
+    }
+    const int64_t v = fill.isFloatingPoint() ? static_cast<int64_t>(value) : fill.toLong();
+    bool fits = true;
+    AT_DISPATCH_INTEGRAL_TYPES(dtype, "fill_range", [&] {
+      fits = v >= static_cast<int64_t>(std::numeric_limits<scalar_t>::lowest()) &&
+             v <= static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
+    });
+    return fits;
+  }
+  // Floating types: NaN and inf are kept as given; a finite value must stay finite.
+  if (!std::isfinite(value)) return true;
+  double max = 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fill_range", [&] {
+    max = static_cast<double>(std::numeric_limits<scalar_t>::max());
+  });
+  return std::abs(value) <= max;
+}
+
+}  // namespace
+
+at::Tensor fill_bytes(const at::Scalar& fill, at::ScalarType dtype, const char* what) {
+  TORCH_CHECK(representable(fill, dtype), what, ": fill=", fill, " is not representable in ", dtype);
   return at::full({1}, fill, at::TensorOptions().dtype(dtype).device(at::kCPU));
 }
 

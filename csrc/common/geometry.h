@@ -24,8 +24,10 @@ struct TokenView {
 };
 TokenView token_view(at::IntArrayRef sizes, int64_t dim, const char* what);
 
-// The element bytes of `fill` converted to `dtype` (raises when the value does not fit).
-at::Tensor fill_bytes(const at::Scalar& fill, at::ScalarType dtype);
+// The element bytes of `fill` converted to `dtype`; raises (naming `what`) when the value is not
+// representable: out of an integer type's range, fractional for an integer type, not 0/1 for
+// bool, or finite but beyond a floating type's range.
+at::Tensor fill_bytes(const at::Scalar& fill, at::ScalarType dtype, const char* what);
 
 // Element sizes the byte-moving kernels handle (every ATen dtype has one of these).
 inline bool supported_element_size(int64_t size) {

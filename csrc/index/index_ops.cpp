@@ -52,7 +52,7 @@ at::Tensor index_gather(const at::Tensor& src, const at::Tensor& index, int64_t 
   shape[dim] = idx.numel();
   auto out = at::empty(shape, src.options());
   const auto data = src.contiguous();
-  const auto pattern = fill_bytes(fill, src.scalar_type());
+  const auto pattern = fill_bytes(fill, src.scalar_type(), what);
   CPSHARD_ON_DEVICE(src, index_gather_cpu(g, data, idx, out, pattern),
                     index_gather_cuda(g, data, idx, out, pattern));
   return out;

@@ -30,8 +30,9 @@ RaggedGeometry make_ragged_geometry(at::IntArrayRef counts, int64_t pre, int64_t
   g.post = post;
   g.pad = pad;
   // Every offset the kernels compute is bounded by the larger buffer; make sure it fits.
-  checked_mul(checked_mul(pre, std::max(g.total(), static_cast<int64_t>(counts.size()) * std::max<int64_t>(pad, 0)), what),
-              post, what);
+  const int64_t padded_rows =
+      checked_mul(static_cast<int64_t>(counts.size()), std::max<int64_t>(pad, 0), what);
+  checked_mul(checked_mul(pre, std::max(g.total(), padded_rows), what), post, what);
   return g;
 }
 
@@ -64,7 +65,7 @@ at::Tensor pack_into_new(const at::Tensor& x, const RaggedGeometry& g, int64_t d
   const auto src = x.contiguous();
   const auto out = g.pad >= 0 ? at::empty(padded_shape(x.sizes(), dim, g.world(), g.pad), x.options())
                               : at::empty({g.block_numel()}, x.options());
-  ragged_move(g, src, out, RaggedDirection::kPack, fill_bytes(fill, x.scalar_type()));
+  ragged_move(g, src, out, RaggedDirection::kPack, fill_bytes(fill, x.scalar_type(), what));
   return out;
 }
 
