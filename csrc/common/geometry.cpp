@@ -1,9 +1,10 @@
 #include "common/geometry.h"
 
-#include <ATen/Dispatch.h>
+#include <ATen/Dispatch_v2.h>
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 namespace cpshard {
 
@@ -29,6 +30,17 @@ TokenView token_view(at::IntArrayRef sizes, int64_t dim, const char* what) {
 
 namespace {
 
+template <typename T>
+bool integer_fits(int64_t v) {
+  if constexpr (std::is_unsigned_v<T>) {
+    return v >= 0 && (sizeof(T) >= sizeof(int64_t) ||
+                      v <= static_cast<int64_t>(std::numeric_limits<T>::max()));
+  } else {
+    return v >= static_cast<int64_t>(std::numeric_limits<T>::lowest()) &&
+           v <= static_cast<int64_t>(std::numeric_limits<T>::max());
+  }
+}
+
 bool representable(const at::Scalar& fill, at::ScalarType dtype) {
   if (fill.isComplex()) return at::isComplexType(dtype);
   if (at::isComplexType(dtype) || fill.isBoolean()) return true;
@@ -40,18 +52,16 @@ bool representable(const at::Scalar& fill, at::ScalarType dtype) {
     }
     const int64_t v = fill.isFloatingPoint() ? static_cast<int64_t>(value) : fill.toLong();
     bool fits = true;
-    AT_DISPATCH_INTEGRAL_TYPES(dtype, "fill_range", [&] {
-      fits = v >= static_cast<int64_t>(std::numeric_limits<scalar_t>::lowest()) &&
-             v <= static_cast<int64_t>(std::numeric_limits<scalar_t>::max());
-    });
+    AT_DISPATCH_V2(dtype, "fill_range", AT_WRAP([&] { fits = integer_fits<scalar_t>(v); }),
+                   AT_EXPAND(AT_INTEGRAL_TYPES), AT_EXPAND(AT_BAREBONES_UNSIGNED_TYPES));
     return fits;
   }
   // Floating types: NaN and inf are kept as given; a finite value must stay finite.
   if (!std::isfinite(value)) return true;
   double max = 0;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "fill_range", [&] {
-    max = static_cast<double>(std::numeric_limits<scalar_t>::max());
-  });
+  AT_DISPATCH_V2(dtype, "fill_range",
+                 AT_WRAP([&] { max = static_cast<double>(std::numeric_limits<scalar_t>::max()); }),
+                 AT_EXPAND(AT_FLOATING_TYPES), at::kHalf, at::kBFloat16, AT_EXPAND(AT_FLOAT8_TYPES));
   return std::abs(value) <= max;
 }
 

@@ -71,7 +71,9 @@ at::Tensor index_scatter_add(const at::Tensor& grad, const at::Tensor& index, in
               " entries but grad.shape[", dim, "] is ", view.tokens);
   std::vector<int64_t> shape(grad.sizes().begin(), grad.sizes().end());
   shape[dim] = dim_size;
-  checked_prod(shape, 0, static_cast<int64_t>(shape.size()), what);
+  if (checked_prod(shape, 0, static_cast<int64_t>(shape.size()), what) == 0) {
+    return at::empty(shape, grad.options());  // nothing to add into, whatever dim_size is
+  }
   auto out = at::empty(shape, grad.options());
   // CSR inverse: sources ordered by target (stable, so ascending source within a target);
   // negative targets sort first and fall before row_start[0].

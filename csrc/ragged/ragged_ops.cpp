@@ -117,8 +117,8 @@ at::Tensor interleave_sequence(const at::Tensor& x, int64_t dim) {
   const int64_t world = sizes[0];
   std::vector<int64_t> out_shape(sizes.begin() + 1, sizes.end());
   out_shape[dim] = checked_mul(world, view.tokens, what);
+  if (x.numel() == 0) return at::empty(out_shape, x.options());
   const std::vector<int64_t> counts(world, view.tokens);
-  if (world == 0) return at::empty(out_shape, x.options());
   const auto g = make_ragged_geometry(counts, view.pre, view.post, view.tokens, what);
   return unpack_into_new(x, g, out_shape);
 }
@@ -132,6 +132,11 @@ at::Tensor deinterleave_sequence(const at::Tensor& x, int64_t world, int64_t dim
   const auto view = token_view(x.sizes(), dim, what);
   TORCH_CHECK(view.tokens % world == 0, what, ": x.shape[", dim, "] = ", view.tokens,
               " is not divisible by world = ", world);
+  if (x.numel() == 0) {
+    const auto shape = padded_shape(x.sizes(), dim, world, view.tokens / world);
+    checked_prod(shape, 0, static_cast<int64_t>(shape.size()), what);
+    return at::empty(shape, x.options());
+  }
   const std::vector<int64_t> counts(world, view.tokens / world);
   const auto g = make_ragged_geometry(counts, view.pre, view.post, view.tokens / world, what);
   return pack_into_new(x, g, dim, at::Scalar(0), what);

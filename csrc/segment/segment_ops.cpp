@@ -18,6 +18,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> document_segments(
   const int64_t seq = doc_ids.size(1);
   TORCH_CHECK(0 <= start && start <= end && end <= seq, what, ": need 0 <= start <= end <= S, got start=",
               start, ", end=", end, ", S=", seq);
+  if (start == end || doc_ids.size(0) == 0) {  // no tokens in range: no segments
+    const auto none = at::empty({0}, doc_ids.options().dtype(at::kLong));
+    return {none, none.clone(), none.clone(), none.clone()};
+  }
   const auto ids = doc_ids.to(at::kLong).contiguous();
   const SegmentRange range{start, end};
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> out;

@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# CUDA compile-only job: a fresh virtual environment with the CUDA 13 torch (2.14.1), a wheel of
+# cpshard built with CPSHARD_CUDA=1 for TORCH_CUDA_ARCH_LIST (default 9.0) from a scratch copy of
+# the working tree (so the CPU build in build/ and cpshard/_C*.so of the repository are never
+# touched), the wheel installed non-editable, and checks run from outside the repository: the
+# extension imports, reports CUDA kernels, and every cpshard op has a CUDA kernel registered.
+# Then the CPU test suite runs against that build (CUDA torch, CPU tensors). Nothing CUDA runs:
+# this machine has no GPU. Exits non-zero on any failure.
+#
+# Usage: .ci/cuda_compile.sh [VENV] [pytest args...]
+#   VENV                    virtual environment to (re)create (default .ci-work/venv-cuda; a
+#                           relative path is relative to the repository root)
+#   pytest args             test paths / options for step 4 (default: all of tests/)
+# Environment:
+#   PYTHON                  interpreter that creates the venv (default python3)
+#   CPSHARD_REUSE_VENV      1 keeps VENV when it already has torch 2.14.1 (default: recreate it)
+#   CPSHARD_CUDA_TESTS      0 skips the CPU test suite against the CUDA build (default 1)
+#   CUDA_HOME               CUDA toolkit (default /usr/local/cuda)
+#   TORCH_CUDA_ARCH_LIST    architectures to compile for (default 9.0)
+#   CUDA_COMPILE_KEEP       1 keeps the scratch directory (its path is printed)
+#   MAX_JOBS                parallel compile jobs (default: all cores)
+set -euo pipefail
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+venv=${1:-.ci-work/venv-cuda}
+[[ $# -gt 0 ]] && shift
+[[ "$venv" == /* ]] || venv="$repo/$venv"
+PYTHON=${PYTHON:-python3}
+TORCH_PIN="torch==2.14.1"
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+
+t0=$(date +%s)
+stamp() { echo "== cuda_compile [$(( $(date +%s) - t0 ))s] $*"; }
+fail() { echo "cuda_compile: $*" >&2; exit 1; }
+
+[[ -x "$CUDA_HOME/bin/nvcc" ]] || fail "no nvcc under CUDA_HOME=$CUDA_HOME"
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/cpshard-cuda.XXXXXX")
+cleanup() {
+  if [[ "${CUDA_COMPILE_KEEP:-0}" == 1 ]]; then echo "cuda_compile: kept $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+
+# ---- 1. the environment ------------------------------------------------------------------------
+step=$(date +%s)
+if [[ "${CPSHARD_REUSE_VENV:-0}" == 1 && -x "$venv/bin/python" ]] &&
+   "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "2.14.1")' 2>/dev/null; then
+  stamp "reusing $venv"
+else
+  stamp "creating $venv ($TORCH_PIN, CUDA 13; ~5.5 GB)"
+  rm -rf "$venv"
+  "$PYTHON" -m venv "$venv"
+fi
+"$venv/bin/pip" install -q "$TORCH_PIN" "cmake>=3.26" ninja pytest hypothesis expecttest numpy \
+  > "$work/pip.log" 2>&1 \
+  || { grep -v "^WARNING: Location 'file://" "$work/pip.log" | tail -n 40; fail "pip install failed"; }
+"$venv/bin/python" -c 'import sys, torch
+print("   torch", torch.__version__, "CUDA", torch.version.cuda)
+sys.exit(0 if torch.version.cuda else "this torch has no CUDA")'
+venv_s=$(( $(date +%s) - step ))
+stamp "environment ready in ${venv_s}s"
+
+# ---- 2. the wheel, built from a scratch copy of the working tree -------------------------------
+src="$work/src"
+mkdir -p "$src"
+# Tracked files still on disk plus untracked files git does not ignore (uncommitted work included;
+# build/, *.so, venvs and other ignored paths are left out).
+(cd "$repo" && git ls-files -z --cached --others --exclude-standard \
+  | while IFS= read -r -d '' f; do [[ -e "$f" || -L "$f" ]] && printf '%s\0' "$f"; done \
+  | tar --null -T - -cf -) | tar -x -C "$src"
+rm -rf "$src/build" && find "$src" -name '*.so' -delete
+
+stamp "building the wheel (CPSHARD_CUDA=1, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $("$CUDA_HOME/bin/nvcc" --version | tail -n 2 | head -n 1))"
+step=$(date +%s)
+log="$work/build.log"
+(cd "$src" && PATH="$venv/bin:$PATH" CPSHARD_CUDA=1 \
+  "$venv/bin/pip" wheel --no-build-isolation --no-deps -v -w "$work/dist" .) > "$log" 2>&1 \
+  || { tail -n 80 "$log"; fail "the CUDA build failed (log above)"; }
+build_s=$(( $(date +%s) - step ))
+stamp "CUDA build took ${build_s}s"
+# Compiler warnings (nvcc, the host compiler, the linker) in the build log, for the record.
+warnings=$(grep -E "warning( #[0-9A-Za-z-]+)?[:-]" "$log" | grep -v "byte-compiling is disabled" | sort -u || true)
+if [[ -n "$warnings" ]]; then
+  echo "   compiler warnings ($(echo "$warnings" | wc -l)):"
+  echo "$warnings" | sed 's/^/     /' | head -n 40
+else
+  echo "   no compiler warnings"
+fi
+
+wheel=$(ls "$work"/dist/cpshard-*.whl)
+"$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel"
+stamp "installed $(basename "$wheel")"
+
+# ---- 3. checks, from outside the repository ----------------------------------------------------
+cd "$work"
+"$venv/bin/python" - <<'EOF'
+import pathlib
+import sys
+
+import torch
+
+import cpshard
+import cpshard._C as C
+
+so = pathlib.Path(C.__file__).resolve()
+print("   loaded", so)
+assert "site-packages" in so.parts, f"imported {so}, not the installed wheel"
+assert C.cuda_kernels, "cpshard._C.cuda_kernels is False: the CUDA kernels were not built"
+ops = ["pack_ragged", "unpack_ragged", "interleave_sequence", "deinterleave_sequence",
+       "index_gather", "index_scatter_add", "document_segments"]
+missing = []
+for op in ops:
+    for key in ("CPU", "CUDA"):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"cpshard::{op}", key):
+            missing.append(f"{op}/{key}")
+assert not missing, f"no kernel registered for: {', '.join(missing)}"
+print("   cuda_kernels = True; CPU and CUDA kernels registered for", len(ops), "ops")
+# The CPU path of the CUDA build still works (a CUDA launch would need a GPU this machine lacks).
+x = torch.arange(10.0).reshape(5, 2)
+packed = torch.ops.cpshard.pack_ragged(x, [2, 3], 0, 3, -1.0)
+assert packed.shape == (2, 3, 2) and packed[0, 2].eq(-1).all()
+assert torch.equal(torch.ops.cpshard.unpack_ragged(packed, [2, 3], 0, 3, [5, 2]), x)
+print("   CPU round trip through the CUDA build: ok")
+assert C.nccl, "cpshard._C.nccl is False: the NCCL communicator was not built"
+version = torch.classes.cpshard.NcclCommunicator.version()
+print("   NCCL communicator built; NCCL version", version)
+EOF
+stamp "import checks passed"
+
+# ---- 4. the CPU test suite against the CUDA build ----------------------------------------------
+if [[ "${CPSHARD_CUDA_TESTS:-1}" == 1 && -d "$repo/tests" ]]; then
+  mkdir -p "$work/run"
+  cp -r "$src/tests" "$work/run/tests"
+  [[ -f "$src/pyproject.toml" ]] && cp "$src/pyproject.toml" "$work/run/"
+  stamp "pytest (CPU tensors, CUDA build) from $work/run"
+  step=$(date +%s)
+  (cd "$work/run" && "$venv/bin/python" -m pytest -p no:cacheprovider -q -rfE "${@:-tests}")
+  stamp "tests took $(( $(date +%s) - step ))s"
+fi
+
+stamp "done (environment ${venv_s}s, CUDA build ${build_s}s)"

@@ -1,0 +1,8 @@
+"""``python -m cpshard.bench [ARGS]`` is ``cpshard bench [ARGS]``."""
+
+import sys
+
+from cpshard.bench.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(["bench", *sys.argv[1:]]))

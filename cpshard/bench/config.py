@@ -1,0 +1,67 @@
+"""The validated settings of one ``cpshard bench`` run (picklable: it travels to every rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPS = ("ragged", "ragged_even", "sequence", "halo", "strategies")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+BACKENDS = ("auto", "gloo", "nccl")
+
+DEFAULT_SIZES = (
+    256,
+    1024,
+)  # tokens per rank (the mean for ragged counts); 2 and 8 MiB at H=2048 fp32
+DEFAULT_HIDDEN = 2048
+DEFAULT_WORLD_CPU = 4
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run. ``world=None``: the launcher's world size, else a default (see launch)."""
+
+    world: int | None = None
+    ops: tuple[str, ...] = OPS
+    sizes: tuple[int, ...] = DEFAULT_SIZES
+    hidden: int = DEFAULT_HIDDEN
+    dtype: str = "float32"
+    repeats: int = 5
+    warmup: int = 1
+    iters: int = 0  # iterations per repeat; 0 = enough for about ``target_s`` per repeat
+    target_s: float = 0.1
+    json_path: str | None = None
+    plot_path: str | None = None
+    backend: str = "auto"
+    timeout_s: float = 600.0
+    memory: bool = True  # measure peak extra memory (one profiled step per op)
+
+    def __post_init__(self) -> None:
+        def bad(field: str, value: object, need: str) -> ValueError:
+            return ValueError(f"BenchConfig.{field}={value!r}: {need}")
+
+        if self.world is not None and (
+            isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 2
+        ):
+            raise bad("world", self.world, "must be an int >= 2")
+        if (
+            not self.ops
+            or any(op not in OPS for op in self.ops)
+            or len(set(self.ops)) != len(self.ops)
+        ):
+            raise bad("ops", self.ops, f"must be distinct names from {', '.join(OPS)}")
+        if not self.sizes or any(
+            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.sizes
+        ):
+            raise bad("sizes", self.sizes, "must be ints >= 1 (tokens per rank)")
+        for field, low in (("hidden", 1), ("repeats", 1), ("warmup", 0), ("iters", 0)):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise bad(field, value, f"must be an int >= {low}")
+        if self.dtype not in DTYPES:
+            raise bad("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")
+        if self.backend not in BACKENDS:
+            raise bad("backend", self.backend, f"must be one of {', '.join(BACKENDS)}")
+        if not self.target_s > 0:
+            raise bad("target_s", self.target_s, "must be > 0")
+        if not self.timeout_s > 0:
+            raise bad("timeout_s", self.timeout_s, "must be > 0")

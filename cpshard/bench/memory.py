@@ -1,0 +1,96 @@
+"""Peak extra memory of one step: the most bytes the step holds at once beyond what existed
+before it (its inputs), i.e. the peak of the running sum of its allocations and frees.
+
+On CPU: one step under ``torch.profiler`` with ``profile_memory=True``; the allocator events
+(``[memory]``, signed byte counts) are summed in time order. Allocations made outside torch's
+allocator (a backend's private buffers) are not seen. On CUDA: ``max_memory_allocated`` after
+``reset_peak_memory_stats``, minus what was allocated before the step.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from cpshard.bench.runtime import Runtime
+
+
+@contextmanager
+def _quiet_profiler_stderr() -> Iterator[None]:
+    """Hide the profiler's own chatter on fd 2 (``USDT: ... profiler_start`` lines, warnings about
+    blocks allocated before profiling started, whose frees it cannot size); anything else written
+    meanwhile is passed on."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            rest = [
+                ln
+                for ln in tmp.read().decode(errors="replace").splitlines(True)
+                if not ln.startswith("USDT:") and "before the profiling started" not in ln
+            ]
+            if rest:
+                sys.stderr.write("".join(rest))
+                sys.stderr.flush()
+
+
+def _cpu_peak(step: Callable[[], object]) -> int:
+    with _quiet_profiler_stderr():
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch._C._autograd.DeviceType.CPU
+    ]
+    events.sort(key=lambda e: e.start_ns())
+    held = peak = 0
+    for e in events:
+        held += e.nbytes()
+        peak = max(peak, held)
+    return peak
+
+
+def _cuda_peak(rt: Runtime, step: Callable[[], object]) -> int:
+    rt.sync()
+    before = torch.cuda.memory_allocated(rt.device)
+    torch.cuda.reset_peak_memory_stats(rt.device)
+    step()
+    rt.sync()
+    return max(0, torch.cuda.max_memory_allocated(rt.device) - before)
+
+
+def peak_extra_bytes(
+    rt: Runtime,
+    step: Callable[[], object],
+    runs: int = 2,
+    reset: Callable[[], object] | None = None,
+) -> int:
+    """Peak extra bytes of ``step`` (which must free its own temporaries): the max over ``runs``
+    profiled runs and over ranks. Several runs, because a backend may release a collective's
+    buffers from its own thread a little later (gloo's work objects hold their tensors), so
+    one step's peak varies with timing. ``reset`` runs before each (outside the measurement),
+    e.g. to drop the gradient the previous run left."""
+    local = 0
+    for _ in range(runs):
+        if reset is not None:
+            reset()
+        dist.barrier(group=rt.pg, **rt.barrier_kwargs)
+        local = max(local, _cuda_peak(rt, step) if rt.is_cuda else _cpu_peak(step))
+    t = torch.tensor([local], dtype=torch.int64, device=rt.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.pg)
+    return int(t.item())

@@ -1,0 +1,248 @@
+"""The transfer strategies for the ragged gather (all-gather-v) and its backward
+(reduce-scatter-v SUM), measured as complete implementations — allocation, staging copies and
+the summation included, no autograd — so that the transport can pick one per case by a rule.
+
+Forward, ``x = [n_r, H]`` -> ``out = [sum n, H]``:
+  * ``pad_all_gather``: pad x to ``[max_n, H]``, ``all_gather_single``, compact with
+    :func:`cpshard.unpack_ragged` (equal counts: gather straight into ``out``).
+  * ``all_to_all``: ``all_to_all_single`` with uneven output splits; the input is this rank's
+    block repeated W times.
+  * ``p2p``: local block copied into its slot, batched ``isend``/``irecv`` straight into the
+    other slots.
+Backward, ``g = [sum n, H]`` -> ``[n_r, H]``:
+  * ``pad_reduce_scatter``: :func:`cpshard.pack_ragged` padded to ``[W, max_n, H]``,
+    ``reduce_scatter_single``, first ``n_r`` rows (equal counts: reduce-scatter ``g`` itself).
+  * ``all_to_all``: ``all_to_all_single`` with exact splits into ``[W, n_r, H]``, summed.
+  * ``p2p``: batched ``isend`` of each rank's rows to it, ``irecv`` into ``[W, n_r, H]``, summed.
+  * ``p2p_pipelined``: the same bytes in rounds: rank r's rows are cut into
+    ``K_r = clamp(bytes_r / 1 MiB, 1, 2(W-1))`` pieces (K_r depends on r's count only, so all
+    ranks agree); in round k each rank sends piece k of every peer's rows straight from ``g`` and
+    receives its own piece k from every peer into one of two ``[W-1, piece]`` buffers while the
+    previous round's pieces are summed into the output. Staging ~ ``2 (W-1) n_r / K_r`` instead
+    of ``W n_r``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import cpshard
+from cpshard.bench.cases import ragged_counts
+from cpshard.bench.memory import peak_extra_bytes
+from cpshard.bench.runtime import Runtime
+from cpshard.bench.timing import time_steps
+
+FORWARD = ("pad_all_gather", "all_to_all", "p2p")
+BACKWARD = ("pad_reduce_scatter", "all_to_all", "p2p", "p2p_pipelined")
+PIECE_BYTES = 1 << 20  # p2p_pipelined: smallest piece worth a round of its own
+
+
+def _p2p(pg, sends, recvs) -> None:
+    ops = [
+        dist.P2POp(dist.isend, t, dist.get_global_rank(pg, r), pg) for r, t in sends if t.numel()
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, t, dist.get_global_rank(pg, r), pg) for r, t in recvs if t.numel()
+    ]
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def forward_strategies(
+    rt: Runtime, counts: list[int]
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    pg, world, me, m = rt.pg, rt.world, rt.rank, max(counts)
+    even = len(set(counts)) == 1
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + c)
+    peers = [r for r in range(world) if r != me]
+
+    def pad_all_gather(x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[1:]
+        if even:
+            out = x.new_empty((offs[-1], *h))
+            dist.all_gather_single(out.view(-1), x.reshape(-1), group=pg)
+            return out
+        padded = x.new_zeros((m, *h))
+        padded[: x.shape[0]] = x
+        stage = x.new_empty(world * padded.numel())
+        dist.all_gather_single(stage, padded.view(-1), group=pg)
+        return cpshard.unpack_ragged(stage, counts, [offs[-1], *h], 0, pad_to=m)
+
+    def all_to_all(x: torch.Tensor) -> torch.Tensor:
+        h = x.shape[1:]
+        row = int(torch.Size(h).numel())
+        out = x.new_empty((offs[-1], *h))
+        rep = x.reshape(1, -1).expand(world, -1).contiguous().view(-1)
+        dist.all_to_all_single(
+            out.view(-1),
+            rep,
+            output_split_sizes=[c * row for c in counts],
+            input_split_sizes=[counts[me] * row] * world,
+            group=pg,
+        )
+        return out
+
+    def p2p(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty((offs[-1], *x.shape[1:]))
+        out[offs[me] : offs[me + 1]].copy_(x)
+        _p2p(
+            pg,
+            [(r, out[offs[me] : offs[me + 1]]) for r in peers],
+            [(r, out[offs[r] : offs[r + 1]]) for r in peers],
+        )
+        return out
+
+    return {"pad_all_gather": pad_all_gather, "all_to_all": all_to_all, "p2p": p2p}
+
+
+def backward_strategies(
+    rt: Runtime, counts: list[int]
+) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    pg, world, me, m = rt.pg, rt.world, rt.rank, max(counts)
+    even = len(set(counts)) == 1
+    n = counts[me]
+    offs = [0]
+    for c in counts:
+        offs.append(offs[-1] + c)
+    peers = [r for r in range(world) if r != me]
+
+    def pad_reduce_scatter(g: torch.Tensor) -> torch.Tensor:
+        h = g.shape[1:]
+        full = g if even else cpshard.pack_ragged(g, counts, 0, pad_to=m)
+        out = g.new_empty((m, *h))
+        dist.reduce_scatter_single(out.view(-1), full.reshape(-1), group=pg)
+        return out[:n]
+
+    def all_to_all(g: torch.Tensor) -> torch.Tensor:
+        h = g.shape[1:]
+        row = int(torch.Size(h).numel())
+        stage = g.new_empty((world, n, *h))
+        dist.all_to_all_single(
+            stage.view(-1),
+            g.reshape(-1),
+            output_split_sizes=[n * row] * world,
+            input_split_sizes=[c * row for c in counts],
+            group=pg,
+        )
+        return stage.sum(0)
+
+    def p2p(g: torch.Tensor) -> torch.Tensor:
+        stage = g.new_empty((world, n, *g.shape[1:]))
+        stage[me].copy_(g[offs[me] : offs[me + 1]])
+        _p2p(pg, [(r, g[offs[r] : offs[r + 1]]) for r in peers], [(r, stage[r]) for r in peers])
+        return stage.sum(0)
+
+    def p2p_pipelined(g: torch.Tensor) -> torch.Tensor:
+        h = g.shape[1:]
+        row = int(torch.Size(h).numel())
+        elem = g.element_size()
+        pieces = [
+            max(1, min(2 * (world - 1), c * row * elem // PIECE_BYTES)) if c else 0 for c in counts
+        ]
+        bounds = [
+            [c * k // p for k in range(p + 1)] if p else [0]
+            for c, p in zip(counts, pieces, strict=True)
+        ]
+        out = g.new_empty((n, *h))
+        k_me = pieces[me]
+        width = -(-n // k_me) if k_me else 0
+        bufs = [g.new_empty((world - 1, width, *h)) for _ in range(min(2, k_me))]
+        pending = None  # (rows lo, hi, staging, works) of the round being received
+        for k in range(max(pieces) + 1):
+            current = None
+            if k < max(pieces):
+                sends = [
+                    (r, g[offs[r] + bounds[r][k] : offs[r] + bounds[r][k + 1]])
+                    for r in peers
+                    if k < pieces[r]
+                ]
+                recvs = []
+                if k < k_me:
+                    lo, hi = bounds[me][k], bounds[me][k + 1]
+                    stage = bufs[k % 2][:, : hi - lo]
+                    recvs = [(r, stage[i]) for i, r in enumerate(peers)]
+                    current = (lo, hi, stage)
+                ops = [
+                    dist.P2POp(dist.isend, t, dist.get_global_rank(pg, r), pg, tag=k)
+                    for r, t in sends
+                    if t.numel()
+                ]
+                ops += [
+                    dist.P2POp(dist.irecv, t, dist.get_global_rank(pg, r), pg, tag=k)
+                    for r, t in recvs
+                    if t.numel()
+                ]
+                works = dist.batch_isend_irecv(ops) if ops else []
+            if pending is not None:
+                lo, hi, stage, done = pending
+                for work in done:
+                    work.wait()
+                torch.sum(stage, dim=0, out=out[lo:hi])
+                out[lo:hi].add_(g[offs[me] + lo : offs[me] + hi])
+                pending = None
+            if current is not None:
+                pending = (*current, works)
+            elif k < max(pieces):
+                for work in works:
+                    work.wait()
+        return out
+
+    return {
+        "pad_reduce_scatter": pad_reduce_scatter,
+        "all_to_all": all_to_all,
+        "p2p": p2p,
+        "p2p_pipelined": p2p_pipelined,
+    }
+
+
+def run_strategies(rt: Runtime, pattern: str, tokens: int) -> list[dict]:
+    """One row per (direction, strategy) at ``tokens`` per rank, ``pattern`` uneven | even."""
+    cfg, world, hidden = rt.cfg, rt.world, rt.cfg.hidden
+    counts = ragged_counts(tokens, world) if pattern == "uneven" else [tokens] * world
+    gen = torch.Generator().manual_seed(99 + rt.rank)
+    x = torch.randn(counts[rt.rank], hidden, generator=gen).to(device=rt.device, dtype=rt.dtype)
+    g = torch.randn(sum(counts), hidden, generator=gen).to(device=rt.device, dtype=rt.dtype)
+    timing = {
+        "warmup": cfg.warmup,
+        "repeats": cfg.repeats,
+        "iters": cfg.iters,
+        "target_s": cfg.target_s,
+    }
+    rows = []
+    for direction, impls, arg in (
+        ("fwd", forward_strategies(rt, counts), x),
+        ("bwd", backward_strategies(rt, counts), g),
+    ):
+        results = {name: fn(arg) for name, fn in impls.items()}
+        ref = next(iter(results.values()))
+        tol = 1e-4 if rt.dtype in (torch.float32, torch.float64) else 5e-2
+        for name, res in results.items():  # every strategy must compute the same thing
+            if res.shape != ref.shape or not torch.allclose(res, ref, rtol=tol, atol=tol):
+                raise AssertionError(f"rank {rt.rank}: strategy {direction}/{name} disagrees")
+        steps = {name: (lambda fn=fn, arg=arg: fn(arg)) for name, fn in impls.items()}
+        timings = time_steps(rt, steps, **timing)
+        for name, t in timings.items():
+            rows.append(
+                {
+                    "direction": direction,
+                    "strategy": name,
+                    "pattern": pattern,
+                    "tokens": tokens,
+                    "counts": counts,
+                    "world": world,
+                    "time_s": t.median_s,
+                    "min_s": t.min_s,
+                    "cpu_s": t.cpu_s,
+                    "minor_faults": t.minor_faults,
+                    "repeats_s": list(t.repeats_s),
+                    "iters": t.iters,
+                    "peak_bytes": peak_extra_bytes(rt, steps[name]) if cfg.memory else None,
+                }
+            )
+    return rows

@@ -1,0 +1,174 @@
+// CUDA ragged block moves. The work is cut like the CPU kernel's: one item per (rank, block row,
+// chunk of the row); a group of kLanes threads moves one item (the real rows as one vectorised
+// byte copy, then, when packing into a padded buffer, the padding rows as one vectorised fill),
+// and groups stride over the items. The per-rank counts and offsets travel in the kernel
+// arguments for up to kInlineRanks ranks and in a small device table beyond that.
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "common/bytes_cuda.cuh"
+#include "common/geometry.h"
+#include "ragged/ragged.h"
+
+namespace cpshard {
+namespace {
+
+using cuda::FillPattern;
+using cuda::kThreads;
+
+constexpr int64_t kInlineRanks = 64;
+
+// Counts and exclusive prefix sums of up to kInlineRanks ranks, by value.
+struct InlineRanks {
+  int64_t count[kInlineRanks];
+  int64_t prefix[kInlineRanks];
+  __device__ __forceinline__ int64_t n(int64_t r) const { return count[r]; }
+  __device__ __forceinline__ int64_t before(int64_t r) const { return prefix[r]; }
+};
+
+// Counts and exclusive prefix sums in device memory: table[r] = n_r, table[W + r] = prefix_r.
+struct TableRanks {
+  const int64_t* table;
+  int64_t world;
+  __device__ __forceinline__ int64_t n(int64_t r) const { return table[r]; }
+  __device__ __forceinline__ int64_t before(int64_t r) const { return table[world + r]; }
+};
+
+struct RaggedArgs {
+  char* dst;
+  const char* src;
+  int64_t elem;            // bytes per element
+  int64_t pre, post, pad;  // pad = -1: exact-offset blocks
+  int64_t total;           // sum of the counts
+  int64_t chunk;           // elements per item
+  int64_t chunks_per_row;  // items per (rank, row)
+  int64_t items;           // world * pre * chunks_per_row
+  bool pack;
+  bool write_padding;
+  FillPattern fill;
+};
+
+template <int kLanes, typename Ranks>
+__global__ void __launch_bounds__(kThreads)
+    ragged_move_kernel(const RaggedArgs a, const Ranks ranks) {
+  constexpr int64_t kGroups = kThreads / kLanes;
+  const int lane = static_cast<int>(threadIdx.x) % kLanes;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kGroups + threadIdx.x / kLanes;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kGroups;
+  for (int64_t t = first; t < a.items; t += stride) {
+    const int64_t c = t % a.chunks_per_row;
+    const int64_t rp = t / a.chunks_per_row;  // r * pre + p
+    const int64_t p = rp % a.pre;
+    const int64_t r = rp / a.pre;
+    const int64_t n = ranks.n(r);
+    const int64_t slot = (a.pad >= 0 ? a.pad : n) * a.post;  // block-row elements
+    const int64_t lo = c * a.chunk;
+    if (lo >= slot) continue;
+    const int64_t hi = cuda::min64(lo + a.chunk, slot);
+    const int64_t real = n * a.post;
+    const int64_t before = ranks.before(r);
+    const int64_t block_at =
+        a.pad >= 0 ? rp * a.pad * a.post : (a.pre * before + p * n) * a.post;
+    const int64_t compact_at = (p * a.total + before) * a.post;
+    const int64_t src_at = a.pack ? compact_at : block_at;
+    const int64_t dst_at = a.pack ? block_at : compact_at;
+    if (lo < real) {
+      cuda::group_copy<kLanes>(a.dst + (dst_at + lo) * a.elem, a.src + (src_at + lo) * a.elem,
+                               (cuda::min64(hi, real) - lo) * a.elem, lane);
+    }
+    if (a.write_padding && hi > real) {
+      const int64_t from = cuda::max64(lo, real);
+      cuda::group_fill<kLanes>(a.dst + (dst_at + from) * a.elem, (hi - from) * a.elem, a.fill,
+                               lane);
+    }
+  }
+}
+
+template <int kLanes, typename Ranks>
+void launch(const RaggedArgs& a, const Ranks& ranks, cudaStream_t stream) {
+  const int64_t blocks = cuda::grid_blocks(a.items, kThreads / kLanes);
+  ragged_move_kernel<kLanes, Ranks><<<static_cast<unsigned int>(blocks), kThreads, 0, stream>>>(a, ranks);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename Ranks>
+void launch_lanes(const RaggedArgs& a, const Ranks& ranks, bool narrow, cudaStream_t stream) {
+  if (narrow) {
+    launch<32>(a, ranks, stream);
+  } else {
+    launch<kThreads>(a, ranks, stream);
+  }
+}
+
+}  // namespace
+
+void ragged_move_cuda(const RaggedGeometry& g, const at::Tensor& compact, const at::Tensor& blocks,
+                      RaggedDirection dir, const at::Tensor& fill) {
+  TORCH_CHECK(compact.is_cuda() && blocks.is_cuda() && compact.device() == blocks.device(),
+              "cpshard: internal error: ragged_move_cuda needs both tensors on one CUDA device");
+  TORCH_CHECK(compact.is_contiguous() && blocks.is_contiguous() &&
+                  compact.element_size() == blocks.element_size(),
+              "cpshard: internal error: ragged_move_cuda needs contiguous tensors of one dtype");
+  const int64_t world = g.world();
+  const int64_t elem = compact.element_size();
+  if (world == 0 || g.pre == 0 || g.post == 0) return;
+  TORCH_CHECK(compact.numel() == g.pre * g.total() * g.post && blocks.numel() == g.block_numel(),
+              "cpshard: internal error: ragged_move_cuda tensor sizes do not match the geometry");
+  const bool pack = dir == RaggedDirection::kPack;
+  const bool write_padding = pack && g.pad >= 0;
+  if (g.total() == 0 && !write_padding) return;  // no real rows and no padding to write
+  int64_t max_slot = 0;
+  for (int64_t r = 0; r < world; ++r) max_slot = std::max(max_slot, g.slot_elems(r));
+  if (max_slot == 0) return;
+
+  c10::cuda::CUDAGuard guard(compact.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  // Short rows go to a warp each, long rows to a whole block in chunks of 16 bytes x 4 per lane.
+  const bool narrow = max_slot * elem <= 2048;
+  const int64_t lanes = narrow ? 32 : kThreads;
+  const int64_t chunk = std::max<int64_t>(1, lanes * 16 * 4 / elem);
+
+  RaggedArgs a{};
+  a.dst = static_cast<char*>(pack ? blocks.data_ptr() : compact.data_ptr());
+  a.src = static_cast<const char*>(pack ? compact.const_data_ptr() : blocks.const_data_ptr());
+  a.elem = elem;
+  a.pre = g.pre;
+  a.post = g.post;
+  a.pad = g.pad;
+  a.total = g.total();
+  a.chunk = chunk;
+  a.chunks_per_row = (max_slot + chunk - 1) / chunk;
+  a.items = checked_mul(checked_mul(world, g.pre, "cpshard.ragged_move"), a.chunks_per_row,
+                        "cpshard.ragged_move");
+  a.pack = pack;
+  a.write_padding = write_padding;  // max_slot > 0, so a padded row has pad * post > 0 elements
+  if (a.write_padding) {
+    a.fill = cuda::make_fill_pattern(fill, elem);
+  } else {
+    a.fill.elem = 1;
+  }
+
+  if (world <= kInlineRanks) {
+    InlineRanks ranks{};
+    for (int64_t r = 0; r < world; ++r) {
+      ranks.count[r] = g.counts[r];
+      ranks.prefix[r] = g.prefix[r];
+    }
+    launch_lanes(a, ranks, narrow, stream);
+  } else {
+    // One pinned host table, copied to the device on the current stream; the caching host
+    // allocator keeps the pinned block alive until the copy has run.
+    auto host = at::empty({2 * world},
+                          at::TensorOptions().dtype(at::kLong).device(at::kCPU).pinned_memory(true));
+    int64_t* h = host.data_ptr<int64_t>();
+    std::copy(g.counts.begin(), g.counts.end(), h);
+    std::copy(g.prefix.begin(), g.prefix.begin() + world, h + world);
+    const auto table = host.to(compact.device(), at::kLong, /*non_blocking=*/true);
+    launch_lanes(a, TableRanks{table.const_data_ptr<int64_t>(), world}, narrow, stream);
+  }
+}
+
+}  // namespace cpshard

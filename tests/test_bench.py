@@ -1,0 +1,140 @@
+"""`cpshard bench`: a tiny end-to-end run (spawned ranks, JSON output) and the argument checks."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cpshard.bench.cases import halo_windows, ragged_counts
+from cpshard.bench.cli import main, parse_config
+from cpshard.bench.config import BenchConfig
+
+
+def test_tiny_run_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [
+        sys.executable,
+        "-m",
+        "cpshard.bench",
+        "--world",
+        "2",
+        "--ops",
+        "ragged,halo",
+        "--sizes",
+        "64",
+        "--repeats",
+        "2",
+        "--warmup",
+        "1",
+        "--iters",
+        "2",
+        "--hidden",
+        "256",
+        "--json",
+        str(out),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "[2/2]" in proc.stderr  # the progress line
+    assert "# ragged:" in proc.stdout and "# halo:" in proc.stdout and "speedup" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["machine"]["world"] == 2 and data["machine"]["backend"] == "gloo"
+    assert data["config"]["sizes"] == [64]
+    rows = {r["op"]: r for r in data["results"]}
+    assert set(rows) == {"ragged", "halo"}
+    for row in rows.values():
+        assert row["tokens"] == 64 and row["world"] == 2
+        for who in ("ours", "base"):
+            for mode in ("fwd_bwd", "fwd"):
+                assert row[f"{who}_{mode}_s"] > 0
+                assert len(row[f"{who}_{mode}_repeats_s"]) == 2
+                assert row[f"{who}_{mode}_peak_bytes"] > 0
+        assert row["floor_fwd_s"] > 0 and row["floor_bwd_s"] > 0
+        assert row["fwd_bwd_speedup"] > 0 and row["ours_fwd_bwd_algbw_GBps"] > 0
+    assert rows["ragged"]["counts"] == ragged_counts(64, 2)
+    assert rows["halo"]["halo"] == 32
+    assert data["strategies"] == []
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--world", "1"],
+        ["--world", "two"],
+        ["--ops", "ragged,bogus"],
+        ["--ops", ""],
+        ["--sizes", "0"],
+        ["--sizes", "12,x"],
+        ["--repeats", "0"],
+        ["--warmup", "-1"],
+        ["--hidden", "0"],
+        ["--dtype", "int8"],
+        ["--backend", "mpi"],
+        ["--timeout", "0"],
+        ["--json", "/no/such/folder/out.json"],
+        ["--unknown-flag"],
+    ],
+)
+def test_parser_rejects_bad_values(args, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_config(args)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_parser_accepts_and_normalises():
+    cfg = parse_config(
+        ["--world", "3", "--ops", "halo,ragged,halo", "--sizes", "1k,64", "--iters", "3"]
+    )
+    assert (
+        cfg.world == 3
+        and cfg.ops == ("halo", "ragged")
+        and cfg.sizes == (1024, 64)
+        and cfg.iters == 3
+    )
+    assert parse_config(["--ops", "all"]).ops == BenchConfig().ops
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed"
+)
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_config(["--plot", str(tmp_path / "a.png")])
+    assert info.value.code == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+def test_console_entry_needs_a_command(capsys):
+    assert main([]) == 2
+    assert "bench" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    assert info.value.code == 0
+
+
+def test_config_validates_directly():
+    with pytest.raises(ValueError, match="world"):
+        BenchConfig(world=1)
+    with pytest.raises(ValueError, match="sizes"):
+        BenchConfig(sizes=())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("mean", [1, 7, 64, 1000])
+def test_ragged_counts(world, mean):
+    counts = ragged_counts(mean, world)
+    assert len(counts) == world and sum(counts) == mean * world and min(counts) >= 0
+    if mean >= 64:
+        assert 1.5 <= max(counts) / mean <= 1.7
+
+
+def test_halo_windows():
+    assert halo_windows(3, 4, 2) == [(0, 0), (2, 4), (6, 8)]
+    assert halo_windows(3, 4, 6) == [(0, 0), (0, 4), (2, 8)]
