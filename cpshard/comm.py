@@ -79,15 +79,28 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
+# reduce_scatter_v: one all-to-all while its [W, max n] staging buffer stays under this; above,
+# pipelined point-to-point rounds through two buffers of at most half of it.
+A2A_STAGING_BYTES = 16 << 20
+
+
 class TorchTransport:
     """The verbs on ``torch.distributed``.
 
-    Strategy (measured on gloo over loopback, where bytes on the wire dominate; see README):
-    uneven gathers go by batched point-to-point straight into each rank's slot of the output
-    (no padding, no staging); uneven reduce-scatters by one ``all_to_all_single`` with exact
-    splits into a ``[W, n_rank]`` staging buffer, summed in rank order (deterministic). Equal
-    reduce-scatters on gloo take the same all-to-all route, since gloo emulates
-    ``reduce_scatter_tensor`` with a full all-reduce (twice the traffic).
+    Strategy (measured by ``cpshard bench --ops strategies`` on gloo over loopback, where the
+    bytes copied dominate; figures in the README):
+
+    * gathers (equal or uneven) go by batched point-to-point straight into each rank's slot of
+      the output: no padding, no staging (on gloo this also beats its all-gather, which stages);
+      equal gathers on NCCL through torch use the in-place all-gather;
+    * reduce-scatters go by one ``all_to_all_single`` with exact splits into a ``[W, n_rank]``
+      buffer when ``W * max(n) * elem`` is at most :data:`A2A_STAGING_BYTES`, else by pipelined
+      point-to-point rounds: rank r's part is cut into pieces that fit a ``[W, piece]`` buffer of
+      half that size, two such buffers alternate so the sum of one round overlaps the transfer
+      of the next; peak staging stays at 16 MiB instead of ``W * n``. Both sum the W
+      contributions in rank order (a sum over dim 0), so results are deterministic and
+      identical between the two routes. Equal reduce-scatters on gloo take the same routes,
+      since gloo emulates ``reduce_scatter_tensor`` with a full all-reduce (twice the traffic).
     """
 
     def __init__(self, group: Group) -> None:
@@ -100,7 +113,10 @@ class TorchTransport:
         return dist.get_global_rank(self.pg, rank)
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None:
-        dist.all_gather_single(out, _flat(local), group=self.pg)
+        if self.is_gloo:
+            self.all_gather_v(out, local, [local.numel()] * self.group.world)
+        else:
+            dist.all_gather_single(out, _flat(local), group=self.pg)
 
     def all_gather_v(self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int]) -> None:
         offs = _offsets(sizes)
@@ -123,13 +139,71 @@ class TorchTransport:
             dist.reduce_scatter_single(out, _flat(full), group=self.pg)
 
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None:
-        world, me = self.group.world, self.group.rank
-        n = sizes[me]
+        full = _flat(full)
+        if self.group.world * max(sizes) * full.element_size() <= A2A_STAGING_BYTES:
+            self._reduce_scatter_all_to_all(out, full, sizes)
+        else:
+            self._reduce_scatter_pipelined(out, full, sizes)
+
+    def _reduce_scatter_all_to_all(
+        self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]
+    ) -> None:
+        world, n = self.group.world, sizes[self.group.rank]
         stage = full.new_empty(world * n)
         dist.all_to_all_single(
-            stage, _flat(full), output_split_sizes=[n] * world, input_split_sizes=list(sizes), group=self.pg
+            stage, full, output_split_sizes=[n] * world, input_split_sizes=list(sizes), group=self.pg
         )
         torch.sum(stage.view(world, n), dim=0, out=out.view(n))
+
+    def _reduce_scatter_pipelined(
+        self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]
+    ) -> None:
+        """Round k moves piece k of every rank's part (pieces of ``piece`` elements, the same
+        cut on every rank) and sums the previous round's pieces meanwhile."""
+        world, me = self.group.world, self.group.rank
+        offs = _offsets(sizes)
+        piece = max(1, A2A_STAGING_BYTES // 2 // (world * full.element_size()))
+        rounds = [-(-s // piece) for s in sizes]
+        width = min(piece, sizes[me])
+        bufs = [full.new_empty(world, width) for _ in range(min(2, rounds[me]))]
+        peers = [r for r in range(world) if r != me]
+        pending: tuple[int, int, torch.Tensor, list] | None = None
+        for k in range(max(rounds) + 1):
+            works: list = []
+            current = None
+            if k < max(rounds):
+                ops = [
+                    dist.P2POp(
+                        dist.isend,
+                        full[offs[r] + k * piece : offs[r] + min(sizes[r], (k + 1) * piece)],
+                        self._peer(r),
+                        self.pg,
+                        tag=k,
+                    )
+                    for r in peers
+                    if k < rounds[r]
+                ]
+                if k < rounds[me]:
+                    lo, hi = k * piece, min(sizes[me], (k + 1) * piece)
+                    stage = bufs[k % 2][:, : hi - lo]
+                    stage[me].copy_(full[offs[me] + lo : offs[me] + hi])
+                    ops += [
+                        dist.P2POp(dist.irecv, stage[r], self._peer(r), self.pg, tag=k)
+                        for r in peers
+                    ]
+                    current = (lo, hi, stage)
+                works = dist.batch_isend_irecv(ops) if ops else []
+            if pending is not None:
+                lo, hi, stage, done = pending
+                for work in done:
+                    work.wait()
+                torch.sum(stage, dim=0, out=out[lo:hi])
+                pending = None
+            if current is not None:
+                pending = (*current, works)
+            else:
+                for work in works:
+                    work.wait()
 
     def send_recv(
         self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
@@ -160,7 +234,11 @@ def all_gather_small(local: torch.Tensor, group: Group) -> torch.Tensor:
     device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
     local = local.to(device=device, dtype=torch.int64).contiguous()
     out = local.new_empty(group.world * local.numel())
-    dist.all_gather_single(out, local, group=group.pg)
+    if group.backend == "gloo":
+        # gloo's all-to-all of a tiny vector is faster than its all-gather (one round, no ring).
+        dist.all_to_all_single(out, local.repeat(group.world), group=group.pg)
+    else:
+        dist.all_gather_single(out, local, group=group.pg)
     return out.view(group.world, -1).cpu()
 
 

@@ -8,6 +8,7 @@ every rank reaches the same verdict and raises the same way.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
@@ -29,6 +30,21 @@ _CAPACITY = 64
 def dtype_code(dtype: torch.dtype) -> int:
     """A small integer that names dtype identically on every rank."""
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + hash(str(dtype)) % 1000
+
+
+def digest(values: Sequence[int] | torch.Tensor | None) -> list[int]:
+    """A consensus field for a list of ints or an integer tensor (any device; ``None`` allowed):
+    62 bits of a hash and the length, equal on every rank iff the values are (w.h.p.)."""
+    if values is None:
+        return [0, 0]
+    if isinstance(values, torch.Tensor):
+        data = values.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+        n = values.numel()
+    else:
+        data = repr([int(v) for v in values]).encode()
+        n = len(values)
+    h = hashlib.blake2b(data, digest_size=8).digest()
+    return [int.from_bytes(h, "little") >> 2, n]
 
 
 def _ranks(ranks: Sequence[int]) -> str:

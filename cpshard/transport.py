@@ -13,7 +13,6 @@ on one rank makes every rank raise a ``ValueError`` naming it instead of hanging
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ import torch
 
 from cpshard import ops
 from cpshard.comm import Group, GroupLike, nvtx_range, resolve_group, transport_for
-from cpshard.consensus import agree, dtype_code
+from cpshard.consensus import agree, digest, dtype_code
 
 _MAX_DIMS = 8
 
@@ -30,12 +29,6 @@ def _shape_field(shape: Sequence[int], skip: int | None = None) -> list[int]:
     """ndim then the sizes (``-1`` at ``skip``), padded to a fixed length for consensus."""
     sizes = [-1 if i == skip else int(s) for i, s in enumerate(shape)]
     return [len(sizes), *sizes[:_MAX_DIMS], *([0] * (_MAX_DIMS - min(len(sizes), _MAX_DIMS)))]
-
-
-def _digest(values: Sequence[int]) -> list[int]:
-    """A 62-bit digest of a list of ints: equal on every rank iff the lists are (w.h.p.)."""
-    h = hashlib.blake2b(repr([int(v) for v in values]).encode(), digest_size=8).digest()
-    return [int.from_bytes(h, "little") >> 2, len(values)]
 
 
 def _dim_problem(x: object, dim: int, name: str) -> str | None:
@@ -220,7 +213,7 @@ def gather_ragged(x: torch.Tensor, group: GroupLike, counts: Sequence[int], dim:
         return x
     d = dim % x.dim()
     fields = _common_fields(x, d, equal_shape=False)
-    fields["counts"] = _digest(counts)
+    fields["counts"] = digest(counts)
     agree(g, what, None, fields)
     return _GatherRagged.apply(x, g, list(counts), d)
 
@@ -333,7 +326,20 @@ def gather_halo(
     ``left_padding + min(r*L, halo_size) + L``. ``halo_size`` may be a per-rank list (the same
     list on every rank). Backward returns each halo row's gradient to its owner, which adds it."""
     what = "cpshard.gather_halo"
-    g = resolve_group(group, what)
+    return exchange_halo(x, resolve_group(group, what), halo_size, left_padding, seq_dim, what)
+
+
+def exchange_halo(
+    x: torch.Tensor,
+    g: Group,
+    halo_size: int | Sequence[int],
+    left_padding: int,
+    seq_dim: int,
+    what: str,
+) -> torch.Tensor:
+    """:func:`gather_halo` on a resolved group, its errors reported as ``what``. A caller that
+    found a problem of its own calls ``agree(g, what, problem)`` instead: that is the same
+    exchange, so every rank raises after ONE consensus round."""
     problem = _dim_problem(x, seq_dim, "seq_dim") or _halo_problem(halo_size, left_padding, g.world)
     if problem is not None:
         agree(g, what, problem)
@@ -346,7 +352,7 @@ def gather_halo(
         pad_shape[dim] = left_padding
         return torch.cat([x.new_zeros(pad_shape), x], dim)
     fields = _common_fields(x, dim, equal_shape=True)
-    fields["halo_size"] = _digest(halos)
+    fields["halo_size"] = digest(halos)
     agree(g, what, None, fields)
     plan = _halo_plan(g.rank, g.world, x.shape[dim], halos)
     return _GatherHalo.apply(x, g, plan, left_padding, dim)

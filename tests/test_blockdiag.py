@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from cpshard.blockdiag import document_ids
+from cpshard.blockdiag.attention import varlen_kernel as _VARLEN_KERNEL
 from cpshard.blockdiag.state import active_state
 
 D = 8
@@ -100,8 +101,62 @@ CASES = [
 ]
 
 
-def _distributed(rank: int, world: int, cases: list[tuple]) -> list[tuple[torch.Tensor, ...]]:
-    """Per case: this rank's output, and the gradients of its embeds shard and the projections."""
+def _reference_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> torch.Tensor:
+    """flash-attn's ``flash_attn_varlen_func`` contract in plain PyTorch: packed
+    ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA by head groups,
+    the causal mask aligned bottom-right (a query sees every key of a longer prefix)."""
+    assert cu_q.dtype == cu_k.dtype == torch.int32 and causal and dropout_p == 0.0
+    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+        rep = q.shape[1] // k.shape[1]
+        ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+        vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+        n, m = qs.shape[1], ks.shape[1]
+        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+        visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+        scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+        outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _distributed(
+    rank: int, world: int, cases: list[tuple], varlen: bool = False
+) -> list[tuple[torch.Tensor, ...]]:
+    """Per case: this rank's output, and the gradients of its embeds shard and the projections.
+    ``varlen``: through the one-call varlen path (the CUDA flash-attn route), with the kernel
+    replaced by :func:`_reference_varlen` so that its packing runs on CPU."""
+    from cpshard.blockdiag import attention
+
+    calls = []
+
+    def kernel(*args, **kwargs) -> torch.Tensor:
+        calls.append(1)
+        return _reference_varlen(*args, **kwargs)
+
+    try:
+        if varlen:
+            attention.varlen_kernel = lambda q: kernel
+        results = _distributed_cases(rank, world, cases)
+    finally:
+        attention.varlen_kernel = _VARLEN_KERNEL
+    assert not varlen or len(calls) >= len(cases) - 1, f"varlen path taken {len(calls)} times"
+    return results
+
+
+def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[torch.Tensor, ...]]:
     import torch.distributed as dist
 
     from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
@@ -141,9 +196,10 @@ def _single(cases: list[tuple], world: int) -> list[tuple[torch.Tensor, ...]]:
     return results
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["per_segment", "varlen"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_matches_dense_reference(pools, world: int) -> None:
-    got = pools(world).run(_distributed, CASES, timeout=180)
+def test_matches_dense_reference(pools, world: int, varlen: bool) -> None:
+    got = pools(world).run(_distributed, CASES, varlen, timeout=180)
     want = _single(CASES, world)
     for i, case in enumerate(CASES):
         s = case[2]
@@ -253,11 +309,12 @@ def _bad_rank(rank: int, world: int, kind: str) -> None:
     local = batch["inputs_embeds"].shape[1]
     q = torch.zeros(1, 2, local if not (kind == "q_len" and rank == 1) else local + 1, D)
     mask = torch.ones(1, 1) if kind == "mask" and rank == 1 else None
+    v = q[:, :1] if kind == "kv" and rank == 1 else q  # k and v head counts differ on one rank
     with ctx():
-        cp_blockdiag_sdpa(q, q, q, attn_mask=mask)
+        cp_blockdiag_sdpa(q, q, v, attn_mask=mask)
 
 
-@pytest.mark.parametrize("kind", ["seq_len", "doc_ids", "no_embeds", "q_len", "mask"])
+@pytest.mark.parametrize("kind", ["seq_len", "doc_ids", "no_embeds", "q_len", "mask", "kv"])
 def test_bad_input_on_one_rank_raises_everywhere(pools, kind: str) -> None:
     outcomes = pools(3).run_collect(_bad_rank, kind, timeout=30)
     assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes

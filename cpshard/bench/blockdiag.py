@@ -3,12 +3,17 @@
 The baseline all-gathers the full K and V (differentiably: list all-gather + cat, backward
 reduce-scatter), builds this rank's dense block-diagonal causal mask ``[L, S]`` and calls SDPA.
 cpshard receives only the K/V rows its documents reach back to and attends per document.
-Shapes follow the issue: 8 query heads, 2 KV heads, head dim 64, documents of 512 tokens.
+Shapes follow the issue: 8 query heads, 2 KV heads, head dim 64, documents of 512 tokens, one
+step forward + backward; cases S = 4096 on 2 ranks (the first two of the group) and
+S = 4096 x W on all W ranks.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpshard.bench.baselines import ListAllGatherCat
@@ -18,11 +23,20 @@ from cpshard.bench.timing import time_steps
 from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
 HEADS, KV_HEADS, HEAD_DIM, DOC_LEN = 8, 2, 64, 512
+QUICK_TOKENS_PER_RANK, QUICK_DOC_LEN = 128, 48
 
 
-def default_seq_len(world: int) -> int:
-    """The issue's sizes: S = 4096 at W = 2, S = 16384 at W = 4 (4096 tokens per rank)."""
-    return 4096 if world <= 2 else 4096 * world
+def cases(world: int, quick: bool) -> list[tuple[int, int]]:
+    """(ranks, sequence length) per case: S = 4096 on 2 ranks, then 4096 tokens per rank on all."""
+    per_rank = QUICK_TOKENS_PER_RANK if quick else 2048
+    out = [(2, 2 * per_rank)]
+    if world > 2:
+        out.append((world, 2 * per_rank * world))
+    return out
+
+
+def steps(rt: Runtime) -> int:
+    return len(cases(rt.world, rt.cfg.quick))
 
 
 def _dense_mask(doc: torch.Tensor, start: int, length: int) -> torch.Tensor:
@@ -42,25 +56,22 @@ def _baseline(rt: Runtime, mask: torch.Tensor):
     return attend
 
 
-def run_blockdiag(rt: Runtime, seq_len: int) -> dict:
-    """fwd+bwd time and peak extra memory of both, at one sequence length (same on every rank)."""
+def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
+    """fwd+bwd time and peak extra memory of both at one sequence length, on ``rt``'s group."""
     world, rank = rt.world, rt.rank
-    if seq_len % world:
-        raise ValueError(f"blockdiag: seq_len={seq_len} must be a multiple of the world size {world}")
     local = seq_len // world
-    doc = (torch.arange(seq_len) // DOC_LEN + 1).view(1, seq_len)
+    doc = (torch.arange(seq_len) // doc_len + 1).view(1, seq_len)
     batch = {"inputs_embeds": torch.zeros(1, seq_len, 1), "_packed_seq_ids": doc}
     ctx, _ = make_cp_blockdiag_batch_and_ctx(rt.pg, None, batch)
     gen = torch.Generator().manual_seed(99 + rank)
 
-    def make(heads: int) -> torch.Tensor:
-        t = torch.randn(1, heads, local, HEAD_DIM, generator=gen).to(device=rt.device, dtype=rt.dtype)
-        return t.requires_grad_(True)
+    def make(heads: int, grad: bool = True) -> torch.Tensor:
+        t = torch.randn(1, heads, local, HEAD_DIM, generator=gen)
+        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_(grad)
 
     q, k, v = make(HEADS), make(KV_HEADS), make(KV_HEADS)
-    grad = torch.randn(1, HEADS, local, HEAD_DIM, generator=gen).to(device=rt.device, dtype=rt.dtype)
-    mask = _dense_mask(doc, rank * local, local).to(rt.device)
-    base = _baseline(rt, mask)
+    grad = make(HEADS, grad=False)
+    base = _baseline(rt, _dense_mask(doc, rank * local, local).to(rt.device))
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
@@ -69,7 +80,7 @@ def run_blockdiag(rt: Runtime, seq_len: int) -> dict:
     want, got = base(q, k, v).detach(), ours(q, k, v).detach()
     tol = 1e-4 if rt.dtype in (torch.float32, torch.float64) else 3e-2
     if not torch.allclose(want, got, rtol=tol, atol=tol):
-        raise AssertionError(f"rank {rank}: blockdiag: cpshard's output differs from the baseline's")
+        raise AssertionError(f"rank {rank}: blockdiag S={seq_len}: output differs from the baseline")
 
     def step(impl):
         def run() -> None:
@@ -79,15 +90,62 @@ def run_blockdiag(rt: Runtime, seq_len: int) -> dict:
 
         return run
 
-    steps = {"ours": step(ours), "base": step(base)}
-    timings = time_steps(rt, steps, warmup=rt.cfg.warmup, repeats=rt.cfg.repeats, iters=rt.cfg.iters,
-                         target_s=rt.cfg.target_s)
-    out = {"op": "blockdiag", "seq_len": seq_len, "world": world, "heads": HEADS, "kv_heads": KV_HEADS,
-           "head_dim": HEAD_DIM, "doc_len": DOC_LEN}
-    for who in steps:
+    runs = {"ours": step(ours), "base": step(base)}
+    cfg = rt.cfg
+    timings = time_steps(
+        rt, runs, warmup=cfg.warmup, repeats=cfg.repeats, iters=cfg.iters, target_s=cfg.target_s
+    )
+    out = {
+        "seq_len": seq_len,
+        "world": world,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "doc_len": doc_len,
+        "dtype": cfg.dtype,
+    }
+    for who, fn in runs.items():
         out[f"{who}_fwd_bwd_s"] = timings[who].median_s
         out[f"{who}_fwd_bwd_repeats_s"] = list(timings[who].repeats_s)
-        if rt.cfg.memory:
-            out[f"{who}_fwd_bwd_peak_bytes"] = peak_extra_bytes(rt, steps[who])
+        out[f"{who}_fwd_bwd_cpu_s"] = timings[who].cpu_s
+        out[f"{who}_fwd_bwd_peak_bytes"] = peak_extra_bytes(rt, fn) if cfg.memory else None
     out["speedup"] = out["base_fwd_bwd_s"] / out["ours_fwd_bwd_s"]
     return out
+
+
+def run(rt: Runtime) -> list[dict]:
+    """Every case; a case on fewer ranks than the group runs on its first ranks while the rest
+    wait (every rank creates the subgroup, as ``new_group`` requires)."""
+    doc_len = QUICK_DOC_LEN if rt.cfg.quick else DOC_LEN
+    rows = []
+    for ranks, seq_len in cases(rt.world, rt.cfg.quick):
+        rt.progress(f"blockdiag S={seq_len} on {ranks} ranks")
+        if ranks == rt.world:
+            rows.append(run_case(rt, seq_len, doc_len))
+            continue
+        sub = dist.new_group(list(range(ranks)))
+        if rt.rank < ranks:
+            rows.append(run_case(dataclasses.replace(rt, world=ranks, pg=sub), seq_len, doc_len))
+            dist.destroy_process_group(sub)
+        dist.barrier(group=rt.pg, **rt.barrier_kwargs)
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    out = [
+        "# blockdiag: cp_blockdiag_sdpa fwd+bwd (per-document causal attention, needed-only K/V",
+        f"#   halo)  vs  full K/V all-gather + dense block-diagonal mask + SDPA; {HEADS} query /",
+        f"#   {KV_HEADS} KV heads, head dim {HEAD_DIM}; median ms (max over ranks) / peak extra MiB",
+        f"#{'world':>6} {'S':>7} {'doc':>5} {'cpshard ms':>11} {'base ms':>9} {'speedup':>8} "
+        f"{'cpshard MiB':>12} {'base MiB':>9} {'mem':>6}",
+    ]
+    for r in rows:
+        ours_mib, base_mib = r["ours_fwd_bwd_peak_bytes"], r["base_fwd_bwd_peak_bytes"]
+        mem = f"{ours_mib / base_mib:.2f}" if ours_mib is not None and base_mib else "-"
+        fmt = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
+        out.append(
+            f" {r['world']:>6} {r['seq_len']:>7} {r['doc_len']:>5} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
+            f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} {r['speedup']:>8.2f} {fmt(ours_mib):>12} "
+            f"{fmt(base_mib):>9} {mem:>6}"
+        )
+    return "\n".join(out)

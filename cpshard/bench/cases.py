@@ -20,12 +20,11 @@ import torch
 
 import cpshard
 from cpshard.bench.baselines import AllGatherTailsHalo, ListAllGatherCat, PadAllGatherRagged
+from cpshard.bench.config import GATHER_OPS
 from cpshard.bench.floor import Transfer, exchange_floor, gather_floors
 from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-
-GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
 
 # Uneven counts: proportions of the mean, max/mean = 1.6 (world 4: the pattern of the issue).
 _PROPORTIONS_4 = (1.6, 0.8, 0.4, 1.2)

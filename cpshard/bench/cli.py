@@ -164,7 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-memory",
         dest="memory",
         action="store_false",
-        help="skip the peak-memory measurement (one profiled step per op)",
+        help="skip the peak-memory measurement (two profiled steps per op)",
+    )
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny problems for the planner, vision, layouts and blockdiag sections (a smoke "
+        "test: their figures mean nothing)",
     )
     bench.add_argument(
         "--timeout",

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-OPS = ("ragged", "ragged_even", "sequence", "halo", "strategies")
+GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
+SECTION_OPS = ("planner", "vision", "layouts", "blockdiag")
+OPS = (*GATHER_OPS, "strategies", *SECTION_OPS)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -33,7 +35,8 @@ class BenchConfig:
     plot_path: str | None = None
     backend: str = "auto"
     timeout_s: float = 600.0
-    memory: bool = True  # measure peak extra memory (one profiled step per op)
+    memory: bool = True  # measure peak extra memory (two profiled steps per op)
+    quick: bool = False  # smoke-test problem sizes for the planner/vision/layouts/blockdiag sections
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, need: str) -> ValueError:

@@ -32,9 +32,7 @@ def choose_backend(requested: str, world: int, gpus: int) -> str:
     if requested == "auto":
         return "nccl" if gpus >= world and dist.is_nccl_available() else "gloo"
     if requested == "nccl" and gpus < world:
-        raise SystemExit(
-            f"cpshard bench: --backend nccl needs one GPU per rank: {world} ranks, {gpus} GPU(s)"
-        )
+        raise ValueError(f"--backend nccl needs one GPU per rank: {world} ranks, {gpus} GPU(s)")
     return requested
 
 
@@ -54,7 +52,11 @@ def launch(cfg: BenchConfig) -> int:
             return 2
         local = int(os.environ.get("LOCAL_RANK", rank))
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        backend = choose_backend(cfg.backend, local_world, _gpus())
+        try:
+            backend = choose_backend(cfg.backend, local_world, _gpus())
+        except ValueError as exc:
+            print(f"cpshard bench: {exc}", file=sys.stderr)
+            return 2
         run_rank(rank, world, cfg, backend, "env://", local)
         return 0
     gpus = _gpus()
@@ -65,7 +67,11 @@ def launch(cfg: BenchConfig) -> int:
             if cfg.backend != "gloo" and gpus >= 2 and dist.is_nccl_available()
             else DEFAULT_WORLD_CPU
         )
-    backend = choose_backend(cfg.backend, world, gpus)
+    try:
+        backend = choose_backend(cfg.backend, world, gpus)
+    except ValueError as exc:
+        print(f"cpshard bench: {exc}", file=sys.stderr)
+        return 2
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # inherited by the workers
     folder = tempfile.mkdtemp(prefix="cpshard-bench-")
     try:

@@ -23,7 +23,9 @@ from collections import defaultdict
 import torch
 
 import cpshard
+from cpshard.bench.config import SECTION_OPS
 from cpshard.bench.runtime import Runtime
+from cpshard.bench.sections import section
 
 _PAD = "pad to max + all_gather + slice + cat (bwd: reduce_scatter)"
 _TITLES = {
@@ -176,24 +178,32 @@ def op_tables(rows: list[dict]) -> str:
 
 
 def strategy_rule(rows: list[dict]) -> list[str]:
-    """The measured winner per direction and count pattern, stated as a rule."""
-    groups: dict[tuple[str, str], dict[int, dict[str, float]]] = defaultdict(
+    """The measured winner per direction and count pattern, stated as a rule: by median time,
+    and by CPU time where that differs (on a shared CPU box the CPU time is the steadier)."""
+    groups: dict[tuple[str, str], dict[int, dict[str, tuple[float, float]]]] = defaultdict(
         lambda: defaultdict(dict)
     )
     for r in rows:
-        groups[(r["direction"], r["pattern"])][r["tokens"]][r["strategy"]] = r["time_s"]
+        cpu = r.get("cpu_s", float("nan"))
+        groups[(r["direction"], r["pattern"])][r["tokens"]][r["strategy"]] = (r["time_s"], cpu)
     lines = []
     for (direction, pattern), per_size in groups.items():
-        winners = []
+        winners, parts = [], []
         for tokens in sorted(per_size):
-            times = per_size[tokens]
+            times = {name: t for name, (t, _) in per_size[tokens].items()}
+            cpus = {name: c for name, (_, c) in per_size[tokens].items()}
             order = sorted(times, key=times.get)
-            margin = times[order[1]] / times[order[0]] - 1 if len(order) > 1 else 0.0
-            winners.append((tokens, order[0], order[1] if len(order) > 1 else None, margin))
-        names = [w[1] for w in winners]
-        detail = ", ".join(f"{t} tok: {w} (next {n} +{m * 100:.0f}%)" for t, w, n, m in winners)
-        if len(set(names)) == 1:
-            lines.append(f"{direction} {pattern}: {names[0]} at every size measured [{detail}]")
+            part = f"{tokens} tok: {order[0]}"
+            if len(order) > 1:
+                part += f" (next {order[1]} +{(times[order[1]] / times[order[0]] - 1) * 100:.0f}%)"
+            by_cpu = min(cpus, key=cpus.get)
+            if by_cpu != order[0]:
+                part += f", by CPU {by_cpu}"
+            winners.append(order[0])
+            parts.append(part)
+        detail = "; ".join(parts)
+        if len(set(winners)) == 1:
+            lines.append(f"{direction} {pattern}: {winners[0]} at every size measured [{detail}]")
         else:
             lines.append(f"{direction} {pattern}: winner depends on size [{detail}]")
     return lines
@@ -287,6 +297,10 @@ def report(rt: Runtime, results: dict) -> None:
         print(op_tables(rows))
     if results["strategies"]:
         print(strategy_table(results["strategies"]))
+    for name in SECTION_OPS:
+        if name in results:
+            print()
+            print(section(name).render(results[name]))
     sys.stdout.flush()
     if cfg.json_path:
         payload = {
@@ -297,6 +311,7 @@ def report(rt: Runtime, results: dict) -> None:
             "results": rows,
             "strategies": results["strategies"],
             "strategy_rule": strategy_rule(results["strategies"]) if results["strategies"] else [],
+            **{name: results[name] for name in SECTION_OPS if name in results},
         }
         with open(cfg.json_path, "w") as f:
             json.dump(payload, f, indent=1)

@@ -1,12 +1,23 @@
-"""The order of a run: every requested gather op at every size, then the strategy sweep."""
+"""The order of a run: every requested gather op at every size, the strategy sweep, then the
+other sections (planner, vision, layouts, blockdiag) in ``--ops`` order."""
 
 from __future__ import annotations
 
-from cpshard.bench.cases import GATHER_OPS, run_case
+from cpshard.bench.cases import run_case
+from cpshard.bench.config import GATHER_OPS, SECTION_OPS
 from cpshard.bench.runtime import Runtime
+from cpshard.bench.sections import section
 from cpshard.bench.strategies import run_strategies
 
 PATTERNS = ("uneven", "even")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024 or unit == "MiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def run_suite(rt: Runtime) -> dict:
@@ -14,17 +25,28 @@ def run_suite(rt: Runtime) -> dict:
     sizes = sorted(cfg.sizes)
     ops = [op for op in cfg.ops if op in GATHER_OPS]
     strategies = "strategies" in cfg.ops
-    rt.total_steps = len(ops) * len(sizes) + (len(PATTERNS) * len(sizes) if strategies else 0)
+    sections = {name: section(name) for name in cfg.ops if name in SECTION_OPS}
+    rt.total_steps = (
+        len(ops) * len(sizes)
+        + (len(PATTERNS) * len(sizes) if strategies else 0)
+        + sum(s.steps(rt) for s in sections.values())
+    )
     elem = {"float32": 4, "float64": 8}.get(cfg.dtype, 2)
-    mib = lambda tokens: tokens * cfg.hidden * elem / 2**20  # noqa: E731
+
+    def size(tokens: int) -> str:
+        return f"tokens={tokens} ({human_bytes(tokens * cfg.hidden * elem)}/rank)"
+
     rows, strategy_rows = [], []
     for op in ops:
         for tokens in sizes:
-            rt.progress(f"{op} tokens={tokens} ({mib(tokens):.1f} MiB/rank)")
+            rt.progress(f"{op} {size(tokens)}")
             rows.append(run_case(rt, op, tokens))
     if strategies:
         for pattern in PATTERNS:
             for tokens in sizes:
-                rt.progress(f"strategies {pattern} tokens={tokens} ({mib(tokens):.1f} MiB/rank)")
+                rt.progress(f"strategies {pattern} {size(tokens)}")
                 strategy_rows.extend(run_strategies(rt, pattern, tokens))
-    return {"ops": rows, "strategies": strategy_rows}
+    results = {"ops": rows, "strategies": strategy_rows}
+    for name, sec in sections.items():
+        results[name] = sec.run(rt)
+    return results

@@ -2,21 +2,27 @@
 
 Each rank receives, through the multi-hop halo, exactly the K/V rows before its first token that
 the document containing that token reaches back to (the max over batch rows), then attends per
-document segment: queries ``[begin, begin + n)`` over keys ``[doc_start, begin + n)``. A segment
-whose document starts on an earlier rank splits into a non-causal prefix part and a causal square
-part, merged by their log-sum-exp (flash-attention's decomposition), so no ``[L, S]`` mask is ever
-built. Pad rows attend to nothing and output zeros.
+document segment: queries ``[begin, begin + n)`` over keys ``[doc_start, begin + n)``. On CUDA
+with flash-attn installed (fp16/bf16), all segments go to ONE call of its varlen kernel (causal,
+aligned bottom-right: a segment's queries see its whole prefix). Otherwise each segment is one
+attention call; on CPU a segment whose document starts on an earlier rank splits into a
+non-causal prefix part and a causal square part, merged by their log-sum-exp (flash-attention's
+decomposition), so no ``[L, S]`` mask is ever built. Pad rows attend to nothing and output zeros.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from cpshard.blockdiag.state import BlockDiagState, Segment, active_state
-from cpshard.consensus import raise_on_any_rank
-from cpshard.transport import gather_halo
+from cpshard.consensus import agree
+from cpshard.transport import exchange_halo
 
+_WHAT = "cpshard.cp_blockdiag_sdpa"
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
@@ -69,6 +75,71 @@ def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
     )
 
 
+VarlenKernel = Callable[..., torch.Tensor]  # flash_attn.flash_attn_varlen_func's signature
+
+
+@functools.cache
+def _flash_attn_varlen() -> VarlenKernel | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def varlen_kernel(q: torch.Tensor) -> VarlenKernel | None:
+    """flash-attn's varlen kernel for CUDA fp16/bf16 queries when flash-attn is installed."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    return _flash_attn_varlen()
+
+
+def _varlen_attention(
+    state: BlockDiagState,
+    q: torch.Tensor,
+    k_ext: torch.Tensor,
+    v_ext: torch.Tensor,
+    scale: float | None,
+    kernel: VarlenKernel,
+) -> torch.Tensor:
+    """Every segment in one varlen call: segment queries and their keys packed as
+    ``[tokens, heads, D]`` sequences (GQA left to the kernel), outputs put back in place."""
+    b, heads, length, d = q.shape
+    ext = k_ext.shape[2]
+    origin = state.start - state.halo
+    segs = state.segments
+    q_len = torch.tensor([s.length for s in segs])
+    k_len = torch.tensor([s.begin + s.length - s.doc_start for s in segs])
+    q_first = torch.tensor([s.row * length + s.begin - state.start for s in segs])
+    k_first = torch.tensor([s.row * ext + s.doc_start - origin for s in segs])
+
+    def rows(first: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat row indices of each segment's run, and the int32 cumulative lengths."""
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
+        idx = torch.repeat_interleave(first - cu[:-1], lens) + torch.arange(int(cu[-1]))
+        return idx.to(q.device), cu.to(device=q.device, dtype=torch.int32)
+
+    def packed(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).index_select(0, idx)
+
+    q_idx, cu_q = rows(q_first, q_len)
+    k_idx, cu_k = rows(k_first, k_len)
+    out = kernel(
+        packed(q, q_idx),
+        packed(k_ext, k_idx),
+        packed(v_ext, k_idx),
+        cu_q,
+        cu_k,
+        int(q_len.max()),
+        int(k_len.max()),
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=True,
+    )
+    full = out.new_zeros(b * length, heads, out.shape[-1]).index_copy(0, q_idx, out)
+    return full.view(b, length, heads, -1).transpose(1, 2)
+
+
 def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: object, dropout_p: float, enable_gqa: bool) -> str | None:
     """This rank's problem with the arguments, or None."""
     problem = None
@@ -82,6 +153,13 @@ def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.T
         problem = f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard has {state.local_len}"
     elif q.shape[0] != state.batch_size:
         problem = f"q has batch {q.shape[0]} but the sharded batch has {state.batch_size}"
+    elif k.shape[:-1] != v.shape[:-1] or k.dtype != v.dtype or k.device != v.device:
+        problem = (
+            f"k {tuple(k.shape)} {k.dtype} and v {tuple(v.shape)} {v.dtype} must match in every "
+            "dim but the last, in dtype and in device"
+        )
+    elif k.shape[0] != q.shape[0] or q.dtype != k.dtype or q.device != k.device:
+        problem = f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must match in batch, dtype and device"
     elif q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
         problem = f"q has {q.shape[1]} heads and k {k.shape[1]}: pass enable_gqa=True with a divisible head count"
     return problem
@@ -89,8 +167,11 @@ def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
 def _blockdiag(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
     d_k = k.shape[-1]
-    kv = gather_halo(torch.cat([k, v], dim=-1), state.group.pg, list(state.halos), seq_dim=2)
+    kv = exchange_halo(torch.cat([k, v], dim=-1), state.group, list(state.halos), 0, 2, _WHAT)
     k_ext, v_ext = kv[..., :d_k], kv[..., d_k:]
+    kernel = varlen_kernel(q) if d_k == v.shape[-1] else None
+    if kernel is not None and state.segments:
+        return _varlen_attention(state, q, k_ext, v_ext, scale, kernel)
     if q.shape[1] != k.shape[1]:
         k_ext = k_ext.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v_ext = v_ext.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -147,5 +228,6 @@ def cp_blockdiag_sdpa(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
     problem = _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
-    raise_on_any_rank(problem is not None, problem or "", state.group.pg, "cpshard.cp_blockdiag_sdpa")
+    if problem is not None:
+        agree(state.group, _WHAT, problem)  # the halo exchange's consensus round, failed here
     return _blockdiag(state, query, key, value, scale)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, ContextManager
@@ -14,7 +13,7 @@ from cpshard.batch_padding import pad_sequence, sequence_dim
 from cpshard.blockdiag.ids import document_ids
 from cpshard.blockdiag.state import BlockDiagState, Segment, current
 from cpshard.comm import GroupLike, resolve_group
-from cpshard.consensus import agree
+from cpshard.consensus import agree, digest
 
 
 def _segments(doc: torch.Tensor, start: int, end: int) -> list[Segment]:
@@ -25,11 +24,6 @@ def _segments(doc: torch.Tensor, start: int, end: int) -> list[Segment]:
 def _halo(segments: list[Segment], start: int) -> int:
     """How far before ``start`` the documents of a rank's first tokens reach (max over rows)."""
     return max((start - s.doc_start for s in segments if s.begin == start), default=0)
-
-
-def _digest(t: torch.Tensor) -> list[int]:
-    h = hashlib.blake2b(t.cpu().contiguous().numpy().tobytes(), digest_size=8).digest()
-    return [int.from_bytes(h, "little") >> 2]
 
 
 def make_cp_blockdiag_batch_and_ctx(
@@ -69,7 +63,7 @@ def make_cp_blockdiag_batch_and_ctx(
     local = padded // world
     start = rank * local
     doc = pad_sequence("_packed_seq_ids", doc, 1, padded)
-    agree(g, what, None, {"[B, S]": [bsz, seq], "document ids": _digest(doc)})
+    agree(g, what, None, {"[B, S]": [bsz, seq], "document ids": digest(doc)})
 
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask

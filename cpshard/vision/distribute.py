@@ -16,7 +16,6 @@ EVERY rank raise instead of leaving the others blocked.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import numbers
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -24,7 +23,7 @@ from typing import Any
 
 import torch
 
-from cpshard.consensus import agree, dtype_code
+from cpshard.consensus import agree, digest, dtype_code
 from cpshard.transport import gather_ragged
 from cpshard.vision.plan import (
     VisionFramePlan,
@@ -41,12 +40,6 @@ logger = logging.getLogger(__name__)
 
 _WHAT = "cpshard.maybe_distribute_visual"
 _WRAPPERS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
-
-def _digest(values: Sequence[int]) -> list[int]:
-    """62 bits of a hash of a list of ints, and its length: equal across ranks iff the lists are."""
-    h = hashlib.blake2b(repr(list(values)).encode(), digest_size=8).digest()
-    return [int.from_bytes(h, "little") >> 2, len(values)]
 
 
 def _get(node: object, name: str) -> object:
@@ -131,7 +124,7 @@ class _Inputs:
         pv = pixel_values if ok else None
         return {
             "media": [int(self.has_media), len(self.grid) if ok else 0],
-            "grid_thw": _digest(flat),
+            "grid_thw": digest(flat),
             "pixel_values dtype, dims, row size": [
                 dtype_code(pv.dtype) if pv is not None else -1,
                 pv.dim() if pv is not None else 0,
@@ -244,7 +237,7 @@ def _level_fields(out: Any) -> dict[str, list[int]]:
         layout += [dtype_code(t.dtype), t.dim(), *t.shape[1:]]
     return {
         "deepstack levels": [-1 if deep is None else len(deep)],
-        "level dtypes and shapes": _digest(layout),
+        "level dtypes and shapes": digest(layout),
         "requires grad": [int(any(t.requires_grad for t in levels))],
     }
 
