@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard._build import build_info
+from cpshard.hugepages import new_buffer
 
 GroupLike = dist.ProcessGroup | DeviceMesh | None
 
@@ -149,7 +150,7 @@ class TorchTransport:
         self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]
     ) -> None:
         world, n = self.group.world, sizes[self.group.rank]
-        stage = full.new_empty(world * n)
+        stage = new_buffer(full, world * n)
         dist.all_to_all_single(
             stage, full, output_split_sizes=[n] * world, input_split_sizes=list(sizes), group=self.pg
         )
@@ -165,7 +166,7 @@ class TorchTransport:
         piece = max(1, A2A_STAGING_BYTES // 2 // (world * full.element_size()))
         rounds = [-(-s // piece) for s in sizes]
         width = min(piece, sizes[me])
-        bufs = [full.new_empty(world, width) for _ in range(min(2, rounds[me]))]
+        bufs = [new_buffer(full, (world, width)) for _ in range(min(2, rounds[me]))]
         peers = [r for r in range(world) if r != me]
         pending: tuple[int, int, torch.Tensor, list] | None = None
         for k in range(max(rounds) + 1):

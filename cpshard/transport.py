@@ -21,6 +21,7 @@ import torch
 from cpshard import ops
 from cpshard.comm import Group, GroupLike, nvtx_range, resolve_group, transport_for
 from cpshard.consensus import agree, digest, dtype_code
+from cpshard.hugepages import new_buffer
 
 _MAX_DIMS = 8
 
@@ -83,17 +84,17 @@ def _gather_equal(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     out_shape = shape[:dim] + [shape[dim] * world] + shape[dim + 1 :]
     comm = transport_for(group, x)
     if _outer(shape, dim) == 1:
-        out = x.new_empty(out_shape)
+        out = new_buffer(x, out_shape)
         comm.all_gather(out.view(-1), x)
         return out
-    stage = x.new_empty([world, *shape])
+    stage = new_buffer(x, [world, *shape])
     comm.all_gather(stage.view(-1), x)
     return ops.interleave_sequence(stage, dim)
 
 
 def _reduce_scatter_equal(grad: torch.Tensor, group: Group, dim: int, shape: list[int]) -> torch.Tensor:
     full = grad if _outer(shape, dim) == 1 else ops.deinterleave_sequence(grad, group.world, dim)
-    out = grad.new_empty(shape)
+    out = new_buffer(grad, shape)
     transport_for(group, grad).reduce_scatter(out.view(-1), full.contiguous().view(-1))
     return out
 
@@ -163,10 +164,10 @@ class _GatherRagged(torch.autograd.Function):
         comm = transport_for(group, x)
         with nvtx_range("cpshard.gather_ragged", x):
             if _outer(shape, dim) == 1:
-                out = x.new_empty(out_shape)
+                out = new_buffer(x, out_shape)
                 comm.all_gather_v(out.view(-1), x, sizes)
                 return out
-            stage = x.new_empty(sum(sizes))
+            stage = new_buffer(x, sum(sizes))
             comm.all_gather_v(stage, x, sizes)
             return ops.unpack_ragged(stage, counts, out_shape, dim)
 
@@ -176,7 +177,7 @@ class _GatherRagged(torch.autograd.Function):
         row = _row_elems(shape, dim)
         with nvtx_range("cpshard.gather_ragged.backward", grad):
             full = grad if _outer(shape, dim) == 1 else ops.pack_ragged(grad, counts, dim)
-            out = grad.new_empty(shape)
+            out = new_buffer(grad, shape)
             transport_for(ctx.group, grad).reduce_scatter_v(
                 out.view(-1), full.contiguous().view(-1), [c * row for c in counts]
             )
@@ -264,7 +265,7 @@ class _GatherHalo(torch.autograd.Function):
         shape = list(x.shape)
         out_shape = list(shape)
         out_shape[dim] = left_padding + plan.halo + shape[dim]
-        out = x.new_empty(out_shape)
+        out = new_buffer(x, out_shape)
         out.narrow(dim, 0, left_padding).zero_()
         out.narrow(dim, left_padding + plan.halo, shape[dim]).copy_(x)
         direct = _outer(shape, dim) == 1

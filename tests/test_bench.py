@@ -62,6 +62,23 @@ def test_tiny_run_writes_json(tmp_path):
     assert data["strategies"] == []
 
 
+def test_blockdiag_section_quick_run(tmp_path):
+    """W=3: the S=2L case runs on a 2-rank subgroup while rank 2 waits, then all 3 ranks."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "cpshard.bench", "--world", "3", "--ops", "blockdiag", "--quick",
+           "--repeats", "2", "--warmup", "0", "--iters", "1", "--json", str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "[2/2]" in proc.stderr and "# blockdiag:" in proc.stdout
+    rows = json.loads(out.read_text())["blockdiag"]
+    assert [(r["world"], r["seq_len"]) for r in rows] == [(2, 256), (3, 768)]
+    for r in rows:
+        assert r["ours_fwd_bwd_s"] > 0 and r["base_fwd_bwd_s"] > 0 and r["speedup"] > 0
+        assert r["ours_fwd_bwd_peak_bytes"] > 0 and r["base_fwd_bwd_peak_bytes"] > 0
+        assert (r["heads"], r["kv_heads"], r["head_dim"]) == (8, 2, 64)
+
+
 @pytest.mark.parametrize(
     "args",
     [
