@@ -1,4 +1,4 @@
-"""Throughput of cpshard's CPU kernels next to a plain ``dst.copy_(src)`` of the same bytes.
+"""Throughput of cpshard's kernels next to a plain ``dst.copy_(src)`` of the same bytes.
 
 Every case moves ``--size-mib`` of data (fp32 and bf16); for each the table gives the median
 time over ``--repeats`` runs (after warm-up), the bandwidth (bytes read + bytes written / time)
@@ -9,8 +9,13 @@ The ops allocate their output on every call (there is no out= variant), so two b
 measured: ``copy_`` into a preallocated tensor (the project's yardstick) and ``clone()`` (copy into
 a fresh allocation, i.e. the same allocate + first-touch cost the ops pay).
 
+``--device cuda`` runs the same cases and baselines on the GPU (cpshard's CUDA build): every
+timed call is followed by ``torch.cuda.synchronize()``, so a time is the call's wall time from an
+idle device to its end, launches included; the page-fault column is nan there.
+
     python benchmarks/kernels.py                       # 64 MiB, 15 repeats, all threads
     python benchmarks/kernels.py --threads 1 --json out.json
+    python benchmarks/kernels.py --device cuda --json cuda.json
 """
 
 from __future__ import annotations
@@ -54,15 +59,24 @@ class Row:
     tokens_per_s: float = float("nan")
 
 
-def timeit(fn: Callable[[], object], repeats: int, warmup: int) -> tuple[list[float], float]:
-    """Wall times of ``repeats`` calls after ``warmup`` calls, and minor page faults per call."""
+def no_sync() -> None:
+    """Nothing to wait for: CPU calls are done when they return."""
+
+
+def timeit(
+    fn: Callable[[], object], repeats: int, warmup: int, sync: Callable[[], None]
+) -> tuple[list[float], float]:
+    """Wall times of ``repeats`` calls after ``warmup`` calls, each call followed by ``sync()``
+    (``torch.cuda.synchronize`` for GPU work), and minor page faults per call."""
     for _ in range(warmup):
         fn()
+    sync()
     times = []
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append(time.perf_counter() - t0)
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
     return times, faults / repeats
@@ -83,17 +97,26 @@ class Bench:
         self.args = args
         self.rows: list[Row] = []
         self.size = args.size_mib << 20
+        self.device = torch.device(args.device)
+        self.on_cuda = self.device.type == "cuda"
         self._baselines: dict[tuple[torch.dtype, int], tuple[float, float]] = {}
 
     def time(self, fn) -> tuple[list[float], float]:
-        return timeit(fn, self.args.repeats, self.args.warmup)
+        """Times of fn (synchronized on CUDA) and its page faults per call (nan on CUDA)."""
+        sync = torch.cuda.synchronize if self.on_cuda else no_sync
+        times, faults = timeit(fn, self.args.repeats, self.args.warmup, sync)
+        return times, float("nan") if self.on_cuda else faults
+
+    def randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
+        """Normal samples drawn on the CPU (the same values for every device), cast, moved."""
+        return torch.randn(*shape).to(self.device, dtype)
 
     def baselines(self, dtype: torch.dtype, nbytes: int) -> tuple[float, float]:
         """(copy_ GB/s, clone GB/s) for nbytes of dtype, measured once per run."""
         key = (dtype, nbytes)
         if key not in self._baselines:
             n = elems_for(nbytes, dtype)
-            src = torch.randn(n).to(dtype)
+            src = self.randn(n, dtype=dtype)
             dst = torch.empty_like(src)
             moved = 2 * n * src.element_size()
             copy_times = self.time(lambda: dst.copy_(src))
@@ -143,7 +166,7 @@ class Bench:
     def ragged(self, dtype: torch.dtype) -> None:
         rows = elems_for(self.size, dtype) // H
         # token dim 0: x [T, H]
-        x = torch.randn(rows, H).to(dtype)
+        x = self.randn(rows, H, dtype=dtype)
         counts = uneven_counts(rows)
         pad = max(counts)
         self.case(
@@ -177,7 +200,7 @@ class Bench:
         # token dim 1: x [B=4, N, H]
         b = 4
         n = rows // b
-        x1 = torch.randn(b, n, H).to(dtype)
+        x1 = self.randn(b, n, H, dtype=dtype)
         counts1 = uneven_counts(n)
         pad1 = max(counts1)
         self.case(
@@ -215,7 +238,7 @@ class Bench:
     def interleave(self, dtype: torch.dtype) -> None:
         b = 2
         length = elems_for(self.size, dtype) // (WORLD * b * H)
-        x = torch.randn(WORLD, b, length, H).to(dtype)  # [W, B, L, H] -> [B, W*L, H]
+        x = self.randn(WORLD, b, length, H, dtype=dtype)  # [W, B, L, H] -> [B, W*L, H]
         self.case("interleave_sequence", dtype, x, lambda: ops.interleave_sequence(x, 1), x.numel())
         y = ops.interleave_sequence(x, 1)
         self.case(
@@ -228,8 +251,8 @@ class Bench:
 
     def index(self, dtype: torch.dtype) -> None:
         rows = elems_for(self.size, dtype) // H
-        src = torch.randn(rows, H).to(dtype)
-        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
+        src = self.randn(rows, H, dtype=dtype)
+        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(0)).to(self.device)
         self.case(
             "index_gather (perm)", dtype, src, lambda: ops.index_gather(src, perm, 0), src.numel()
         )
@@ -251,6 +274,7 @@ class Bench:
             doc = torch.repeat_interleave(torch.arange(1, lengths.shape[1] + 1), lengths[r])[:s]
             ids[r, : doc.numel()] = doc
             ids[r, s - r * 1000 :] = 0
+        ids = ids.to(self.device)
         for name, (start, end) in (
             ("document_segments full", (0, s)),
             ("document_segments 1/4", (s // 4, s // 2)),
@@ -302,21 +326,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dtypes", default="float32,bfloat16", help="comma-separated (default float32,bfloat16)"
     )
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the tensors live and the kernels run (default cpu)",
+    )
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     args = p.parse_args(argv)
     args.dtypes = [getattr(torch, d.strip()) for d in args.dtypes.split(",") if d.strip()]
-    torch.set_num_threads(args.threads)
     info = cpshard.build_info()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: no CUDA device is visible to torch {torch.__version__}")
+    if args.device == "cuda" and not info.cuda_kernels:
+        p.error(f"--device cuda: {cpshard._C.__file__} was built without the CUDA kernels")
+    torch.set_num_threads(args.threads)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    if args.device == "cuda":
+        where = f"{device}, synchronized after every call"
+        faults = "faults = nan (host page faults say nothing about GPU memory)"
+    else:
+        where = f"threads {torch.get_num_threads()}"
+        faults = "faults = minor page faults per call"
     print(
         f"cpshard {cpshard.__version__} ({cpshard._C.__file__}), torch {torch.__version__}, "
-        f"threads {torch.get_num_threads()}, {args.size_mib} MiB/case, median of {args.repeats}"
+        f"{where}, {args.size_mib} MiB/case, median of {args.repeats}"
     )
     if info.sanitized:
         print("warning: this is the sanitizer build; numbers are meaningless", file=sys.stderr)
     print(
         "GB/s = (bytes read + bytes written) / median; /copy_ and /clone = GB/s over the "
-        "baseline's;"
-        " faults = minor page faults per call"
+        f"baseline's; {faults}"
     )
     print(HEADER)
     print("-" * len(HEADER))
@@ -326,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(
             json.dumps(
                 {
+                    "device": device,
                     "threads": torch.get_num_threads(),
                     "size_mib": args.size_mib,
                     "repeats": args.repeats,
@@ -347,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in missed:
             print(f"  {r.case} {r.dtype}: {r.ratio:.2f} ({(0.8 - r.ratio) / 0.8:.0%} short)")
     copy_gbps, clone_gbps = next(iter(bench._baselines.values()), (1.0, 1.0))
-    if clone_gbps < 0.7 * copy_gbps:
+    if not bench.on_cuda and clone_gbps < 0.7 * copy_gbps:
         print(
             f"\nnote: clone() runs at {clone_gbps / copy_gbps:.2f} x copy_: writing a freshly "
             "allocated "

@@ -1,0 +1,214 @@
+"""Per-call cost of cpshard's native NCCL communicator next to torch.distributed's NCCL, at
+world size 1.
+
+One process, one GPU, a one-rank NCCL process group (file store). With one rank nothing crosses
+a wire: every verb is at most a device-local copy, so small sizes show the fixed cost of a call
+(argument checks, the enqueue on the stream, torch's work objects) and large ones the copy. Both
+transports run the same verbs on the same group: ``cpshard.comm.transport_for`` (the native
+communicator, ``cpshard._nccl``) and ``cpshard.comm.TorchTransport`` (``all_gather_single``,
+``reduce_scatter_single``, ``all_to_all_single`` of torch.distributed). ``send_recv`` is left out:
+at world size 1 there is no peer. For each verb and size:
+
+* ``sync us``: median wall time of one call from an idle GPU until ``torch.cuda.synchronize()``
+  returns after it;
+* ``pipelined us``: ``--repeats`` calls back to back, then one synchronize, per call (the cost
+  when calls queue up on the stream, as in a training step).
+
+Each verb's result is checked once (at world size 1 every verb copies its input) before timing.
+Without a GPU, torch's NCCL or cpshard's NCCL build it prints ``skipped: <why>`` and exits 0.
+
+    python benchmarks/nccl_world1.py --json nccl_world1.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# the checkout this script belongs to, unless PYTHONPATH / an install provides cpshard first
+sys.path.append(str(Path(__file__).resolve().parent.parent))
+import cpshard  # noqa: E402
+from cpshard.comm import (  # noqa: E402
+    Group,
+    TorchTransport,
+    Transport,
+    resolve_group,
+    transport_for,
+)
+from kernels import timeit  # noqa: E402  (benchmarks/kernels.py, beside this script)
+
+# Every verb at world size 1, as (transport, out, x) -> None; each leaves a copy of x in out.
+VERBS: dict[str, Callable[[Transport, torch.Tensor, torch.Tensor], None]] = {
+    "all_gather": lambda t, out, x: t.all_gather(out, x),
+    "all_gather_v": lambda t, out, x: t.all_gather_v(out, x, [x.numel()]),
+    "reduce_scatter": lambda t, out, x: t.reduce_scatter(out, x),
+    "reduce_scatter_v": lambda t, out, x: t.reduce_scatter_v(out, x, [x.numel()]),
+}
+
+
+@dataclass
+class Row:
+    verb: str
+    transport: str  # "native" (cpshard._nccl) or "torch" (TorchTransport)
+    dtype: str
+    bytes: int  # of the input (and of the output) at world size 1
+    sync_us: float  # median of single synchronized calls
+    min_us: float
+    pipelined_us: float  # per call, --repeats calls then one synchronize
+
+
+def skip_reason() -> str | None:
+    """Why this machine cannot run the benchmark, or None."""
+    if not torch.cuda.is_available():
+        return "no GPU"
+    if not dist.is_nccl_available():
+        return f"torch {torch.__version__} was built without NCCL"
+    if not cpshard.build_info().nccl:
+        return "cpshard was built without the NCCL communicator"
+    return None
+
+
+@contextmanager
+def world1_group() -> Iterator[Group]:
+    """A one-rank NCCL process group on GPU 0, destroyed on exit."""
+    torch.cuda.set_device(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group(
+            "nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0)
+        )
+        try:
+            yield resolve_group(dist.group.WORLD, "nccl_world1")
+        finally:
+            dist.destroy_process_group()
+
+
+def pipelined(fn: Callable[[], object], calls: int) -> float:
+    """Seconds per call of ``calls`` calls enqueued back to back, then one synchronize."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls
+
+
+def size_label(nbytes: int) -> str:
+    """``nbytes`` in whole MiB where it is a multiple of one, else in KiB."""
+    return f"{nbytes >> 20} MiB" if nbytes and nbytes % (1 << 20) == 0 else f"{nbytes / 1024:g} KiB"
+
+
+HEADER = (
+    f"{'verb':<17} {'size':>8} {'native sync us':>14} {'torch sync us':>13} {'torch/native':>12} "
+    f"{'native pipelined us':>19} {'torch pipelined us':>18}"
+)
+
+
+def run(group: Group, args: argparse.Namespace) -> list[Row]:
+    """Time every verb at every size through both transports, printing a line per pair."""
+    transports = {
+        "native": transport_for(group, torch.empty(0, device="cuda")),
+        "torch": TorchTransport(group),
+    }
+    if isinstance(transports["native"], TorchTransport):
+        raise RuntimeError("transport_for did not pick the native NCCL communicator")
+    rows: list[Row] = []
+    for kib in args.sizes_kib:
+        n = (kib << 10) // torch.empty(0, dtype=args.dtype).element_size()
+        x = torch.randn(n, device="cuda").to(args.dtype)
+        out = torch.empty_like(x)
+        for verb, call in VERBS.items():
+            pair: dict[str, Row] = {}
+            for name, transport in transports.items():
+                fn = partial(call, transport, out, x)
+                out.zero_()
+                fn()
+                torch.cuda.synchronize()
+                if not torch.equal(out, x):
+                    raise RuntimeError(f"{verb} through {name} did not copy its input at world 1")
+                times, _ = timeit(fn, args.repeats, args.warmup, torch.cuda.synchronize)
+                pair[name] = Row(
+                    verb=verb,
+                    transport=name,
+                    dtype=str(args.dtype).removeprefix("torch."),
+                    bytes=x.numel() * x.element_size(),
+                    sync_us=statistics.median(times) * 1e6,
+                    min_us=min(times) * 1e6,
+                    pipelined_us=pipelined(fn, args.repeats) * 1e6,
+                )
+            nat, tor = pair["native"], pair["torch"]
+            print(
+                f"{verb:<17} {size_label(nat.bytes):>8} {nat.sync_us:>14.1f} {tor.sync_us:>13.1f} "
+                f"{tor.sync_us / nat.sync_us:>12.2f} {nat.pipelined_us:>19.1f} "
+                f"{tor.pipelined_us:>18.1f}",
+                flush=True,
+            )
+            rows += pair.values()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--sizes-kib",
+        default="4,1024,65536",
+        type=lambda s: [int(v) for v in s.split(",") if v.strip()],
+        help="comma-separated input sizes in KiB (default 4,1024,65536)",
+    )
+    p.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16", "float16", "float64")
+    )
+    p.add_argument("--repeats", type=int, default=50, help="timed calls per case (default 50)")
+    p.add_argument("--warmup", type=int, default=5, help="untimed calls before (default 5)")
+    p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+    args.dtype = getattr(torch, args.dtype)
+    reason = skip_reason()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        if args.json:
+            args.json.write_text(json.dumps({"skipped": reason}))
+        return 0
+    nccl, device = ".".join(map(str, torch.cuda.nccl.version())), torch.cuda.get_device_name(0)
+    print(
+        f"cpshard {cpshard.__version__}, torch {torch.__version__}, NCCL {nccl}, {device}, "
+        f"world size 1, median of {args.repeats}"
+    )
+    print(HEADER)
+    print("-" * len(HEADER))
+    with world1_group() as group:
+        rows = run(group, args)
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "device": device,
+                    "torch": torch.__version__,
+                    "nccl": nccl,
+                    "dtype": str(args.dtype).removeprefix("torch."),
+                    "repeats": args.repeats,
+                    "rows": [asdict(r) for r in rows],
+                },
+                indent=1,
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
