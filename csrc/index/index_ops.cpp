@@ -6,6 +6,7 @@
 
 #include "common/device.h"
 #include "common/geometry.h"
+#include "common/output.h"
 #include "index/index.h"
 
 namespace cpshard {
@@ -50,7 +51,7 @@ at::Tensor index_gather(const at::Tensor& src, const at::Tensor& index, int64_t 
   const IndexGeometry g{view.pre, view.tokens, idx.numel(), view.post};
   std::vector<int64_t> shape(src.sizes().begin(), src.sizes().end());
   shape[dim] = idx.numel();
-  auto out = at::empty(shape, src.options());
+  auto out = empty_output(shape, src.options());
   const auto data = src.contiguous();
   const auto pattern = fill_bytes(fill, src.scalar_type(), what);
   CPSHARD_ON_DEVICE(src, index_gather_cpu(g, data, idx, out, pattern),
@@ -74,7 +75,7 @@ at::Tensor index_scatter_add(const at::Tensor& grad, const at::Tensor& index, in
   if (checked_prod(shape, 0, static_cast<int64_t>(shape.size()), what) == 0) {
     return at::empty(shape, grad.options());  // nothing to add into, whatever dim_size is
   }
-  auto out = at::empty(shape, grad.options());
+  auto out = empty_output(shape, grad.options());
   // CSR inverse: sources ordered by target (stable, so ascending source within a target);
   // negative targets sort first and fall before row_start[0].
   const auto [sorted, order] = idx.sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);

@@ -7,6 +7,7 @@
 
 #include "common/device.h"
 #include "common/geometry.h"
+#include "common/output.h"
 #include "ragged/ragged.h"
 
 namespace cpshard {
@@ -63,8 +64,9 @@ std::vector<int64_t> padded_shape(at::IntArrayRef sizes, int64_t dim, int64_t wo
 at::Tensor pack_into_new(const at::Tensor& x, const RaggedGeometry& g, int64_t dim,
                          const at::Scalar& fill, const char* what) {
   const auto src = x.contiguous();
-  const auto out = g.pad >= 0 ? at::empty(padded_shape(x.sizes(), dim, g.world(), g.pad), x.options())
-                              : at::empty({g.block_numel()}, x.options());
+  const auto out = g.pad >= 0
+                       ? empty_output(padded_shape(x.sizes(), dim, g.world(), g.pad), x.options())
+                       : empty_output({g.block_numel()}, x.options());
   ragged_move(g, src, out, RaggedDirection::kPack, fill_bytes(fill, x.scalar_type(), what));
   return out;
 }
@@ -72,7 +74,7 @@ at::Tensor pack_into_new(const at::Tensor& x, const RaggedGeometry& g, int64_t d
 at::Tensor unpack_into_new(const at::Tensor& packed, const RaggedGeometry& g,
                            at::IntArrayRef out_shape) {
   const auto src = packed.contiguous();
-  const auto out = at::empty(out_shape, packed.options());
+  const auto out = empty_output(out_shape, packed.options());
   ragged_move(g, out, src, RaggedDirection::kUnpack, at::Tensor());
   return out;
 }
