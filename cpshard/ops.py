@@ -40,6 +40,20 @@ def _counts(counts: Sequence[int], what: str) -> list[int]:
     return out
 
 
+def _shape(shape: Sequence[int], name: str, what: str) -> list[int]:
+    """A shape argument as a list of non-negative sizes (ints, or SymInts under tracing)."""
+    if isinstance(shape, torch.Tensor) or not isinstance(shape, Sequence) or isinstance(shape, str):
+        raise TypeError(f"{what}: {name} must be a sequence of ints, got {type(shape).__name__}")
+    out = []
+    for i, s in enumerate(shape):
+        if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)):
+            raise TypeError(f"{what}: {name}[{i}] must be an int, got {type(s).__name__}")
+        if isinstance(s, int) and s < 0:
+            raise ValueError(f"{what}: {name}[{i}] = {s} is negative")
+        out.append(s)
+    return out
+
+
 def _tensor(x: object, name: str, what: str) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
@@ -145,7 +159,7 @@ def unpack_ragged(
     what = "cpshard.unpack_ragged"
     _tensor(packed, "packed", what)
     counts = _counts(counts, what)
-    out_shape = [int(s) for s in out_shape]
+    out_shape = _shape(out_shape, "out_shape", what)
     if not out_shape:
         raise ValueError(f"{what}: out_shape must have at least one dimension")
     dim = _dim(dim, len(out_shape), "dim", what)

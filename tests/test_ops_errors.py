@@ -90,6 +90,13 @@ WRAPPER_CASES = {
         r"pad_to",
     ),
     "unpack-out-shape-empty": (lambda: ops.unpack_ragged(_x(1), [1], []), ValueError, r"out_shape"),
+    "unpack-out-shape-str": (lambda: ops.unpack_ragged(_x(2), [2], ["2"]), TypeError, r"out_shape\[0\]"),
+    "unpack-out-shape-float": (lambda: ops.unpack_ragged(_x(2), [2], [2.7]), TypeError, r"out_shape\[0\]"),
+    "unpack-out-shape-negative": (
+        lambda: ops.unpack_ragged(_x(0), [0], [0, -2]),
+        ValueError,
+        r"out_shape\[1\] = -2 is negative",
+    ),
     "unpack-dim-high": (
         lambda: ops.unpack_ragged(_x(15), [2, 3], [5, 3], 2),
         ValueError,
