@@ -18,7 +18,7 @@ def sequence_dim(key: str, value: object, batch_size: int, seq_len: int) -> int 
     """The sequence dim of a batch entry, or None when it is not sequence-aligned."""
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return None
-    if key == "position_ids" and value.dim() == 3 and tuple(value.shape[1:]) == (batch_size, seq_len):
+    if key == "position_ids" and value.dim() == 3 and value.shape[1:] == (batch_size, seq_len):
         return 2
     if tuple(value.shape[:2]) == (batch_size, seq_len):
         return 1
@@ -30,12 +30,16 @@ def pad_value(key: str, padding_token_id: int) -> int | bool:
     return {"input_ids": padding_token_id, "labels": IGNORE_INDEX, "padding_mask": True}.get(key, 0)
 
 
-def pad_sequence(key: str, value: torch.Tensor, seq_dim: int, new_len: int, padding_token_id: int = 0) -> torch.Tensor:
+def pad_sequence(
+    key: str, value: torch.Tensor, seq_dim: int, new_len: int, padding_token_id: int = 0
+) -> torch.Tensor:
     """``value`` right-padded along ``seq_dim`` to ``new_len`` by the convention for ``key``
     (differentiable: floating tensors are padded with ``F.pad``)."""
     extra = new_len - value.shape[seq_dim]
     if extra < 0:
-        raise ValueError(f"{key}: length {value.shape[seq_dim]} exceeds the padded length {new_len}")
+        raise ValueError(
+            f"{key}: length {value.shape[seq_dim]} exceeds the padded length {new_len}"
+        )
     if extra == 0:
         return value
     if key == "position_ids":

@@ -4,13 +4,23 @@ out of the same layout (seed: context_parallel_sharder).
 Shard = one index gather along the sequence dim with this rank's positions (``fill`` at padded
 positions, so padding is never materialised). Un-shard (:meth:`gather_token_tensor`) = one equal
 all-gather of the shards in rank order (:func:`cpshard.gather_sequence`; ``gather_ragged`` for
-layouts whose ranks hold different counts) followed by ONE index gather with the inverse
-permutation, computed locally -- in closed form for ``contiguous`` / ``head_tail`` / ``stripe``,
-from the indices carried in the :class:`~cpshard.layout.ShardLayout` for data-dependent layouts.
-No index tensor is ever all-gathered, except in the direct form when the caller supplies only a
-``local_token_global_indices`` callable (it knows this rank's positions only). Both directions are
-differentiable: the backward of the index gather is its scatter-add adjoint, that of the
-all-gather a reduce-scatter.
+layouts whose ranks hold different counts) followed by ONE reorder with the inverse permutation,
+computed locally -- in closed form for ``contiguous`` / ``head_tail`` / ``stripe``, from the
+indices carried in the :class:`~cpshard.layout.ShardLayout` for data-dependent layouts. The
+reorder is one fused index gather of tokens into the output, except for ``head_tail``, which
+moves whole chunks: its reorder moves chunks (one index gather of whole chunks; a token index
+costs a lookup per token, which dominates for per-token values), and when nothing precedes the
+token dim (``[1, S, ...]``: hidden states, one row of per-token values) a chunk is one contiguous
+run in both orders, so the all-gathered buffer is put in global order in place, cycle by cycle.
+That un-shard allocates its output only (the all-gather writes into it): half the memory of
+gather + index, and on CPU no first touches of a second output-sized buffer, which cost as much
+as the copy itself. No index tensor is ever all-gathered, except in the direct form when the
+caller supplies only a ``local_token_global_indices`` callable (it knows this rank's positions
+only). Both directions are differentiable: the backward of an index gather is its scatter-add
+adjoint, that of the in-place chunk reorder the inverse chunk gather, that of the all-gather a
+reduce-scatter.
+
+Padding follows :mod:`cpshard.batch_padding` (the conventions every sharder shares).
 
 This module never calls ``torch.distributed``: ranks come from :func:`cpshard.comm.resolve_group`,
 communication from :mod:`cpshard.transport`, and every check that can fail on some ranks only
@@ -21,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Callable, Mapping
-from typing import Any
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import torch
 
 from cpshard import ops
+from cpshard.batch_padding import pad_sequence, pad_value
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import agree
 from cpshard.layout import (
@@ -35,13 +47,14 @@ from cpshard.layout import (
     canonical_layout_name,
     local_token_global_indices,
     make_layout,
+    rank_major_inverse,
     resolve_num_chunks,
 )
 from cpshard.transport import gather_metadata, gather_ragged, gather_sequence
 
 __all__ = ["ContextParallelSharder"]
 
-IGNORE_INDEX = -100
+_T = TypeVar("_T")
 
 # Keys the sharder handles itself (extra_seq_buffers may not name them).
 _KNOWN_KEYS = (
@@ -232,7 +245,7 @@ class ContextParallelSharder:
         else:
             self.local_token_global_indices = None
         self.shard_layout = shard_layout
-        self._cache: dict[tuple, torch.Tensor] = {}
+        self._cache: dict[tuple, Any] = {}
         self._cache_owner: ShardLayout | None = None
 
     # ------------------------------------------------------------------ properties / helpers
@@ -309,8 +322,8 @@ class ContextParallelSharder:
             )
         return idx.to(device=device, dtype=torch.int64)
 
-    def _cached(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """Index tensors derived from the current shard layout, per device."""
+    def _cached(self, key: tuple, make: Callable[[], _T]) -> _T:
+        """Index tensors (and plans) derived from the current shard layout, per device."""
         if self._cache_owner is not self.shard_layout:  # a new layout (also if assigned directly)
             self._cache.clear()
             self._cache_owner = self.shard_layout
@@ -427,7 +440,7 @@ class ContextParallelSharder:
         plan = _BatchPlan(batch, rows, seq_len, ref_t.device)
 
         def add(
-            key: str, t: object, seq_dim: int, fill: Any, min_dim: int = 2, max_dim: int | None = 2
+            key: str, t: object, seq_dim: int, min_dim: int = 2, max_dim: int | None = 2
         ) -> None:
             t = _tensor(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
             if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
@@ -442,30 +455,22 @@ class ContextParallelSharder:
                 )
             if d > 0 and key in _KNOWN_KEYS and t.shape[d - 1] not in (rows, 1):
                 raise _Problem(f"{key} has batch size {t.shape[d - 1]}, but {ref} has {rows}")
-            plan.items.append((key, t, d, fill))
+            plan.items.append((key, t, d, pad_value(key, padding_token_id)))
 
         if batch.get("input_ids") is not None:
-            add("input_ids", batch["input_ids"], 1, padding_token_id)
+            add("input_ids", batch["input_ids"], 1)
         if batch.get("inputs_embeds") is not None:
-            add("inputs_embeds", batch["inputs_embeds"], 1, 0.0, max_dim=None)
+            add("inputs_embeds", batch["inputs_embeds"], 1, max_dim=None)
         if batch.get("labels") is not None:
-            add("labels", batch["labels"], 1, IGNORE_INDEX)
+            add("labels", batch["labels"], 1)
         mask = loss_mask if loss_mask is not None else batch.get("loss_mask")
         if mask is not None:
-            add("loss_mask", mask, 1, False if getattr(mask, "dtype", None) == torch.bool else 0)
+            add("loss_mask", mask, 1)
         if batch.get("_packed_seq_ids") is not None:
-            add("_packed_seq_ids", batch["_packed_seq_ids"], 1, 0)
+            add("_packed_seq_ids", batch["_packed_seq_ids"], 1)
         for key, d in self.extra_seq_buffers.items():
-            t = batch.get(key)
-            if t is not None:
-                add(
-                    key,
-                    t,
-                    d,
-                    False if getattr(t, "dtype", None) == torch.bool else 0,
-                    min_dim=1,
-                    max_dim=None,
-                )
+            if batch.get(key) is not None:
+                add(key, batch[key], d, min_dim=1, max_dim=None)
 
         pos = batch.get("position_ids")
         if pos is not None:
@@ -649,7 +654,8 @@ class ContextParallelSharder:
         ``original_seq_len``, un-flattened to ``input_row_shape`` (THD), or mapped through the
         position map (``fill`` for input positions whose tokens were dropped; required then).
         Raises when no layout is present (nothing to trim to). One all-gather of the shards and
-        one index gather; closed-form layouts never all-gather index tensors."""
+        one reorder (an index gather, or whole chunks in place: see the module doc); closed-form
+        layouts never all-gather index tensors."""
         what = "cpshard.ContextParallelSharder.gather_token_tensor"
         problem, plan = None, None
         try:
@@ -668,9 +674,14 @@ class ContextParallelSharder:
             full = gather_ragged(t, self._cp_mesh, plan.counts, dim=d)
             index = plan.trim(plan.inverse)
             out = full if index is None else _gather_rows(full, d, index, fill_value)
-        elif plan.inverse is None and plan.user_index is None and not plan.needs_index:
-            # the rank-major concatenation already is global order (contiguous / one rank)
-            out = gather_sequence(t, self._cp_mesh, seq_dim=d)
+        elif plan.chunks is not None or (
+            plan.inverse is None and plan.user_index is None and not plan.needs_index
+        ):
+            if plan.chunks is None:  # the rank-major concatenation already is global order
+                out = gather_sequence(t, self._cp_mesh, seq_dim=d)
+            else:  # [W, *t.shape] straight from the all-gather, then reordered by whole chunks
+                stage = gather_sequence(t.unsqueeze(0), self._cp_mesh, seq_dim=0)
+                out = self._chunks_to_global_order(stage, plan.chunks, d)
             if plan.narrow is not None:
                 out = out.narrow(d, 0, plan.narrow)
         else:
@@ -704,6 +715,43 @@ class ContextParallelSharder:
             out = _unflatten_rows(out, d, plan.rows)
         return out
 
+    def _chunk_order(self, lay: ShardLayout, t: torch.Tensor) -> tuple[int, ...] | None:
+        """The rank-major chunk that holds every global chunk, when the un-shard of ``t`` can
+        reorder whole chunks instead of tokens: a closed-form layout that moves whole chunks
+        (``head_tail``) over more than one rank, and data to move. None otherwise (the token
+        index gather does it)."""
+        if not lay.closed_form or lay.name != "head_tail" or lay.world_size == 1 or not t.numel():
+            return None
+        chunks, world = lay.num_chunks, lay.world_size
+
+        def order() -> tuple[int, ...]:  # the layout's inverse with one token per chunk
+            return tuple(rank_major_inverse(lay.name, world, chunks, num_chunks=chunks).tolist())
+
+        return self._cached(("chunk order", chunks), order)
+
+    def _chunks_to_global_order(
+        self, stage: torch.Tensor, src: tuple[int, ...], d: int
+    ) -> torch.Tensor:
+        """The all-gathered ``[W, *shape]`` (token dim ``d`` of ``shape``) in global order
+        ``[*shape[:d], W * L, *shape[d + 1:]]`` for a layout that moves whole chunks (``src[k]``:
+        the rank-major chunk that global chunk ``k`` is). With nothing before the token dim a
+        chunk is one contiguous run in both orders, so the stage is reordered in place; otherwise
+        one index gather of whole chunks (not of tokens) builds the output."""
+        shape = stage.shape[1:]
+        pre = math.prod(shape[:d])
+        if pre == 1:
+            out = _ChunksToGlobalOrder.apply(stage, src)
+        else:
+            per_rank = len(src) // stage.shape[0]
+            index = self._cached(
+                ("chunks", tuple(shape[:d]), d, str(stage.device)),
+                lambda: _stage_index(
+                    torch.tensor(src, device=stage.device), (*shape[:d], per_rank), d
+                ).reshape(-1),
+            )
+            out = ops.index_gather(stage.view(index.numel(), -1), index, 0)
+        return out.view(*shape[:d], stage.shape[0] * shape[d], *shape[d + 1 :])
+
     def _gather_plan(
         self, tensor: object, seq_dim: object, trim: object, fill: object
     ) -> _GatherPlan:
@@ -727,6 +775,7 @@ class ContextParallelSharder:
             virtual = self._virtual(padded)
             if not self._identity(virtual):
                 plan.inverse = virtual.rank_major_inverse(t.device)
+                plan.chunks = self._chunk_order(virtual, t)
             return plan
         counts = lay.counts
         if n != counts[self.rank]:
@@ -753,6 +802,7 @@ class ContextParallelSharder:
             plan.inverse = self._cached(
                 ("inv", str(t.device)), lambda: lay.rank_major_inverse(t.device)
             )
+            plan.chunks = self._chunk_order(lay, t)
         padded = lay.padded_seq_len
         arange = lambda: torch.arange(padded, device=t.device)  # noqa: E731  (identity inverse)
         if not trim:
@@ -772,6 +822,7 @@ class ContextParallelSharder:
                 torch.full_like(pm, -1),
             )
             plan.needs_index = True
+            plan.chunks = None
             return plan
         keep = lay.original_seq_len
         if lay.input_row_shape is not None:
@@ -831,11 +882,12 @@ class _BatchPlan:
         pos = self.positions
         if pos is None:
             pos = torch.arange(padded, device=self.device).expand(self.rows, padded)
-        elif padded > n:
-            step = torch.arange(1, padded - n + 1, device=pos.device, dtype=pos.dtype)
-            pos = torch.cat([pos, pos[..., -1:] + step], dim=-1)
+        else:
+            pos = pad_sequence("position_ids", pos, pos.dim() - 1, padded)
         out["position_ids"] = _gather_rows(pos, pos.dim() - 1, index(pos.device)[0], 0)
-        out["padding_mask"] = _gather_rows(self.padding, 1, index(self.padding.device)[1], True)
+        out["padding_mask"] = _gather_rows(
+            self.padding, 1, index(self.padding.device)[1], pad_value("padding_mask", 0)
+        )
         return out
 
 
@@ -851,8 +903,53 @@ class _GatherPlan:
         # [n] or [B, n]; None = no index gather needed
         self.trim: Callable[[torch.Tensor | None], torch.Tensor | None] = lambda inv: inv
         self.needs_index = False  # the trim needs an index gather even for an identity layout
-        self.narrow: int | None = None  # identity layout + plain trim: a narrow instead
+        # a layout that moves whole chunks: the rank-major chunk of every global chunk (the
+        # un-shard reorders chunks, not tokens)
+        self.chunks: tuple[int, ...] | None = None
+        self.narrow: int | None = None  # identity / chunk reorder + plain trim: a narrow
         self.rows: tuple[int, int] | None = None  # THD: un-flatten the stream to (B, S)
+
+
+def _permute_chunks_(chunks: torch.Tensor, src: Sequence[int]) -> None:
+    """``chunks[k] = chunks[src[k]]`` (old contents) for every ``k``, in place along dim 0: the
+    cycles of the permutation are walked one after the other with one chunk of scratch."""
+    done = [False] * len(src)
+    saved = None
+    for start in range(len(src)):
+        if done[start] or src[start] == start:
+            continue
+        if saved is None:
+            saved = torch.empty_like(chunks[start])
+        saved.copy_(chunks[start])
+        k = start
+        while src[k] != start:
+            chunks[k].copy_(chunks[src[k]])
+            done[k] = True
+            k = src[k]
+        chunks[k].copy_(saved)
+        done[k] = True
+
+
+class _ChunksToGlobalOrder(torch.autograd.Function):
+    """The all-gathered ``[W, ...]`` buffer, viewed as chunks in rank-major order, put in global
+    order in place (``src[k]``: the rank-major chunk that global chunk ``k`` is); backward: the
+    gradient's chunks back to rank-major order (one gather of whole chunks)."""
+
+    @staticmethod
+    def forward(ctx, stage: torch.Tensor, src: tuple[int, ...]) -> torch.Tensor:
+        ctx.src = src
+        _permute_chunks_(stage.view(len(src), -1), src)
+        ctx.mark_dirty(stage)
+        return stage
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = [0] * len(ctx.src)
+        for k, s in enumerate(ctx.src):
+            back[s] = k
+        index = torch.tensor(back, dtype=torch.int64, device=grad.device)
+        chunks = ops.index_gather(grad.reshape(len(back), -1), index, 0)
+        return chunks.view(grad.shape), None
 
 
 def _stage_index(slots: torch.Tensor, shape: tuple[int, ...], d: int) -> torch.Tensor:

@@ -149,6 +149,10 @@ SHAPES = [
     ((B, None, 2, 2), -3),
     ((1, B, None), -1),
 ]
+# nothing before the seq dim (hidden states [1, S, H], a bare [S, H]): the un-shard of head_tail
+# reorders the gathered buffer in place there; closed-form layouts only (the data-dependent ones
+# plan every row of the batch, so their tensors need the batch dim)
+TOKEN_OUTERMOST_SHAPES = [((1, None, H), 1), ((None, H), 0)]
 DTYPES = [F64, BF16, I64, torch.bool]
 
 
@@ -186,7 +190,8 @@ def _run_round_trips(
         mine = _positions(owner, rank)
         if (lay.name, lay.world_size, lay.original_seq_len) != (layout, world, S):
             bad.append(f"{layout}: layout fields {lay}")
-        for j, (shape, sd) in enumerate(SHAPES):
+        shapes = SHAPES + (TOKEN_OUTERMOST_SHAPES if layout not in DATA_DEPENDENT else [])
+        for j, (shape, sd) in enumerate(shapes):
             full_shape = [S if s is None else s for s in shape]
             d = sd % len(full_shape)
             # float64 (values and gradients) for every (layout, shape), plus one other dtype in turn
@@ -533,28 +538,40 @@ def _run_count_collectives(rank: int, world: int) -> list[str]:
     """The un-shard of closed-form and carried layouts moves the data only: one all-gather of
     the shards, plus the fixed-size consensus exchanges -- never an index tensor."""
     calls: list[tuple] = []
-    original = comm.TorchTransport.all_gather, comm.TorchTransport.all_gather_v
+    nested = [0]  # a verb the transport implements through another one counts once
+    names = ("all_gather", "all_gather_v")
+    original = {name: getattr(comm.TorchTransport, name) for name in names}
 
-    def all_gather(self, out, local):
-        calls.append(("all_gather", local.dtype, local.numel()))
-        return original[0](self, out, local)
+    def recorded(name: str):
+        def verb(self, out, local, *sizes):
+            if not nested[0]:
+                calls.append((name, local.dtype, local.numel()))
+            nested[0] += 1
+            try:
+                return original[name](self, out, local, *sizes)
+            finally:
+                nested[0] -= 1
 
-    def all_gather_v(self, out, local, sizes):
-        calls.append(("all_gather_v", local.dtype, local.numel()))
-        return original[1](self, out, local, sizes)
+        return verb
 
-    comm.TorchTransport.all_gather, comm.TorchTransport.all_gather_v = all_gather, all_gather_v
+    for name in names:
+        setattr(comm.TorchTransport, name, recorded(name))
     bad = []
     try:
         for layout, spec in LAYOUT_SPECS:
             sh = _sharder(world, layout, spec)
-            local = sh.shard_token_tensor(_rand((B, S, 4), F32, 5), fill=0.0)
-            calls.clear()
-            sh.gather_token_tensor(local, trim=True)
-            if calls != [("all_gather", F32, local.numel())]:
-                bad.append(f"{layout}: collectives {calls}")
+            # [B, S, 4] and hidden states [1, S, 4] (head_tail reorders those in place)
+            for shape in ((B, S, 4), (1, S, 4)):
+                if shape[0] == 1 and layout in DATA_DEPENDENT:
+                    continue
+                local = sh.shard_token_tensor(_rand(shape, F32, 5), fill=0.0)
+                calls.clear()
+                sh.gather_token_tensor(local, trim=True)
+                if calls != [("all_gather", F32, local.numel())]:
+                    bad.append(f"{layout} {shape}: collectives {calls}")
     finally:
-        comm.TorchTransport.all_gather, comm.TorchTransport.all_gather_v = original
+        for name in names:
+            setattr(comm.TorchTransport, name, original[name])
     return bad
 
 
