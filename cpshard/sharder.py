@@ -30,7 +30,6 @@ and precedes a collective goes through :func:`cpshard.consensus.agree`, so every
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -40,7 +39,7 @@ import torch
 from cpshard import ops
 from cpshard.batch_padding import pad_sequence, pad_value
 from cpshard.comm import GroupLike, resolve_group
-from cpshard.consensus import agree
+from cpshard.consensus import agree, digest
 from cpshard.layout import (
     CLOSED_FORM_LAYOUTS,
     ShardLayout,
@@ -125,14 +124,6 @@ def _gather_rows(t: torch.Tensor, dim: int, index: torch.Tensor, fill: Any) -> t
     offsets = torch.arange(rows, device=index.device).unsqueeze(1) * length
     flat_index = torch.where(index >= 0, index + offsets, torch.full_like(index, -1)).reshape(-1)
     return ops.index_gather(flat, flat_index, dim - 1, fill).unflatten(dim - 1, (rows, n))
-
-
-def _digest(t: torch.Tensor | None) -> list[int]:
-    if t is None:
-        return [0, 0]
-    data = t.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-    h = hashlib.blake2b(data, digest_size=8).digest()
-    return [int.from_bytes(h, "little") >> 2, t.numel()]
 
 
 class ContextParallelSharder:
@@ -409,7 +400,7 @@ class ContextParallelSharder:
             "batch size": [plan.rows if plan else 0],
             "sequence length": [plan.seq_len if plan else 0],
             "padded length": [plan.layout.padded_seq_len if plan else 0],
-            "partition": _digest(plan.layout.local_token_global_indices if plan else None),
+            "partition": digest(plan.layout.local_token_global_indices if plan else None),
         }
         # One small all-gather: every rank raises if any rank's batch is bad, and ranks whose
         # batches (hence data-dependent partitions) differ are named instead of silently mixed.
