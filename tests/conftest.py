@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
@@ -43,3 +48,26 @@ def pool3(pools: Callable[[int], RankPool]) -> RankPool:
 @pytest.fixture(scope="session")
 def pool4(pools: Callable[[int], RankPool]) -> RankPool:
     return pools(4)
+
+
+BenchRun = Callable[..., tuple[subprocess.CompletedProcess, dict]]
+
+
+@pytest.fixture
+def run_bench(tmp_path: Path) -> BenchRun:
+    """``run(*args, timeout=300)``: ``python -m cpshard.bench ARGS --json F`` in a subprocess
+    (one thread per rank); asserts it succeeded, returns the process and the parsed JSON."""
+
+    def run(*args: str, timeout: float = 300) -> tuple[subprocess.CompletedProcess, dict]:
+        out = tmp_path / "bench.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "cpshard.bench", *args, "--json", str(out)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc, json.loads(out.read_text())
+
+    return run

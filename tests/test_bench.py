@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -15,35 +11,15 @@ from cpshard.bench.cli import main, parse_config
 from cpshard.bench.config import BenchConfig
 
 
-def test_tiny_run_writes_json(tmp_path):
-    out = tmp_path / "bench.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "cpshard.bench",
-        "--world",
-        "2",
-        "--ops",
-        "ragged,halo",
-        "--sizes",
-        "64",
-        "--repeats",
-        "2",
-        "--warmup",
-        "1",
-        "--iters",
-        "2",
+def test_tiny_run_writes_json(run_bench):
+    proc, data = run_bench(
+        *"--world 2 --ops ragged,halo --sizes 64 --repeats 2 --warmup 1 --iters 2".split(),
         "--hidden",
         "256",
-        "--json",
-        str(out),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stderr
+        timeout=180,
+    )
     assert "[2/2]" in proc.stderr  # the progress line
     assert "# ragged:" in proc.stdout and "# halo:" in proc.stdout and "speedup" in proc.stdout
-    data = json.loads(out.read_text())
     assert data["machine"]["world"] == 2 and data["machine"]["backend"] == "gloo"
     assert data["config"]["sizes"] == [64]
     rows = {r["op"]: r for r in data["results"]}
@@ -62,16 +38,13 @@ def test_tiny_run_writes_json(tmp_path):
     assert data["strategies"] == []
 
 
-def test_blockdiag_section_quick_run(tmp_path):
+def test_blockdiag_section_quick_run(run_bench):
     """W=3: the S=2L case runs on a 2-rank subgroup while rank 2 waits, then all 3 ranks."""
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "cpshard.bench", "--world", "3", "--ops", "blockdiag", "--quick",
-           "--repeats", "2", "--warmup", "0", "--iters", "1", "--json", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr
+    proc, data = run_bench(
+        *"--world 3 --ops blockdiag --quick --repeats 2 --warmup 0 --iters 1".split()
+    )
     assert "[2/2]" in proc.stderr and "# blockdiag:" in proc.stdout
-    rows = json.loads(out.read_text())["blockdiag"]
+    rows = data["blockdiag"]
     assert [(r["world"], r["seq_len"]) for r in rows] == [(2, 256), (3, 768)]
     for r in rows:
         assert r["ours_fwd_bwd_s"] > 0 and r["base_fwd_bwd_s"] > 0 and r["speedup"] > 0

@@ -2,33 +2,20 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 
 from cpshard.bench.layouts import BALANCED_GOAL, QUICK_BALANCE, QUICK_CASES
 from cpshard.layout import CLOSED_FORM_LAYOUTS, LAYOUTS
 
 
-def test_layouts_section_quick_run(tmp_path):
-    out = tmp_path / "bench.json"
-    args = "--world 2 --ops layouts --quick --repeats 2 --warmup 0 --iters 1".split()
-    proc = subprocess.run(
-        [sys.executable, "-m", "cpshard.bench", *args, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert proc.returncode == 0, proc.stderr
+def test_layouts_section_quick_run(run_bench):
+    proc, data = run_bench(*"--world 2 --ops layouts --quick --repeats 2 --warmup 0 --iters 1".split())
     steps = len(QUICK_BALANCE.means) + len(QUICK_CASES)
     assert f"[{steps}/{steps}]" in proc.stderr  # one progress line per step
     assert "# layouts: per-rank causal-attention cost" in proc.stdout
     assert f"# balanced <= {BALANCED_GOAL}:" in proc.stdout
     assert "# layouts: gather_token_tensor(trim=True)" in proc.stdout
 
-    result = json.loads(out.read_text())["layouts"]
+    result = data["layouts"]
     assert result["world"] == 2
     balance = result["balance"]
     assert len(balance) == len(QUICK_BALANCE.means) * len(LAYOUTS)

@@ -3,11 +3,7 @@ spawned ranks (JSON and rendered blocks), and unit checks of the sections' pure 
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 
 import torch
 
@@ -17,17 +13,13 @@ from cpshard.vision import frame_costs, plan_contiguous, rank_costs
 EXACT = 1 - 1e-12
 
 
-def test_quick_run_reports_both_sections(tmp_path):
-    out = tmp_path / "bench.json"
-    cmd = [sys.executable, "-m", "cpshard.bench", "--world", "2", "--ops", "planner,vision"]
-    cmd += ["--quick", "--repeats", "2", "--warmup", "0", "--iters", "1", "--json", str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr
+def test_quick_run_reports_both_sections(run_bench):
+    proc, data = run_bench(
+        *"--world 2 --ops planner,vision --quick --repeats 2 --warmup 0 --iters 1".split()
+    )
     steps = len(planner.COST_SETS) + len(planner.QUALITY_WORLDS) + 1
     assert f"[{steps}/{steps}]" in proc.stderr  # the progress counter covers both sections
     assert "# planner:" in proc.stdout and "# vision:" in proc.stdout
-    data = json.loads(out.read_text())
 
     plan = data["planner"]
     assert plan["python_calibration_ms"] > 0
