@@ -142,11 +142,11 @@ class TorchTransport:
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None:
         full = _flat(full)
         if self.group.world * max(sizes) * full.element_size() <= A2A_STAGING_BYTES:
-            self._reduce_scatter_all_to_all(out, full, sizes)
+            self.reduce_scatter_all_to_all(out, full, sizes)
         else:
-            self._reduce_scatter_pipelined(out, full, sizes)
+            self.reduce_scatter_pipelined(out, full, sizes)
 
-    def _reduce_scatter_all_to_all(
+    def reduce_scatter_all_to_all(
         self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]
     ) -> None:
         world, n = self.group.world, sizes[self.group.rank]
@@ -156,11 +156,12 @@ class TorchTransport:
         )
         torch.sum(stage.view(world, n), dim=0, out=out.view(n))
 
-    def _reduce_scatter_pipelined(
+    def reduce_scatter_pipelined(
         self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]
     ) -> None:
         """Round k moves piece k of every rank's part (pieces of ``piece`` elements, the same
-        cut on every rank) and sums the previous round's pieces meanwhile."""
+        cut on every rank) and sums the previous round's pieces meanwhile. (Both routes are
+        public so that ``cpshard bench --ops strategies`` measures exactly them.)"""
         world, me = self.group.world, self.group.rank
         offs = _offsets(sizes)
         piece = max(1, A2A_STAGING_BYTES // 2 // (world * full.element_size()))

@@ -7,19 +7,19 @@ Forward, ``x = [n_r, H]`` -> ``out = [sum n, H]``:
     :func:`cpshard.unpack_ragged` (equal counts: gather straight into ``out``).
   * ``all_to_all``: ``all_to_all_single`` with uneven output splits; the input is this rank's
     block repeated W times.
-  * ``p2p``: local block copied into its slot, batched ``isend``/``irecv`` straight into the
-    other slots.
+  * ``p2p``: the transport's route (:meth:`cpshard.comm.TorchTransport.all_gather_v`): local
+    block copied into its slot, batched ``isend``/``irecv`` straight into the other slots.
 Backward, ``g = [sum n, H]`` -> ``[n_r, H]``:
   * ``pad_reduce_scatter``: :func:`cpshard.pack_ragged` padded to ``[W, max_n, H]``,
     ``reduce_scatter_single``, first ``n_r`` rows (equal counts: reduce-scatter ``g`` itself).
-  * ``all_to_all``: ``all_to_all_single`` with exact splits into ``[W, n_r, H]``, summed.
+  * ``all_to_all``: the transport's route below 16 MiB of staging
+    (:meth:`cpshard.comm.TorchTransport.reduce_scatter_all_to_all`): ``all_to_all_single`` with
+    exact splits into ``[W, n_r, H]``, summed.
   * ``p2p``: batched ``isend`` of each rank's rows to it, ``irecv`` into ``[W, n_r, H]``, summed.
-  * ``p2p_pipelined``: the same bytes in rounds: rank r's rows are cut into
-    ``K_r = clamp(bytes_r / 1 MiB, 1, 2(W-1))`` pieces (K_r depends on r's count only, so all
-    ranks agree); in round k each rank sends piece k of every peer's rows straight from ``g`` and
-    receives its own piece k from every peer into one of two ``[W-1, piece]`` buffers while the
-    previous round's pieces are summed into the output. Staging ~ ``2 (W-1) n_r / K_r`` instead
-    of ``W n_r``.
+  * ``p2p_pipelined``: the transport's route above it
+    (:meth:`cpshard.comm.TorchTransport.reduce_scatter_pipelined`): the same bytes in rounds of
+    pieces that fit two alternating ``[W, piece]`` buffers of 8 MiB, each round's sum overlapping
+    the next round's transfer.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from cpshard.bench.cases import ragged_counts
 from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
+from cpshard.comm import Group, TorchTransport
 
 FORWARD = ("pad_all_gather", "all_to_all", "p2p")
 BACKWARD = ("pad_reduce_scatter", "all_to_all", "p2p", "p2p_pipelined")
-PIECE_BYTES = 1 << 20  # p2p_pipelined: smallest piece worth a round of its own
 
 
 def _p2p(pg, sends, recvs) -> None:
@@ -88,13 +88,11 @@ def forward_strategies(
         )
         return out
 
-    def p2p(x: torch.Tensor) -> torch.Tensor:
+    def p2p(x: torch.Tensor) -> torch.Tensor:  # the transport's route
         out = x.new_empty((offs[-1], *x.shape[1:]))
-        out[offs[me] : offs[me + 1]].copy_(x)
-        _p2p(
-            pg,
-            [(r, out[offs[me] : offs[me + 1]]) for r in peers],
-            [(r, out[offs[r] : offs[r + 1]]) for r in peers],
+        row = int(torch.Size(x.shape[1:]).numel())
+        TorchTransport(Group(pg, me, world)).all_gather_v(
+            out.view(-1), x, [c * row for c in counts]
         )
         return out
 
@@ -119,79 +117,27 @@ def backward_strategies(
         dist.reduce_scatter_single(out.view(-1), full.reshape(-1), group=pg)
         return out[:n]
 
-    def all_to_all(g: torch.Tensor) -> torch.Tensor:
-        h = g.shape[1:]
-        row = int(torch.Size(h).numel())
-        stage = g.new_empty((world, n, *h))
-        dist.all_to_all_single(
-            stage.view(-1),
-            g.reshape(-1),
-            output_split_sizes=[n * row] * world,
-            input_split_sizes=[c * row for c in counts],
-            group=pg,
-        )
-        return stage.sum(0)
+    transport = TorchTransport(Group(pg, me, world))
+
+    def routed(
+        route: Callable[[torch.Tensor, torch.Tensor, list[int]], None],
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(g: torch.Tensor) -> torch.Tensor:
+            row = int(torch.Size(g.shape[1:]).numel())
+            out = g.new_empty((n, *g.shape[1:]))
+            route(out.view(-1), g.reshape(-1), [c * row for c in counts])
+            return out
+
+        return run
+
+    all_to_all = routed(transport.reduce_scatter_all_to_all)
+    p2p_pipelined = routed(transport.reduce_scatter_pipelined)
 
     def p2p(g: torch.Tensor) -> torch.Tensor:
         stage = g.new_empty((world, n, *g.shape[1:]))
         stage[me].copy_(g[offs[me] : offs[me + 1]])
         _p2p(pg, [(r, g[offs[r] : offs[r + 1]]) for r in peers], [(r, stage[r]) for r in peers])
         return stage.sum(0)
-
-    def p2p_pipelined(g: torch.Tensor) -> torch.Tensor:
-        h = g.shape[1:]
-        row = int(torch.Size(h).numel())
-        elem = g.element_size()
-        pieces = [
-            max(1, min(2 * (world - 1), c * row * elem // PIECE_BYTES)) if c else 0 for c in counts
-        ]
-        bounds = [
-            [c * k // p for k in range(p + 1)] if p else [0]
-            for c, p in zip(counts, pieces, strict=True)
-        ]
-        out = g.new_empty((n, *h))
-        k_me = pieces[me]
-        width = -(-n // k_me) if k_me else 0
-        bufs = [g.new_empty((world - 1, width, *h)) for _ in range(min(2, k_me))]
-        pending = None  # (rows lo, hi, staging, works) of the round being received
-        for k in range(max(pieces) + 1):
-            current = None
-            if k < max(pieces):
-                sends = [
-                    (r, g[offs[r] + bounds[r][k] : offs[r] + bounds[r][k + 1]])
-                    for r in peers
-                    if k < pieces[r]
-                ]
-                recvs = []
-                if k < k_me:
-                    lo, hi = bounds[me][k], bounds[me][k + 1]
-                    stage = bufs[k % 2][:, : hi - lo]
-                    recvs = [(r, stage[i]) for i, r in enumerate(peers)]
-                    current = (lo, hi, stage)
-                ops = [
-                    dist.P2POp(dist.isend, t, dist.get_global_rank(pg, r), pg, tag=k)
-                    for r, t in sends
-                    if t.numel()
-                ]
-                ops += [
-                    dist.P2POp(dist.irecv, t, dist.get_global_rank(pg, r), pg, tag=k)
-                    for r, t in recvs
-                    if t.numel()
-                ]
-                works = dist.batch_isend_irecv(ops) if ops else []
-            if pending is not None:
-                lo, hi, stage, done = pending
-                for work in done:
-                    work.wait()
-                torch.sum(stage, dim=0, out=out[lo:hi])
-                out[lo:hi].add_(g[offs[me] + lo : offs[me] + hi])
-                pending = None
-            if current is not None:
-                pending = (*current, works)
-            elif k < max(pieces):
-                for work in works:
-                    work.wait()
-        return out
 
     return {
         "pad_reduce_scatter": pad_reduce_scatter,
