@@ -9,6 +9,7 @@ every data-moving op is differentiable, its backward being the adjoint move.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -206,6 +207,10 @@ def deinterleave_sequence(x: torch.Tensor, world: int, dim: int = 1) -> torch.Te
     dim = _dim(dim, x.dim(), "dim", what)
     if x.shape[dim] % world:
         raise ValueError(f"{what}: x.shape[{dim}] = {x.shape[dim]} is not divisible by world = {world}")
+    # An empty x divides by any world; the [W, ...] output's sizes must still multiply within
+    # int64 up to its first zero (the native geometry multiplies them in this order).
+    out_shape = [world, *x.shape[:dim], x.shape[dim] // world, *x.shape[dim + 1 :]]
+    _fits_int64(what, "world", *itertools.takewhile(bool, out_shape))
     return _ops.deinterleave_sequence(x, world, dim)
 
 

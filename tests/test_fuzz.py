@@ -498,6 +498,18 @@ def ragged_size_overflow(shape: Sequence[int], d: int, world: int, pad: int | No
     )
 
 
+def overflows_before_zero(sizes: Sequence[int]) -> bool:
+    """Whether multiplying ``sizes`` in order overflows int64 before a zero makes it 0."""
+    p = 1
+    for s in sizes:
+        if s == 0:
+            return False
+        p *= s
+        if p >= 2**63:
+            return True
+    return False
+
+
 def first(*problems: str | None) -> str | None:
     return next((p for p in problems if p is not None), None)
 
@@ -712,6 +724,9 @@ def test_deinterleave_sequence(args, raw):
             problem = "world < 1"
         elif x.shape[dim] % world:
             problem = "not divisible"
+        elif overflows_before_zero([world, *x.shape[:dim], x.shape[dim] // world, *x.shape[dim + 1 :]]):
+            # an empty x divides by any world, but [W, ...] must be sized within int64
+            problem = "size overflow"
     errors = RAW_ERRORS if raw else WRAPPER_ERRORS
     if not raw and problem == "world type":
         errors = (ValueError,)  # the wrapper reports a non-int world as a ValueError

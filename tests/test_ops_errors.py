@@ -145,6 +145,12 @@ WRAPPER_CASES = {
         (TypeError, ValueError),
         r"world",
     ),
+    # found by the fuzzing: an empty x divides by any world, but [W, 2, 0] overflows int64
+    "deinterleave-empty-huge-world": (
+        lambda: ops.deinterleave_sequence(torch.empty(2, 0, dtype=torch.uint8), 2**62, 1),
+        ValueError,
+        r"world makes a buffer",
+    ),
     "deinterleave-world-bool": (
         lambda: ops.deinterleave_sequence(_x(2, 4), True, 1),
         (TypeError, ValueError),
