@@ -108,6 +108,12 @@ def _fits_int64(what: str, name: str, *factors: int) -> None:
         raise ValueError(f"{what}: {name} makes a buffer of {math.prod(factors)} elements (over int64)")
 
 
+def _shape_fits_int64(what: str, name: str, shape: Sequence[int]) -> None:
+    """An output shape must multiply within int64 up to its first zero, in order (the native
+    geometry multiplies it so, even when a zero size makes the tensor empty)."""
+    _fits_int64(what, name, *itertools.takewhile(bool, shape))
+
+
 def _index(index: torch.Tensor, data: torch.Tensor, what: str) -> torch.Tensor:
     _tensor(index, "index", what)
     if index.dim() != 1:
@@ -207,10 +213,8 @@ def deinterleave_sequence(x: torch.Tensor, world: int, dim: int = 1) -> torch.Te
     dim = _dim(dim, x.dim(), "dim", what)
     if x.shape[dim] % world:
         raise ValueError(f"{what}: x.shape[{dim}] = {x.shape[dim]} is not divisible by world = {world}")
-    # An empty x divides by any world; the [W, ...] output's sizes must still multiply within
-    # int64 up to its first zero (the native geometry multiplies them in this order).
-    out_shape = [world, *x.shape[:dim], x.shape[dim] // world, *x.shape[dim + 1 :]]
-    _fits_int64(what, "world", *itertools.takewhile(bool, out_shape))
+    # An empty x divides by any world; the [W, ...] output must still be sized within int64.
+    _shape_fits_int64(what, "world", [world, *x.shape[:dim], x.shape[dim] // world, *x.shape[dim + 1 :]])
     return _ops.deinterleave_sequence(x, world, dim)
 
 
@@ -243,6 +247,7 @@ def index_scatter_add(grad: torch.Tensor, index: torch.Tensor, dim: int, dim_siz
     index = _index(index, grad, what)
     if index.numel() != grad.shape[dim]:
         raise ValueError(f"{what}: index has {index.numel()} entries but grad.shape[{dim}] is {grad.shape[dim]}")
+    _shape_fits_int64(what, "dim_size", [*grad.shape[:dim], dim_size, *grad.shape[dim + 1 :]])
     return _ops.index_scatter_add(grad, index, dim, dim_size)
 
 

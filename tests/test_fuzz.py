@@ -724,7 +724,9 @@ def test_deinterleave_sequence(args, raw):
             problem = "world < 1"
         elif x.shape[dim] % world:
             problem = "not divisible"
-        elif overflows_before_zero([world, *x.shape[:dim], x.shape[dim] // world, *x.shape[dim + 1 :]]):
+        elif overflows_before_zero(
+            [world, *x.shape[: dim % x.dim()], x.shape[dim] // world, *x.shape[dim % x.dim() + 1 :]]
+        ):
             # an empty x divides by any world, but [W, ...] must be sized within int64
             problem = "size overflow"
     errors = RAW_ERRORS if raw else WRAPPER_ERRORS
@@ -866,6 +868,10 @@ def test_index_scatter_add(args, raw):
             problem = index_problem(index, None)
             if problem is None and index.numel() != grad.shape[dim]:
                 problem = "index length"
+            d = dim % grad.dim()
+            out_shape = [*grad.shape[:d], dim_size, *grad.shape[d + 1 :]]
+            if problem is None and overflows_before_zero(out_shape):
+                problem = "size overflow"  # the wrapper checks it before the index bound
             problem = problem or index_problem(index, dim_size)
     if raw:
         errors = RAW_ERRORS

@@ -145,6 +145,14 @@ WRAPPER_CASES = {
         (TypeError, ValueError),
         r"world",
     ),
+    # found by the fuzzing: an empty grad with a dim_size that makes [2, 2**62, 0] overflow
+    "scatter-add-empty-huge-dim-size": (
+        lambda: ops.index_scatter_add(
+            torch.empty(2, 0, 0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), 1, 2**62
+        ),
+        ValueError,
+        r"dim_size makes a buffer",
+    ),
     # found by the fuzzing: an empty x divides by any world, but [W, 2, 0] overflows int64
     "deinterleave-empty-huge-world": (
         lambda: ops.deinterleave_sequence(torch.empty(2, 0, dtype=torch.uint8), 2**62, 1),
