@@ -73,7 +73,8 @@ class Transport(Protocol):
     ) -> None: ...
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each rank's part starts in a buffer that holds them back to back, and the end."""
     out = [0]
     for s in sizes:
         out.append(out[-1] + s)
@@ -120,7 +121,7 @@ class TorchTransport:
             dist.all_gather_single(out, _flat(local), group=self.pg)
 
     def all_gather_v(self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int]) -> None:
-        offs = _offsets(sizes)
+        offs = offsets(sizes)
         me = self.group.rank
         out[offs[me] : offs[me + 1]].copy_(_flat(local))
         if self.is_gloo or len(set(sizes)) > 1:
@@ -163,7 +164,7 @@ class TorchTransport:
         cut on every rank) and sums the previous round's pieces meanwhile. (Both routes are
         public so that ``cpshard bench --ops strategies`` measures exactly them.)"""
         world, me = self.group.world, self.group.rank
-        offs = _offsets(sizes)
+        offs = offsets(sizes)
         piece = max(1, A2A_STAGING_BYTES // 2 // (world * full.element_size()))
         rounds = [-(-s // piece) for s in sizes]
         width = min(piece, sizes[me])

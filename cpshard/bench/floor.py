@@ -13,15 +13,17 @@ import torch
 import torch.distributed as dist
 
 from cpshard.bench.runtime import Runtime
+from cpshard.comm import offsets
 
 Transfer = Callable[[], None]
 
 
-def _p2p(
+def p2p_exchange(
     pg: dist.ProcessGroup,
     sends: Sequence[tuple[int, torch.Tensor]],
     recvs: Sequence[tuple[int, torch.Tensor]],
 ) -> None:
+    """One batch of isend/irecv (empty tensors skipped), waited for: a bare transfer."""
     ops = [
         dist.P2POp(dist.isend, t, dist.get_global_rank(pg, r), pg) for r, t in sends if t.numel()
     ]
@@ -33,13 +35,6 @@ def _p2p(
             work.wait()
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
-
-
 def gather_floors(
     rt: Runtime, sizes: Sequence[int]
 ) -> tuple[dict[str, Transfer], dict[str, Transfer]]:
@@ -48,7 +43,7 @@ def gather_floors(
     ``all_to_all_single`` (and by ``all_gather_single`` when the sizes are equal)."""
     pg, me, world = rt.pg, rt.rank, rt.world
     sizes = list(sizes)
-    offs, n = _offsets(sizes), sizes[me]
+    offs, n = offsets(sizes), sizes[me]
     peers = [r for r in range(world) if r != me]
     kw = {"dtype": rt.dtype, "device": rt.device}
     out = torch.zeros(offs[-1], **kw)
@@ -58,7 +53,9 @@ def gather_floors(
     stage = torch.zeros(world * n, **kw)  # one slot per source rank
 
     def fwd_p2p() -> None:
-        _p2p(pg, [(r, local) for r in peers], [(r, out[offs[r] : offs[r + 1]]) for r in peers])
+        p2p_exchange(
+            pg, [(r, local) for r in peers], [(r, out[offs[r] : offs[r + 1]]) for r in peers]
+        )
 
     def fwd_a2a() -> None:
         dist.all_to_all_single(
@@ -69,7 +66,7 @@ def gather_floors(
         dist.all_gather_single(out, local, group=pg)
 
     def bwd_p2p() -> None:
-        _p2p(
+        p2p_exchange(
             pg,
             [(r, full[offs[r] : offs[r + 1]]) for r in peers],
             [(r, stage[r * n : (r + 1) * n]) for r in peers],
@@ -93,4 +90,4 @@ def exchange_floor(
     kw = {"dtype": rt.dtype, "device": rt.device}
     send_bufs = [(r, torch.zeros(k, **kw)) for r, k in sends]
     recv_bufs = [(r, torch.zeros(k, **kw)) for r, k in recvs]
-    return lambda: _p2p(rt.pg, send_bufs, recv_bufs)
+    return lambda: p2p_exchange(rt.pg, send_bufs, recv_bufs)

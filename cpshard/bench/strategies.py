@@ -32,24 +32,13 @@ import torch.distributed as dist
 import cpshard
 from cpshard.bench.cases import ragged_counts
 from cpshard.bench.memory import peak_extra_bytes
+from cpshard.bench.floor import p2p_exchange
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.comm import Group, TorchTransport
+from cpshard.comm import Group, TorchTransport, offsets
 
 FORWARD = ("pad_all_gather", "all_to_all", "p2p")
 BACKWARD = ("pad_reduce_scatter", "all_to_all", "p2p", "p2p_pipelined")
-
-
-def _p2p(pg, sends, recvs) -> None:
-    ops = [
-        dist.P2POp(dist.isend, t, dist.get_global_rank(pg, r), pg) for r, t in sends if t.numel()
-    ]
-    ops += [
-        dist.P2POp(dist.irecv, t, dist.get_global_rank(pg, r), pg) for r, t in recvs if t.numel()
-    ]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
 
 
 def forward_strategies(
@@ -57,10 +46,8 @@ def forward_strategies(
 ) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
     pg, world, me, m = rt.pg, rt.world, rt.rank, max(counts)
     even = len(set(counts)) == 1
-    offs = [0]
-    for c in counts:
-        offs.append(offs[-1] + c)
-    peers = [r for r in range(world) if r != me]
+    offs = offsets(counts)
+    transport = TorchTransport(Group(pg, me, world))
 
     def pad_all_gather(x: torch.Tensor) -> torch.Tensor:
         h = x.shape[1:]
@@ -91,9 +78,7 @@ def forward_strategies(
     def p2p(x: torch.Tensor) -> torch.Tensor:  # the transport's route
         out = x.new_empty((offs[-1], *x.shape[1:]))
         row = int(torch.Size(x.shape[1:]).numel())
-        TorchTransport(Group(pg, me, world)).all_gather_v(
-            out.view(-1), x, [c * row for c in counts]
-        )
+        transport.all_gather_v(out.view(-1), x, [c * row for c in counts])
         return out
 
     return {"pad_all_gather": pad_all_gather, "all_to_all": all_to_all, "p2p": p2p}
@@ -105,9 +90,7 @@ def backward_strategies(
     pg, world, me, m = rt.pg, rt.world, rt.rank, max(counts)
     even = len(set(counts)) == 1
     n = counts[me]
-    offs = [0]
-    for c in counts:
-        offs.append(offs[-1] + c)
+    offs = offsets(counts)
     peers = [r for r in range(world) if r != me]
 
     def pad_reduce_scatter(g: torch.Tensor) -> torch.Tensor:
@@ -136,7 +119,9 @@ def backward_strategies(
     def p2p(g: torch.Tensor) -> torch.Tensor:
         stage = g.new_empty((world, n, *g.shape[1:]))
         stage[me].copy_(g[offs[me] : offs[me + 1]])
-        _p2p(pg, [(r, g[offs[r] : offs[r + 1]]) for r in peers], [(r, stage[r]) for r in peers])
+        p2p_exchange(
+            pg, [(r, g[offs[r] : offs[r + 1]]) for r in peers], [(r, stage[r]) for r in peers]
+        )
         return stage.sum(0)
 
     return {
