@@ -2,7 +2,7 @@
 
 from cpshard._build import BuildInfo, build_info
 from cpshard.blockdiag import cp_blockdiag_sdpa, document_ids, make_cp_blockdiag_batch_and_ctx
-from cpshard.consensus import raise_on_any_rank
+from cpshard.consensus import check_mode, current_check_mode, raise_on_any_rank
 from cpshard.ops import (
     DocumentSegments,
     deinterleave_sequence,
@@ -47,8 +47,10 @@ __all__ = [
     "__version__",
     "build_info",
     "BuildInfo",
+    "check_mode",
     "ContextParallelSharder",
     "cp_blockdiag_sdpa",
+    "current_check_mode",
     "cp_vision_frame_sharding_active",
     "cp_vision_group",
     "CpVisionFrameShardingConfig",

@@ -1,20 +1,74 @@
-"""Group consensus before collectives, so a check that fails on some ranks only makes EVERY
-rank raise instead of leaving the others blocked in the next collective.
+"""Group consensus, so a check that fails on some ranks only makes EVERY rank raise instead of
+leaving the others blocked in the next collective.
 
-Each check exchanges one small int64 vector per rank (one all-gather): a failure flag plus the
-values that must agree across ranks (shapes, dtypes, sizes). Every rank sees the same table, so
-every rank reaches the same verdict and raises the same way.
+Each check exchanges one small int64 vector per rank (one all-to-all over the host-side channel,
+:mod:`cpshard.comm.host`): a failure flag plus the values that must agree across ranks (shapes,
+dtypes, sizes). Every rank sees the same table, so every rank reaches the same verdict and
+raises the same way.
+
+When it runs (the validation model):
+
+* **per step**, always: the entry points that see a step's host metadata
+  (``ContextParallelSharder.shard``, ``make_cp_blockdiag_batch_and_ctx``, the vision plan) run
+  one round;
+* **per call**, only in checked mode: the per-call functions (``gather_*``,
+  ``cp_blockdiag_sdpa``) otherwise check their local arguments only and issue nothing but their
+  data transfer. Checked mode is on when ``CPSHARD_CHECKS=call`` or
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is set at import, or inside :func:`check_mode`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from cpshard.comm import Group, GroupLike, all_gather_small, resolve_group
+
+CHECK_MODES = ("step", "call")
+
+
+def _mode_from_env() -> str:
+    mode = os.environ.get("CPSHARD_CHECKS", "").strip().lower()
+    if mode and mode not in CHECK_MODES:
+        raise ValueError(f"CPSHARD_CHECKS must be one of {CHECK_MODES}, got {mode!r}")
+    if not mode:
+        detail = os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL"
+        mode = "call" if detail else "step"
+    return mode
+
+
+class _CheckMode:
+    """The process's check mode (a documented scope holder, restored by token)."""
+
+    def __init__(self) -> None:
+        self.value = _mode_from_env()
+
+
+_check = _CheckMode()
+
+
+def current_check_mode() -> str:
+    """``"step"`` (default: cross-rank checks once per step) or ``"call"`` (checked mode: also
+    one consensus round before every per-call transfer)."""
+    return _check.value
+
+
+@contextmanager
+def check_mode(mode: str) -> Iterator[None]:
+    """Run the block in check mode ``mode`` (``"step"`` or ``"call"``), then restore the previous
+    one. Every rank of a group must use the same mode (a per-call round is a collective)."""
+    if mode not in CHECK_MODES:
+        raise ValueError(f"cpshard.check_mode: mode must be one of {CHECK_MODES}, got {mode!r}")
+    previous, _check.value = _check.value, mode
+    try:
+        yield
+    finally:
+        _check.value = previous
 
 _DTYPES = [
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
@@ -103,3 +157,19 @@ def raise_on_any_rank(failed: bool, local_detail: str, group: GroupLike, what: s
     """If ``failed`` on any rank of ``group``, raise ``ValueError`` on every rank: the failing
     ranks with their ``local_detail``, the others naming the failed rank(s)."""
     agree(resolve_group(group, what), what, local_detail if failed else None)
+
+
+def check_call(
+    group: Group,
+    what: str,
+    local_error: str | None,
+    fields: Callable[[], Mapping[str, Sequence[int]]] | None = None,
+) -> None:
+    """The check of a per-call function: in checked mode one consensus round (:func:`agree` on
+    ``fields()``); otherwise a local ``local_error`` raises on this rank alone and nothing is
+    exchanged (the peers then fail in the transfer itself, by an error or the group's timeout).
+    """
+    if _check.value == "call" and group.world > 1:
+        agree(group, what, local_error, None if fields is None or local_error is not None else fields())
+    elif local_error is not None:
+        raise ValueError(f"{what}: rank {group.rank}: {local_error}")

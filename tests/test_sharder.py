@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard import comm
+from cpshard.comm import torch_backend as comm
 from cpshard.layout import ShardLayout, make_layout
 from cpshard.sharder import ContextParallelSharder
 

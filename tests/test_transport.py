@@ -557,7 +557,7 @@ def _run_pipelined_reduce_scatter(rank: int, world: int) -> list[str]:
     """The reduce-scatter-v backward through the pipelined point-to-point route (forced by a
     tiny staging cap: pieces of 1, 3 and 7 float64 elements, so ranks need different numbers of
     rounds): gradients equal the reference and, bit for bit, the all-to-all route's."""
-    from cpshard import comm
+    from cpshard.comm import torch_backend as comm
 
     errs = []
     default_cap = comm.A2A_STAGING_BYTES

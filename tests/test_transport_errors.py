@@ -1,8 +1,12 @@
-"""Bad input on ONE rank of the transport gathers (SPEC §3, §3.1, §5): every rank raises a clear
+"""Bad input on ONE rank of the transport gathers (SPEC §3, §3.1, §5).
+
+In checked mode (``cpshard.check_mode("call")``) every rank raises a clear
 ``ValueError``/``TypeError`` promptly (the failing rank describing its own problem, the others
-naming the failing rank), none hangs in a collective; ``raise_on_any_rank`` semantics; and a rank
-that leaves in the middle of a step makes the others raise within the group's timeout, after
-which the pool recovers.
+naming the failing rank), none hangs in a collective. In the default mode the failing rank
+raises its local problem at once and the others fail in the transfer (an error, or the group's
+timeout) - never a silent wrong answer. Also ``raise_on_any_rank`` semantics, and a rank that
+leaves in the middle of a step makes the others raise within the group's timeout, after which
+the pool recovers.
 """
 
 from __future__ import annotations
@@ -14,7 +18,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard import gather_halo, gather_metadata, gather_ragged, gather_sequence, raise_on_any_rank
+from cpshard import (
+    check_mode,
+    gather_halo,
+    gather_metadata,
+    gather_ragged,
+    gather_sequence,
+    raise_on_any_rank,
+)
 from cpshard.testing import RankPool
 
 F64 = torch.float64
@@ -27,8 +38,13 @@ def _counts(world: int) -> list[int]:
     return [2 + r for r in range(world)]
 
 
-def _call(rank: int, world: int, case: str, bad: int) -> str:
-    """Run gather ``case`` with valid arguments on every rank but ``bad``."""
+def _call(rank: int, world: int, case: str, bad: int, mode: str = "call") -> str:
+    """Run gather ``case`` with valid arguments on every rank but ``bad``, in check ``mode``."""
+    with check_mode(mode):
+        return _gather_case(rank, world, case, bad)
+
+
+def _gather_case(rank: int, world: int, case: str, bad: int) -> str:
     me = rank == bad
     g = dist.group.WORLD
     counts = _counts(world)

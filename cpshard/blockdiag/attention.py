@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from cpshard.blockdiag.state import BlockDiagState, Segment, active_state
-from cpshard.consensus import agree
+from cpshard.consensus import check_call
 from cpshard.transport import exchange_halo
 
 _WHAT = "cpshard.cp_blockdiag_sdpa"
@@ -229,5 +229,5 @@ def cp_blockdiag_sdpa(
         )
     problem = _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
     if problem is not None:
-        agree(state.group, _WHAT, problem)  # the halo exchange's consensus round, failed here
+        check_call(state.group, _WHAT, problem)  # in checked mode: the halo exchange's round, failed here
     return _blockdiag(state, query, key, value, scale)

@@ -1,84 +1,21 @@
-"""Group resolution and the collective verbs the transport layer is built from.
-
-This is the only module that calls ``torch.distributed`` collectives or the native NCCL
-communicator. Every verb takes flat, contiguous 1-D tensors of elements (the callers own the
-layout), so a transport needs no knowledge of shapes or autograd. Two transports implement the
-verbs: :class:`TorchTransport` (``torch.distributed``: gloo on CPU, NCCL through torch as a
-fallback) and, in the CUDA build, the native NCCL communicator (``cpshard._nccl``).
-"""
+"""The transport verbs on ``torch.distributed`` (gloo on CPU; NCCL through torch for CUDA
+tensors when the extension has no native communicator)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Iterator, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
-from cpshard._build import build_info
+from cpshard.comm.group import Group
+from cpshard.comm.verbs import offsets
 from cpshard.hugepages import new_buffer
-
-GroupLike = dist.ProcessGroup | DeviceMesh | None
-
-
-@dataclass(frozen=True)
-class Group:
-    """A resolved CP group: the process group (None for a single rank), this rank, the size."""
-
-    pg: dist.ProcessGroup | None
-    rank: int
-    world: int
-
-    @property
-    def backend(self) -> str:
-        return "none" if self.pg is None else str(dist.get_backend(self.pg))
-
-
-def resolve_group(group: GroupLike, what: str) -> Group:
-    """``group`` (ProcessGroup | 1-D DeviceMesh | None) as a :class:`Group`."""
-    if group is None:
-        return Group(None, 0, 1)
-    if isinstance(group, DeviceMesh):
-        if group.ndim != 1:
-            raise ValueError(f"{what}: group must be a 1-D DeviceMesh, got a {group.ndim}-D mesh")
-        group = group.get_group()
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(
-            f"{what}: group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
-        )
-    return Group(group, dist.get_rank(group), dist.get_world_size(group))
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """t as a contiguous 1-D tensor (gloo silently corrupts non-contiguous tensors)."""
     return t.contiguous().view(-1)
-
-
-class Transport(Protocol):
-    """The collective verbs, all on flat contiguous tensors of one dtype.
-
-    ``sizes[r]`` is rank r's number of elements; ``out``/``full`` hold every rank's part back to
-    back in rank order (exact offsets, no padding).
-    """
-
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None: ...
-    def all_gather_v(self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int]) -> None: ...
-    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None: ...
-    def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None: ...
-    def send_recv(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
-    ) -> None: ...
-
-
-def offsets(sizes: Sequence[int]) -> list[int]:
-    """Where each rank's part starts in a buffer that holds them back to back, and the end."""
-    out = [0]
-    for s in sizes:
-        out.append(out[-1] + s)
-    return out
 
 
 # reduce_scatter_v: one all-to-all while its [W, max n] staging buffer stays under this; above,
@@ -219,35 +156,3 @@ class TorchTransport:
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-
-
-def transport_for(group: Group, like: torch.Tensor) -> Transport:
-    """The native NCCL communicator for CUDA tensors when built with it, else torch.distributed."""
-    assert group.pg is not None
-    if like.is_cuda and group.backend == "nccl" and build_info().nccl:
-        from cpshard import _nccl
-
-        return _nccl.communicator(group)
-    return TorchTransport(group)
-
-
-def all_gather_small(local: torch.Tensor, group: Group) -> torch.Tensor:
-    """Every rank's copy of a small int64 vector, stacked ``[W, n]`` (for consensus checks)."""
-    assert group.pg is not None
-    device = torch.device("cuda", torch.cuda.current_device()) if group.backend == "nccl" else torch.device("cpu")
-    local = local.to(device=device, dtype=torch.int64).contiguous()
-    out = local.new_empty(group.world * local.numel())
-    if group.backend == "gloo":
-        # gloo's all-to-all of a tiny vector is faster than its all-gather (one round, no ring).
-        dist.all_to_all_single(out, local.repeat(group.world), group=group.pg)
-    else:
-        dist.all_gather_single(out, local, group=group.pg)
-    return out.view(group.world, -1).cpu()
-
-
-@contextmanager
-def nvtx_range(name: str, like: torch.Tensor) -> Iterator[None]:
-    """An NVTX range around a collective on CUDA tensors; nothing on CPU."""
-    ctx = torch.cuda.nvtx.range(name) if like.is_cuda else nullcontext()
-    with ctx:
-        yield

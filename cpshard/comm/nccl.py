@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from cpshard.comm import Group
+from cpshard.comm.group import Group
 
 _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, NcclTransport] = weakref.WeakKeyDictionary()
 
@@ -54,7 +54,7 @@ class NcclTransport:
         )
 
 
-def communicator(group: Group) -> NcclTransport:
+def communicator(group: Group, device: torch.device) -> NcclTransport:
     """The cached communicator of ``group``'s process group (created collectively on first use)."""
     assert group.pg is not None
     found = _cache.get(group.pg)

@@ -1,0 +1,33 @@
+"""The transport backends: the only package that calls ``torch.distributed`` collectives or
+the native NCCL communicator.
+
+* :mod:`~cpshard.comm.group`: ``group`` arguments resolved to a :class:`Group`;
+* :mod:`~cpshard.comm.verbs`: the verbs' protocol (flat tensors, exact offsets, no shapes);
+* :mod:`~cpshard.comm.torch_backend`: the verbs on ``torch.distributed``;
+* :mod:`~cpshard.comm.nccl`: the verbs on the native NCCL communicator (CUDA builds);
+* :mod:`~cpshard.comm.select`: which backend serves a tensor;
+* :mod:`~cpshard.comm.host`: the host-side channel of the per-step consensus;
+* :mod:`~cpshard.comm.collectives`: the verbs as ``torch.library`` custom ops keyed by group
+  name, with fake kernels and autograd, so ``torch.compile`` traces the transport.
+"""
+
+from cpshard.comm.group import Group, GroupLike, group_from_name, resolve_group
+from cpshard.comm.host import all_gather_small, host_group
+from cpshard.comm.nvtx import nvtx_range
+from cpshard.comm.select import transport_for
+from cpshard.comm.torch_backend import TorchTransport
+from cpshard.comm.verbs import Transport, offsets
+
+__all__ = [
+    "Group",
+    "GroupLike",
+    "TorchTransport",
+    "Transport",
+    "all_gather_small",
+    "group_from_name",
+    "host_group",
+    "nvtx_range",
+    "offsets",
+    "resolve_group",
+    "transport_for",
+]

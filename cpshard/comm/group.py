@@ -1,0 +1,51 @@
+"""Group resolution: what every CP function accepts as ``group``, resolved once per call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+GroupLike = dist.ProcessGroup | DeviceMesh | None
+
+
+@dataclass(frozen=True)
+class Group:
+    """A resolved CP group: the process group (None for a single rank), this rank, the size."""
+
+    pg: dist.ProcessGroup | None
+    rank: int
+    world: int
+
+    @property
+    def backend(self) -> str:
+        return "none" if self.pg is None else str(dist.get_backend(self.pg))
+
+    @property
+    def name(self) -> str:
+        """The process group's registered name: the key the transport custom ops take, so a
+        traced graph names its group by a string (as torch's functional collectives do)."""
+        assert self.pg is not None
+        return self.pg.group_name
+
+
+def resolve_group(group: GroupLike, what: str) -> Group:
+    """``group`` (ProcessGroup | 1-D DeviceMesh | None) as a :class:`Group`."""
+    if group is None:
+        return Group(None, 0, 1)
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"{what}: group must be a 1-D DeviceMesh, got a {group.ndim}-D mesh")
+        group = group.get_group()
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{what}: group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
+        )
+    return Group(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+def group_from_name(name: str) -> Group:
+    """The :class:`Group` registered under ``name`` (inside the transport custom ops)."""
+    pg = dist.distributed_c10d._resolve_process_group(name)
+    return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))

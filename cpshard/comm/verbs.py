@@ -1,0 +1,34 @@
+"""The collective verbs every transport backend implements, on flat contiguous tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+
+class Transport(Protocol):
+    """The collective verbs, all on flat contiguous tensors of one dtype.
+
+    ``sizes[r]`` is rank r's number of elements; ``out``/``full`` hold every rank's part back to
+    back in rank order (exact offsets, no padding). Every verb issues its data transfer and
+    nothing else: argument agreement across ranks is the caller's (per step, or per call in
+    checked mode).
+    """
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None: ...
+    def all_gather_v(self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int]) -> None: ...
+    def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None: ...
+    def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None: ...
+    def send_recv(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+    ) -> None: ...
+
+
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each rank's part starts in a buffer that holds them back to back, and the end."""
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
