@@ -8,11 +8,15 @@ the full sequence. Every rank's output and the float64 gradients of q, k, v and 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cpshard.blockdiag import document_ids
+from cpshard.blockdiag.attention import part_kernel as _PART_KERNEL
 from cpshard.blockdiag.attention import varlen_kernel as _VARLEN_KERNEL
 from cpshard.blockdiag.state import active_state
 
@@ -101,58 +105,77 @@ CASES = [
 ]
 
 
-def _reference_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-) -> torch.Tensor:
-    """flash-attn's ``flash_attn_varlen_func`` contract in plain PyTorch: packed
-    ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA by head groups,
-    the causal mask aligned bottom-right (a query sees every key of a longer prefix)."""
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and causal and dropout_p == 0.0
-    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
-    outs = []
-    for i in range(len(cu_q) - 1):
-        qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
-        rep = q.shape[1] // k.shape[1]
-        ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
-        vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
-        n, m = qs.shape[1], ks.shape[1]
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
-        scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-        outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
-    return torch.cat(outs)
+class _StandInVarlen:
+    """torch's varlen flash contract (``aten._flash_attention_forward`` / ``_backward``) in plain
+    PyTorch: packed ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA
+    by head groups, the causal mask aligned bottom-right (a query sees every key of a longer
+    prefix), ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
+    same statement (``torch.func``: autograd is off inside a custom op). It
+    records every packing it is handed."""
+
+    def __init__(self) -> None:
+        self.packings: list = []
+        self.calls = {"forward": 0, "backward": 0}
+
+    def _attend(self, q, k, v, p, scale):
+        cu_q, cu_k = p.cu_q, p.cu_k
+        assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(p.max_q, int) and isinstance(p.max_k, int)
+        assert p.max_q == int((cu_q[1:] - cu_q[:-1]).max()) and p.max_k == int((cu_k[1:] - cu_k[:-1]).max())
+        assert q.shape[0] == int(cu_q[-1]) and k.shape[0] == v.shape[0] == int(cu_k[-1])
+        self.packings.append(p)
+        outs, lses = [], []
+        for i in range(len(cu_q) - 1):
+            qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+            rep = q.shape[1] // k.shape[1]
+            ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+            vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+            n, m = qs.shape[1], ks.shape[1]
+            visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+            scores = (qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)).masked_fill(~visible, float("-inf"))
+            outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
+            lses.append(torch.logsumexp(scores, dim=-1))
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def forward(self, q, k, v, p, scale):
+        self.calls["forward"] += 1
+        return self._attend(q, k, v, p, scale)
+
+    def backward(self, grad, q, k, v, out, lse, p, scale):
+        self.calls["backward"] += 1
+        (again, again_lse), vjp = torch.func.vjp(lambda *t: self._attend(*t, p, scale), q, k, v)
+        torch.testing.assert_close(again, out, rtol=0, atol=0)
+        torch.testing.assert_close(again_lse, lse, rtol=0, atol=0)
+        return vjp((grad, torch.zeros_like(lse)))
 
 
-def _distributed(
-    rank: int, world: int, cases: list[tuple], varlen: bool = False
-) -> list[tuple[torch.Tensor, ...]]:
-    """Per case: this rank's output, and the gradients of its embeds shard and the projections.
-    ``varlen``: through the one-call varlen path (the CUDA flash-attn route), with the kernel
-    replaced by :func:`_reference_varlen` so that its packing runs on CPU."""
+PATHS = ["per_segment", "varlen", "math"]
+
+
+@contextmanager
+def _path(name: str) -> Iterator[_StandInVarlen | None]:
+    """Route cp_blockdiag_sdpa's kernels on CPU: the CPU flash loop (``per_segment``), the
+    one-launch varlen path of CUDA fp16/bf16 with :class:`_StandInVarlen` as its kernel
+    (``varlen``), or the loop with the explicit part kernel of CUDA fp32/fp64 (``math``)."""
     from cpshard.blockdiag import attention
 
-    calls = []
-
-    def kernel(*args, **kwargs) -> torch.Tensor:
-        calls.append(1)
-        return _reference_varlen(*args, **kwargs)
-
+    kernel = _StandInVarlen() if name == "varlen" else None
     try:
-        if varlen:
-            attention.varlen_kernel = lambda q: kernel
-        results = _distributed_cases(rank, world, cases)
+        if kernel is not None:
+            attention.varlen_kernel = lambda q, d_k, d_v: kernel
+        if name == "math":
+            attention.part_kernel = lambda q: attention.MathPart()
+        yield kernel
     finally:
-        attention.varlen_kernel = _VARLEN_KERNEL
-    assert not varlen or len(calls) >= len(cases) - 1, f"varlen path taken {len(calls)} times"
+        attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL
+
+
+def _distributed(rank: int, world: int, cases: list[tuple], path: str = "per_segment") -> list[tuple[torch.Tensor, ...]]:
+    """Per case: this rank's output, and the gradients of its embeds shard and the projections,
+    through the kernel ``path`` (see :func:`_path`)."""
+    with _path(path) as kernel:
+        results = _distributed_cases(rank, world, cases)
+    if kernel is not None:  # one forward and one backward launch per call with segments
+        assert kernel.calls["forward"] == kernel.calls["backward"] >= len(cases) - 1, kernel.calls
     return results
 
 
@@ -196,10 +219,10 @@ def _single(cases: list[tuple], world: int) -> list[tuple[torch.Tensor, ...]]:
     return results
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["per_segment", "varlen"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_matches_dense_reference(pools, world: int, varlen: bool) -> None:
-    got = pools(world).run(_distributed, CASES, varlen, timeout=180)
+def test_matches_dense_reference(pools, world: int, path: str) -> None:
+    got = pools(world).run(_distributed, CASES, path, timeout=180)
     want = _single(CASES, world)
     for i, case in enumerate(CASES):
         s = case[2]
@@ -297,6 +320,7 @@ def test_document_ids_priority() -> None:
 def _bad_rank(rank: int, world: int, kind: str) -> None:
     import torch.distributed as dist
 
+    from cpshard import check_mode
     from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     s = 12 if not (kind == "seq_len" and rank == 1) else 13
@@ -310,7 +334,7 @@ def _bad_rank(rank: int, world: int, kind: str) -> None:
     q = torch.zeros(1, 2, local if not (kind == "q_len" and rank == 1) else local + 1, D)
     mask = torch.ones(1, 1) if kind == "mask" and rank == 1 else None
     v = q[:, :1] if kind == "kv" and rank == 1 else q  # k and v head counts differ on one rank
-    with ctx():
+    with ctx(), check_mode("call"):  # per-call consensus: the checked mode
         cp_blockdiag_sdpa(q, q, v, attn_mask=mask)
 
 

@@ -2,146 +2,399 @@
 
 Each rank receives, through the multi-hop halo, exactly the K/V rows before its first token that
 the document containing that token reaches back to (the max over batch rows), then attends per
-document segment: queries ``[begin, begin + n)`` over keys ``[doc_start, begin + n)``. On CUDA
-with flash-attn installed (fp16/bf16), all segments go to ONE call of its varlen kernel (causal,
-aligned bottom-right: a segment's queries see its whole prefix). Otherwise each segment is one
-attention call; on CPU a segment whose document starts on an earlier rank splits into a
-non-causal prefix part and a causal square part, merged by their log-sum-exp (flash-attention's
-decomposition), so no ``[L, S]`` mask is ever built. Pad rows attend to nothing and output zeros.
+document segment: queries ``[begin, begin + n)`` over keys ``[doc_start, begin + n)`` (causal,
+aligned bottom-right: a segment's queries see its document's whole prefix). Pad rows attend to
+nothing and output zeros.
+
+Two ``torch.library`` custom ops do the work, each with a fake kernel and a backward op, so that
+``torch.compile`` traces a call as two opaque nodes and never sees the step's segments:
+
+* ``cpshard::blockdiag_halo(kv, key)``: K and V (concatenated on the last dim) with the halo in
+  front (the transport's ``halo_exchange``); its length is data (an unbacked size under
+  compile). Backward: ``cpshard::blockdiag_halo_return`` (the transport's ``halo_return``: each
+  halo row's gradient goes back to its owner), which an all-padding rank joins too.
+* ``cpshard::blockdiag_attention(q, kv_ext, key, d_k, scale)`` -> ``(out, lse)``. Backward:
+  ``cpshard::blockdiag_attention_backward`` from the saved output and log-sum-exp.
+
+``key`` is the step state's CPU scalar key (:func:`cpshard.blockdiag.state.state_for`): the
+segments, halos and varlen packing were computed once per step and moved to the device once, so
+a call reads no device data on the host and copies nothing host->device.
+
+Kernels:
+
+* CUDA fp16/bf16 (equal q/k and v head dims): ONE launch per layer of torch's own varlen flash
+  kernels (``aten._flash_attention_forward`` / ``_flash_attention_backward``, whose causal mask is
+  aligned bottom-right), GQA in the kernel; no flash-attn package needed.
+* Otherwise a loop over segments: a segment whose document starts on an earlier rank splits
+  into a non-causal prefix part and a causal square part, merged by their log-sum-exp
+  (flash-attention's decomposition), so no ``[L, S]`` mask is ever built. On CPU each part is
+  torch's CPU flash kernel; on CUDA fp32/fp64 (no flash kernel takes them) each part is an
+  explicit matmul-softmax (memory O(n * m) per part): use fp16/bf16 on GPUs.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from cpshard.blockdiag.state import BlockDiagState, Segment, active_state
-from cpshard.consensus import check_call
-from cpshard.transport import exchange_halo
+from cpshard.blockdiag.state import BlockDiagState, Packing, Segment, active_state, state_for
+from cpshard.comm.collectives import halo_exchange, halo_return
+from cpshard.consensus import check_call, digest, dtype_code
 
 _WHAT = "cpshard.cp_blockdiag_sdpa"
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+Tensors = tuple[torch.Tensor, torch.Tensor]
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class _PrefixCausalAttention(torch.autograd.Function):
-    """softmax over [prefix keys (all visible), segment keys (causal)] on CPU, merged by LSE.
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
-    The backward runs the flash backward of each part with the MERGED output and log-sum-exp,
-    which gives the exact gradient of the joint softmax.
-    """
+
+# ------------------------------------------------------------------ kernels
+
+
+class VarlenKernel(Protocol):
+    """A packed varlen attention kernel (the contract of torch's varlen flash kernels):
+    ``[tokens, heads, D]`` sequences delimited by int32 ``cu_q`` / ``cu_k``, causal aligned
+    bottom-right, GQA by head groups; ``lse`` is ``[heads, q tokens]`` float32."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Packing, scale: float | None
+    ) -> Tensors: ...
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        p: Packing,
+        scale: float | None,
+    ) -> Grads: ...
+
+
+class TorchFlashVarlen:
+    """torch's own varlen flash-attention kernels (CUDA fp16/bf16), dropout off."""
+
+    def forward(self, q, k, v, p, scale):
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, False, scale=scale
+        )
+        return out, lse
+
+    def backward(self, grad, q, k, v, out, lse, p, scale):
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # unused without dropout
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad, q, k, v, out, lse, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, rng, unused, scale=scale
+        )
+        return dq, dk, dv
+
+
+def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
+    """The one-launch kernel for CUDA fp16/bf16 queries with equal head dims, else None."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d_k == d_v:
+        return TorchFlashVarlen()
+    return None
+
+
+class PartKernel(Protocol):
+    """Attention of queries ``[1, H, n, D]`` over one key part ``[1, H, m, D]`` (all visible,
+    or causal with n == m), returning the output and its log-sum-exp ``[1, H, n]``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> Tensors: ...
+
+    def backward(
+        self,
+        grad: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool,
+        scale: float | None,
+    ) -> Grads: ...
+
+
+class CpuFlash:
+    """torch's CPU flash kernels. Given the MERGED output and log-sum-exp of several parts, the
+    backward of each part is its exact share of the joint softmax's gradient."""
+
+    def forward(self, q, k, v, causal, scale):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse
+
+    def backward(self, grad, q, k, v, out, lse, causal, scale):
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+
+
+class MathPart:
+    """Explicit matmul-softmax, for devices and dtypes no flash kernel serves (CUDA fp32/fp64)."""
 
     @staticmethod
-    def forward(ctx, q, k_pre, v_pre, k_seg, v_seg, scale):
-        out_a, lse_a = _flash_cpu(q, k_pre, v_pre, 0.0, False, scale=scale)
-        out_b, lse_b = _flash_cpu(q, k_seg, v_seg, 0.0, True, scale=scale)
-        lse = torch.logaddexp(lse_a, lse_b)
-        out = out_a * torch.exp(lse_a - lse).unsqueeze(-1).to(out_a.dtype) + out_b * torch.exp(
-            lse_b - lse
-        ).unsqueeze(-1).to(out_b.dtype)
-        ctx.save_for_backward(q, k_pre, v_pre, k_seg, v_seg, out, lse)
-        ctx.scale = scale
-        return out
+    def _probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None, causal: bool, scale: float | None) -> Tensors:
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        scores = (q @ k.transpose(-1, -2)) * s
+        if causal:
+            n = q.shape[2]
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        if lse is None:
+            lse = torch.logsumexp(scores, dim=-1)
+        return torch.exp(scores - lse.unsqueeze(-1)), lse
 
-    @staticmethod
-    def backward(ctx, grad):
-        q, k_pre, v_pre, k_seg, v_seg, out, lse = ctx.saved_tensors
-        grad = grad.contiguous()
-        dq_a, dk_pre, dv_pre = _flash_cpu_backward(grad, q, k_pre, v_pre, out, lse, 0.0, False, scale=ctx.scale)
-        dq_b, dk_seg, dv_seg = _flash_cpu_backward(grad, q, k_seg, v_seg, out, lse, 0.0, True, scale=ctx.scale)
-        return dq_a + dq_b, dk_pre, dv_pre, dk_seg, dv_seg, None
+    def forward(self, q, k, v, causal, scale):
+        probs, lse = self._probs(q, k, None, causal, scale)
+        return probs @ v, lse
 
-
-def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None) -> torch.Tensor:
-    """Queries q ``[1, H, n, D]`` over keys ``[prefix + n]`` (the first ``prefix`` all visible,
-    the last n causal)."""
-    n = q.shape[2]
-    if prefix == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if q.is_cuda:
-        from torch.nn.attention.bias import causal_lower_right
-
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, prefix + n), scale=scale)
-    return _PrefixCausalAttention.apply(
-        q.contiguous(),
-        k[:, :, :prefix].contiguous(),
-        v[:, :, :prefix].contiguous(),
-        k[:, :, prefix:].contiguous(),
-        v[:, :, prefix:].contiguous(),
-        scale,
-    )
+    def backward(self, grad, q, k, v, out, lse, causal, scale):
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        probs, _ = self._probs(q, k, lse, causal, scale)
+        dv = probs.transpose(-1, -2) @ grad
+        dscores = probs * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True)) * s
+        return dscores @ k, dscores.transpose(-1, -2) @ q, dv
 
 
-VarlenKernel = Callable[..., torch.Tensor]  # flash_attn.flash_attn_varlen_func's signature
+def part_kernel(q: torch.Tensor) -> PartKernel:
+    """The per-segment part kernel for q's device."""
+    return CpuFlash() if q.device.type == "cpu" else MathPart()
 
 
-@functools.cache
-def _flash_attn_varlen() -> VarlenKernel | None:
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+# ------------------------------------------------------------------ the per-segment loop
 
 
-def varlen_kernel(q: torch.Tensor) -> VarlenKernel | None:
-    """flash-attn's varlen kernel for CUDA fp16/bf16 queries when flash-attn is installed."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    return _flash_attn_varlen()
+def _parts(s: Segment, origin: int) -> list[tuple[slice, bool]]:
+    """Key ranges (of the halo-extended keys) of a segment, and whether each is causal."""
+    split, end = s.begin - origin, s.begin + s.length - origin
+    square = (slice(split, end), True)
+    return [(slice(s.doc_start - origin, split), False), square] if s.begin > s.doc_start else [square]
 
 
-def _varlen_attention(
-    state: BlockDiagState,
-    q: torch.Tensor,
-    k_ext: torch.Tensor,
-    v_ext: torch.Tensor,
-    scale: float | None,
-    kernel: VarlenKernel,
-) -> torch.Tensor:
-    """Every segment in one varlen call: segment queries and their keys packed as
-    ``[tokens, heads, D]`` sequences (GQA left to the kernel), outputs put back in place."""
-    b, heads, length, d = q.shape
-    ext = k_ext.shape[2]
+def _loop_forward(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> Tensors:
+    """Segment by segment (k, v already repeated to q's heads)."""
+    kern = part_kernel(q)
+    out = q.new_zeros(*q.shape[:3], v.shape[-1])
+    lse = q.new_full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q.dtype))
     origin = state.start - state.halo
-    segs = state.segments
-    q_len = torch.tensor([s.length for s in segs])
-    k_len = torch.tensor([s.begin + s.length - s.doc_start for s in segs])
-    q_first = torch.tensor([s.row * length + s.begin - state.start for s in segs])
-    k_first = torch.tensor([s.row * ext + s.doc_start - origin for s in segs])
+    for s in state.segments:
+        rows = (slice(s.row, s.row + 1), slice(None), slice(s.begin - state.start, s.begin - state.start + s.length))
+        qs = q[rows].contiguous()
+        results = [kern.forward(qs, k[s.row : s.row + 1, :, keys].contiguous(), v[s.row : s.row + 1, :, keys].contiguous(), causal, scale) for keys, causal in _parts(s, origin)]
+        total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
+        out[rows] = sum(o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results)
+        lse[rows] = total
+    return out, lse
 
-    def rows(first: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat row indices of each segment's run, and the int32 cumulative lengths."""
-        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        idx = torch.repeat_interleave(first - cu[:-1], lens) + torch.arange(int(cu[-1]))
-        return idx.to(q.device), cu.to(device=q.device, dtype=torch.int32)
 
-    def packed(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).index_select(0, idx)
+def _loop_backward(
+    state: BlockDiagState,
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float | None,
+) -> Grads:
+    kern = part_kernel(q)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    origin = state.start - state.halo
+    for s in state.segments:
+        rows = (slice(s.row, s.row + 1), slice(None), slice(s.begin - state.start, s.begin - state.start + s.length))
+        g, qs, os_, ls = grad[rows].contiguous(), q[rows].contiguous(), out[rows].contiguous(), lse[rows].contiguous()
+        for keys, causal in _parts(s, origin):
+            at = (slice(s.row, s.row + 1), slice(None), keys)
+            dqs, dks, dvs = kern.backward(g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale)
+            dq[rows] += dqs
+            dk[at] += dks
+            dv[at] += dvs
+    return dq, dk, dv
 
-    q_idx, cu_q = rows(q_first, q_len)
-    k_idx, cu_k = rows(k_first, k_len)
-    out = kernel(
-        packed(q, q_idx),
-        packed(k_ext, k_idx),
-        packed(v_ext, k_idx),
-        cu_q,
-        cu_k,
-        int(q_len.max()),
-        int(k_len.max()),
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=True,
+
+# ------------------------------------------------------------------ the varlen path
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, D]`` -> ``[B * N, H, D]``."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+
+def _unflat(flat: torch.Tensor, b: int) -> torch.Tensor:
+    """``[B * N, H, D]`` -> ``[B, H, N, D]``."""
+    return flat.view(b, -1, *flat.shape[1:]).transpose(1, 2)
+
+
+def _scatter(rows: torch.Tensor, packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[B * N, ...]`` zeros with ``packed`` at ``rows`` (rows are distinct)."""
+    return packed.new_zeros(like.shape[0], *packed.shape[1:]).index_copy(0, rows, packed)
+
+
+def _varlen_forward(kern: VarlenKernel, p: Packing, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> Tensors:
+    b, heads, length, _ = q.shape
+    fq, fk, fv = _flat(q), _flat(k), _flat(v)
+    out, lse = kern.forward(fq.index_select(0, p.q_rows), fk.index_select(0, p.k_rows), fv.index_select(0, p.k_rows), p, scale)
+    full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(0, p.q_rows, lse.t())
+    return _unflat(_scatter(p.q_rows, out, fq), b), full_lse.view(b, length, heads).transpose(1, 2)
+
+
+def _varlen_backward(
+    kern: VarlenKernel,
+    p: Packing,
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    scale: float | None,
+) -> Grads:
+    b = q.shape[0]
+    fq, fk, fv = _flat(q), _flat(k), _flat(v)
+    pick = lambda t: _flat(t).index_select(0, p.q_rows)  # noqa: E731
+    packed_lse = lse.transpose(1, 2).reshape(-1, lse.shape[1]).index_select(0, p.q_rows).t().contiguous()
+    dq, dk, dv = kern.backward(
+        pick(grad), fq.index_select(0, p.q_rows), fk.index_select(0, p.k_rows), fv.index_select(0, p.k_rows),
+        pick(out), packed_lse, p, scale,
     )
-    full = out.new_zeros(b * length, heads, out.shape[-1]).index_copy(0, q_idx, out)
-    return full.view(b, length, heads, -1).transpose(1, 2)
+    grads = [_scatter(p.q_rows, dq, fq)]
+    for flat, packed in ((fk, dk), (fv, dv)):  # a key row may serve several segments: add
+        grads.append(packed.new_zeros(flat.shape).index_add_(0, p.k_rows, packed))
+    return tuple(_unflat(g, b) for g in grads)
+
+
+# ------------------------------------------------------------------ the custom ops
+
+
+def _split(kv_ext: torch.Tensor, d_k: int) -> Tensors:
+    return kv_ext[..., :d_k], kv_ext[..., d_k:]
+
+
+def _repeat(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Adjoint of :func:`_repeat`: sum the gradient of repeated heads back onto each KV head."""
+    b, heads, n, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
+
+
+@torch.library.custom_op("cpshard::blockdiag_halo", mutates_args=())
+def blockdiag_halo(kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``kv`` ``[B, H, L, D]`` with the step's halo rows in front along dim 2."""
+    state = state_for(key)
+    return halo_exchange(kv, state.group.name, list(state.halos), 0, 2)
+
+
+@blockdiag_halo.register_fake
+def _blockdiag_halo_fake(kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    extended = torch.library.get_ctx().new_dynamic_size()  # halo + L: the step's data
+    return kv.new_empty(kv.shape[0], kv.shape[1], extended, kv.shape[3])
+
+
+@torch.library.custom_op("cpshard::blockdiag_halo_return", mutates_args=())
+def blockdiag_halo_return(grad: torch.Tensor, key: torch.Tensor, length: int) -> torch.Tensor:
+    """Adjoint of :func:`blockdiag_halo`: ``[B, H, length, D]``, halo rows' gradients added by
+    their owners."""
+    state = state_for(key)
+    return halo_return(grad.contiguous(), state.group.name, list(state.halos), 0, 2)
+
+
+@blockdiag_halo_return.register_fake
+def _blockdiag_halo_return_fake(grad: torch.Tensor, key: torch.Tensor, length: int) -> torch.Tensor:
+    return grad.new_empty(grad.shape[0], grad.shape[1], length, grad.shape[3])
+
+
+def _keep_halo(ctx, inputs, output) -> None:
+    kv, ctx.key = inputs
+    ctx.length = kv.shape[2]
+
+
+def _blockdiag_halo_backward(ctx, grad: torch.Tensor):
+    return blockdiag_halo_return(grad, ctx.key, ctx.length), None
+
+
+blockdiag_halo.register_autograd(_blockdiag_halo_backward, setup_context=_keep_halo)
+
+
+@torch.library.custom_op("cpshard::blockdiag_attention", mutates_args=())
+def blockdiag_attention(
+    q: torch.Tensor, kv_ext: torch.Tensor, key: torch.Tensor, d_k: int, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-document causal attention of q ``[B, Hq, L, d_k]`` over the halo-extended
+    ``kv_ext`` ``[B, Hkv, halo + L, d_k + d_v]``: the output ``[B, Hq, L, d_v]`` (zeros on pad
+    rows) and its log-sum-exp ``[B, Hq, L]`` (-inf on pad rows)."""
+    state = state_for(key)
+    k, v = _split(kv_ext, d_k)
+    kern = varlen_kernel(q, d_k, v.shape[-1])
+    if kern is not None and state.segments:
+        return _varlen_forward(kern, state.packing_on(q.device), q, k, v, scale)
+    return _loop_forward(state, q, _repeat(k, q.shape[1]), _repeat(v, q.shape[1]), scale)
+
+
+@blockdiag_attention.register_fake
+def _blockdiag_attention_fake(q, kv_ext, key, d_k, scale):
+    out = q.new_empty(*q.shape[:3], kv_ext.shape[3] - d_k)
+    return out, q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("cpshard::blockdiag_attention_backward", mutates_args=())
+def blockdiag_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    kv_ext: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key: torch.Tensor,
+    d_k: int,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of q and of ``kv_ext`` (zeros where no query attends: an all-padding rank
+    still returns its halo's gradient, so it joins the return exchange its peers wait for)."""
+    state = state_for(key)
+    k, v = _split(kv_ext, d_k)
+    grad = grad.contiguous()
+    kern = varlen_kernel(q, d_k, v.shape[-1])
+    if kern is not None and state.segments:
+        dq, dk, dv = _varlen_backward(kern, state.packing_on(q.device), grad, q, k, v, out, lse, scale)
+    else:
+        heads = q.shape[1]
+        dq, dk, dv = _loop_backward(state, grad, q, _repeat(k, heads), _repeat(v, heads), out, lse, scale)
+        dk, dv = _fold(dk, k.shape[1]), _fold(dv, v.shape[1])
+    return dq, torch.cat([dk, dv], dim=-1)
+
+
+@blockdiag_attention_backward.register_fake
+def _blockdiag_attention_backward_fake(grad, q, kv_ext, out, lse, key, d_k, scale):
+    return torch.empty_like(q), torch.empty_like(kv_ext)
+
+
+def _keep_attention(ctx, inputs, output) -> None:
+    q, kv_ext, key, ctx.d_k, ctx.scale = inputs
+    ctx.save_for_backward(q, kv_ext, key, *output)
+
+
+def _blockdiag_attention_grad(ctx, grad: torch.Tensor, grad_lse: torch.Tensor | None):
+    q, kv_ext, key, out, lse = ctx.saved_tensors
+    dq, dkv = blockdiag_attention_backward(grad, q, kv_ext, out, lse, key, ctx.d_k, ctx.scale)
+    return dq, dkv, None, None, None
+
+
+blockdiag_attention.register_autograd(_blockdiag_attention_grad, setup_context=_keep_attention)
+
+
+# ------------------------------------------------------------------ the public function
 
 
 def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: object, dropout_p: float, enable_gqa: bool) -> str | None:
-    """This rank's problem with the arguments, or None."""
+    """This rank's problem with the arguments, or None (shapes and the state's sizes only)."""
     problem = None
     if attn_mask is not None:
         problem = "attn_mask must be None while block-diagonal CP attention is active"
@@ -165,48 +418,16 @@ def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return problem
 
 
-def _blockdiag(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    d_k = k.shape[-1]
-    kv = exchange_halo(torch.cat([k, v], dim=-1), state.group, list(state.halos), 0, 2, _WHAT)
-    k_ext, v_ext = kv[..., :d_k], kv[..., d_k:]
-    kernel = varlen_kernel(q) if d_k == v.shape[-1] else None
-    if kernel is not None and state.segments:
-        return _varlen_attention(state, q, k_ext, v_ext, scale, kernel)
-    if q.shape[1] != k.shape[1]:
-        k_ext = k_ext.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v_ext = v_ext.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    origin = state.start - state.halo  # global position of k_ext's first row
-    rows: list[list[tuple[Segment, torch.Tensor]]] = [[] for _ in range(state.batch_size)]
-    for s in state.segments:
-        lo = s.begin - state.start
-        keys = slice(s.doc_start - origin, s.begin + s.length - origin)
-        out = _segment_attention(
-            q[s.row : s.row + 1, :, lo : lo + s.length],
-            k_ext[s.row : s.row + 1, :, keys],
-            v_ext[s.row : s.row + 1, :, keys],
-            s.begin - s.doc_start,
-            scale,
-        )
-        rows[s.row].append((s, out))
-    out = torch.cat([_assemble(row, q, v.shape[-1], state) for row in rows], dim=0)
-    if not state.segments:
-        # An all-padding rank still joins the backward halo exchange its peers wait for.
-        out = out + kv.narrow(-1, 0, 0).sum()
-    return out
-
-
-def _assemble(pieces: list[tuple[Segment, torch.Tensor]], q: torch.Tensor, d_v: int, state: BlockDiagState) -> torch.Tensor:
-    """One batch row ``[1, H, L, d_v]``: segment outputs in place, zeros on pad rows."""
-    parts, at = [], state.start
-    for s, out in pieces:
-        if s.begin > at:
-            parts.append(q.new_zeros(1, q.shape[1], s.begin - at, d_v))
-        parts.append(out)
-        at = s.begin + s.length
-    end = state.start + state.local_len
-    if at < end:
-        parts.append(q.new_zeros(1, q.shape[1], end - at, d_v))
-    return torch.cat(parts, dim=2)
+def _fields(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], dict[str, Sequence[int]]]:
+    """What every rank's call must agree on (checked mode only: it reads the step's halos)."""
+    return lambda: {
+        "dtype": [dtype_code(q.dtype)],
+        "device type": [0 if q.device.type == "cpu" else 1],
+        "q, k, v heads and dims": [q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]],
+        # ranks that differ here would block in the backward halo return
+        "requires_grad": [int(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))],
+        "halos": digest(state.halos),
+    }
 
 
 def cp_blockdiag_sdpa(
@@ -221,13 +442,19 @@ def cp_blockdiag_sdpa(
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention``: plain SDPA when no block-diagonal state is
     active; otherwise causal attention within each document across the CP group (``attn_mask``
-    must be None and ``dropout_p`` 0: the documents define the mask)."""
+    must be None and ``dropout_p`` 0: the documents define the mask).
+
+    Checks are local (shapes against the step's sizes) unless checked mode is on, which adds one
+    consensus round so that bad input on one rank makes every rank raise."""
     state = active_state()
     if state is None:
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
         )
     problem = _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
-    if problem is not None:
-        check_call(state.group, _WHAT, problem)  # in checked mode: the halo exchange's round, failed here
-    return _blockdiag(state, query, key, value, scale)
+    check_call(state.group, _WHAT, problem, _fields(state, query, key, value))
+    kv = torch.cat([key, value], dim=-1)
+    if state.group.world > 1:
+        kv = blockdiag_halo(kv, state.key)
+    out, _ = blockdiag_attention(query, kv, state.key, key.shape[-1], scale)
+    return out

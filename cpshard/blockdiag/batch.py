@@ -68,7 +68,7 @@ def make_cp_blockdiag_batch_and_ctx(
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
     batch.pop("attention_mask", None)
-    batch["padding_mask"] = doc == 0
+    batch["padding_mask"] = (doc == 0).to(ref.device)
     for key, value in list(batch.items()):
         dim = sequence_dim(key, value, bsz, padded if key == "padding_mask" else seq)
         if dim is None:
@@ -85,6 +85,7 @@ def make_cp_blockdiag_batch_and_ctx(
         halos=tuple(_halo(segments[r], r * local) for r in range(world)),
         segments=tuple(segments[rank]),
     )
+    state.packing_on(ref.device)  # the attention's metadata on the batch's device, once per step
 
     @contextmanager
     def train_ctx() -> Iterator[None]:
