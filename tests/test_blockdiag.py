@@ -8,6 +8,8 @@ the full sequence. Every rank's output and the float64 gradients of q, k, v and 
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -343,3 +345,119 @@ def test_bad_input_on_one_rank_raises_everywhere(pools, kind: str) -> None:
     outcomes = pools(3).run_collect(_bad_rank, kind, timeout=30)
     assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
     assert all("rank 1" in o.error_message for o in outcomes), [o.error_message for o in outcomes]
+
+
+COMPILE_BATCHES = ["short_docs", "one_doc", "interior_pad", "random"]  # different segments and halos
+
+
+def _compiled_vs_eager(rank: int, world: int, path: str) -> list[int]:
+    """cp_blockdiag_sdpa compiled once (fullgraph, aot_eager) over batches with different
+    documents: outputs and gradients equal eager; returns the compile counts."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp_blockdiag_sdpa(q, k, v, enable_gqa=True) * 2
+
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    b, s, local = 2, 24, 24 // world
+    halos = set()
+    with _path(path):
+        for name in COMPILE_BATCHES:
+            doc = _packing(name, b, s)
+            ctx, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc})
+            g = torch.Generator().manual_seed(len(name))
+            q, k, v = (torch.randn(b, h, local, D, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+            weight = torch.randn(b, 4, local, D, dtype=torch.float64, generator=g)
+            got = []
+            for fn in (compiled, attend):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                with ctx():
+                    out = fn(*leaves)
+                    halos.add(active_state().halos)
+                got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
+            for a, e in zip(*got):
+                torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager")
+    assert world == 1 or len(halos) > 1, halos  # the batches differ in their halos too
+    return [counter.frame_count, counter.op_count]
+
+
+@pytest.mark.parametrize("path", ["per_segment", "varlen"])
+def test_compiled_does_not_recompile_per_batch(pools, path: str) -> None:
+    counts = pools(2).run(_compiled_vs_eager, path, timeout=300)
+    assert all(frames == 1 for frames, _ in counts), counts
+
+
+_HOST_READS = ["item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"]
+
+
+@contextmanager
+def _recording_host_reads(reads: list[str], allowed: torch.Tensor) -> Iterator[None]:
+    """Record every host read of tensor data (``.item()``, ``.tolist()``, ``.cpu()``, ``int()``,
+    ``bool()``, ...) and every tensor built from host data (``torch.tensor``) made by library
+    code (the nearest caller outside torch is cpshard); reads of ``allowed`` (the step's CPU
+    key) and reads on behalf of this test module (the kernel stand-in) are not recorded."""
+    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+    built = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+
+    def spy(name: str, real, check_self: bool):
+        def call(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            by_library = frame is not None and f"{os.sep}cpshard{os.sep}" in frame.f_code.co_filename
+            if by_library and not (check_self and args[0] is allowed):
+                reads.append(f"{name} from {frame.f_code.co_filename}:{frame.f_lineno}")
+            return real(*args, **kwargs)
+
+        return call
+
+    try:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, spy(name, real, True))
+        for name, real in built.items():
+            setattr(torch, name, spy(name, real, False))
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, real)
+        for name, real in built.items():
+            setattr(torch, name, real)
+
+
+def _host_reads(rank: int, world: int, path: str) -> list[str]:
+    """Host reads of tensor data inside cp_blockdiag_sdpa and its backward (after the step's
+    setup), and whether the kernel was handed the packing built at setup."""
+    import torch.distributed as dist
+
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    doc = _packing("random", 2, 37)
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    local = batch["input_ids"].shape[1]
+    q, k, v = (torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    reads: list[str] = []
+    with ctx():
+        state = active_state()
+    with _path(path) as kernel, _recording_host_reads(reads, state.key):
+        for _ in range(2):  # two layers
+            with ctx():
+                out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+            out.sum().backward()
+    if kernel is not None:
+        assert kernel.packings and all(p is state.packing for p in kernel.packings)
+    return reads
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_hot_path_reads_no_tensor_data_on_host(pools, path: str) -> None:
+    """Forward and backward read no tensor data on the host (no device sync on CUDA) and
+    rebuild no metadata: the varlen kernel gets the packing computed once at the step's setup."""
+    reads = pools(2).run(_host_reads, path, timeout=120)
+    assert reads == [[], []], reads
