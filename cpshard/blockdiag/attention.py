@@ -34,8 +34,8 @@ Kernels:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -56,38 +56,39 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
 # ------------------------------------------------------------------ kernels
 
 
-class VarlenKernel(Protocol):
-    """A packed varlen attention kernel (the contract of torch's varlen flash kernels):
-    ``[tokens, heads, D]`` sequences delimited by int32 ``cu_q`` / ``cu_k``, causal aligned
-    bottom-right, GQA by head groups; ``lse`` is ``[heads, q tokens]`` float32."""
+How = TypeVar("How", contravariant=True)
+T = torch.Tensor
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: Packing, scale: float | None
-    ) -> Tensors: ...
 
-    def backward(
-        self,
-        grad: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        p: Packing,
-        scale: float | None,
-    ) -> Grads: ...
+class Kernel(Protocol[How]):
+    """An attention kernel with an explicit backward (a custom op's backward cannot use
+    autograd). ``how`` says which keys each query sees: a :class:`Packing` for a varlen kernel,
+    ``causal`` for a part kernel. The backward takes the forward's output and log-sum-exp."""
+
+    def forward(self, q: T, k: T, v: T, how: How, scale: float | None) -> Tensors: ...
+
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: How, scale: float | None) -> Grads: ...
+
+
+# A packed varlen kernel (the contract of torch's varlen flash kernels): ``[tokens, heads, D]``
+# sequences delimited by int32 ``cu_q`` / ``cu_k``, causal aligned bottom-right, GQA by head
+# groups; ``lse`` is ``[heads, q tokens]`` float32.
+VarlenKernel = Kernel[Packing]
+# Queries ``[1, H, n, D]`` over one key part ``[1, H, m, D]`` (all visible, or causal with
+# n == m); ``lse`` is ``[1, H, n]``.
+PartKernel = Kernel[bool]
 
 
 class TorchFlashVarlen:
     """torch's own varlen flash-attention kernels (CUDA fp16/bf16), dropout off."""
 
-    def forward(self, q, k, v, p, scale):
+    def forward(self, q: T, k: T, v: T, p: Packing, scale: float | None) -> Tensors:
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
             q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, False, scale=scale
         )
         return out, lse
 
-    def backward(self, grad, q, k, v, out, lse, p, scale):
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, p: Packing, scale: float | None) -> Grads:
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # unused without dropout
         unused = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
@@ -103,34 +104,15 @@ def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
     return None
 
 
-class PartKernel(Protocol):
-    """Attention of queries ``[1, H, n, D]`` over one key part ``[1, H, m, D]`` (all visible,
-    or causal with n == m), returning the output and its log-sum-exp ``[1, H, n]``."""
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float | None) -> Tensors: ...
-
-    def backward(
-        self,
-        grad: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        causal: bool,
-        scale: float | None,
-    ) -> Grads: ...
-
-
 class CpuFlash:
     """torch's CPU flash kernels. Given the MERGED output and log-sum-exp of several parts, the
     backward of each part is its exact share of the joint softmax's gradient."""
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q: T, k: T, v: T, causal: bool, scale: float | None) -> Tensors:
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return out, lse
 
-    def backward(self, grad, q, k, v, out, lse, causal, scale):
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None) -> Grads:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, scale=scale
         )
@@ -150,11 +132,11 @@ class MathPart:
             lse = torch.logsumexp(scores, dim=-1)
         return torch.exp(scores - lse.unsqueeze(-1)), lse
 
-    def forward(self, q, k, v, causal, scale):
+    def forward(self, q: T, k: T, v: T, causal: bool, scale: float | None) -> Tensors:
         probs, lse = self._probs(q, k, None, causal, scale)
         return probs @ v, lse
 
-    def backward(self, grad, q, k, v, out, lse, causal, scale):
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None) -> Grads:
         s = scale if scale is not None else q.shape[-1] ** -0.5
         probs, _ = self._probs(q, k, lse, causal, scale)
         dv = probs.transpose(-1, -2) @ grad
@@ -177,45 +159,47 @@ def _parts(s: Segment, origin: int) -> list[tuple[slice, bool]]:
     return [(slice(s.doc_start - origin, split), False), square] if s.begin > s.doc_start else [square]
 
 
-def _loop_forward(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> Tensors:
-    """Segment by segment (k, v already repeated to q's heads)."""
-    kern = part_kernel(q)
-    out = q.new_zeros(*q.shape[:3], v.shape[-1])
-    lse = q.new_full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q.dtype))
-    origin = state.start - state.halo
-    for s in state.segments:
-        rows = (slice(s.row, s.row + 1), slice(None), slice(s.begin - state.start, s.begin - state.start + s.length))
-        qs = q[rows].contiguous()
-        results = [kern.forward(qs, k[s.row : s.row + 1, :, keys].contiguous(), v[s.row : s.row + 1, :, keys].contiguous(), causal, scale) for keys, causal in _parts(s, origin)]
-        total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
-        out[rows] = sum(o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results)
-        lse[rows] = total
-    return out, lse
+class _Loop:
+    """The per-segment loop: each segment's parts through the part kernel, merged by LSE."""
 
+    def __init__(self, state: BlockDiagState, q: torch.Tensor) -> None:
+        self.state, self.kern, self.heads = state, part_kernel(q), q.shape[1]
+        self.origin = state.start - state.halo  # global position of the first extended key
 
-def _loop_backward(
-    state: BlockDiagState,
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float | None,
-) -> Grads:
-    kern = part_kernel(q)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    origin = state.start - state.halo
-    for s in state.segments:
-        rows = (slice(s.row, s.row + 1), slice(None), slice(s.begin - state.start, s.begin - state.start + s.length))
-        g, qs, os_, ls = grad[rows].contiguous(), q[rows].contiguous(), out[rows].contiguous(), lse[rows].contiguous()
-        for keys, causal in _parts(s, origin):
-            at = (slice(s.row, s.row + 1), slice(None), keys)
-            dqs, dks, dvs = kern.backward(g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale)
-            dq[rows] += dqs
-            dk[at] += dks
-            dv[at] += dvs
-    return dq, dk, dv
+    def _segments(self) -> Iterator[tuple[Segment, tuple[slice, ...]]]:
+        """Each segment and its query rows' index into ``[B, H, L, ...]``."""
+        start = self.state.start
+        for s in self.state.segments:
+            yield s, (slice(s.row, s.row + 1), slice(None), slice(s.begin - start, s.begin - start + s.length))
+
+    def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
+        k, v = _repeat(k, self.heads), _repeat(v, self.heads)
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q.dtype))
+        for s, rows in self._segments():
+            qs = q[rows].contiguous()
+            results = [
+                self.kern.forward(qs, k[s.row : s.row + 1, :, keys].contiguous(), v[s.row : s.row + 1, :, keys].contiguous(), causal, scale)
+                for keys, causal in _parts(s, self.origin)
+            ]
+            total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
+            out[rows] = sum(o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results)
+            lse[rows] = total
+        return out, lse
+
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
+        kv_heads = k.shape[1]
+        k, v = _repeat(k, self.heads), _repeat(v, self.heads)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for s, rows in self._segments():
+            g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
+            for keys, causal in _parts(s, self.origin):
+                at = (slice(s.row, s.row + 1), slice(None), keys)
+                dqs, dks, dvs = self.kern.backward(g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale)
+                dq[rows] += dqs
+                dk[at] += dks
+                dv[at] += dvs
+        return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
 
 
 # ------------------------------------------------------------------ the varlen path
@@ -231,42 +215,45 @@ def _unflat(flat: torch.Tensor, b: int) -> torch.Tensor:
     return flat.view(b, -1, *flat.shape[1:]).transpose(1, 2)
 
 
-def _scatter(rows: torch.Tensor, packed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``[B * N, ...]`` zeros with ``packed`` at ``rows`` (rows are distinct)."""
-    return packed.new_zeros(like.shape[0], *packed.shape[1:]).index_copy(0, rows, packed)
+def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, ...]`` zeros with ``packed`` at ``rows`` (rows are distinct)."""
+    return packed.new_zeros(n, *packed.shape[1:]).index_copy(0, rows, packed)
 
 
-def _varlen_forward(kern: VarlenKernel, p: Packing, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> Tensors:
-    b, heads, length, _ = q.shape
-    fq, fk, fv = _flat(q), _flat(k), _flat(v)
-    out, lse = kern.forward(fq.index_select(0, p.q_rows), fk.index_select(0, p.k_rows), fv.index_select(0, p.k_rows), p, scale)
-    full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(0, p.q_rows, lse.t())
-    return _unflat(_scatter(p.q_rows, out, fq), b), full_lse.view(b, length, heads).transpose(1, 2)
+class _Varlen:
+    """Every segment in one launch of a varlen kernel: segment queries and their keys packed as
+    ``[tokens, heads, D]`` by the step's packing (GQA left to the kernel), results put back."""
+
+    def __init__(self, kern: VarlenKernel, packing: Packing) -> None:
+        self.kern, self.p = kern, packing
+
+    def _packed(self, q: T, k: T, v: T) -> tuple[T, T, T]:
+        p = self.p
+        return _flat(q).index_select(0, p.q_rows), _flat(k).index_select(0, p.k_rows), _flat(v).index_select(0, p.k_rows)
+
+    def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
+        b, heads, length, _ = q.shape
+        out, lse = self.kern.forward(*self._packed(q, k, v), self.p, scale)
+        full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(0, self.p.q_rows, lse.t())
+        return _unflat(_scatter(self.p.q_rows, out, b * length), b), full_lse.view(b, length, heads).transpose(1, 2)
+
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
+        b, heads, length, _ = q.shape
+        p = self.p
+        pick = lambda t: _flat(t).index_select(0, p.q_rows)  # noqa: E731
+        packed_lse = lse.transpose(1, 2).reshape(-1, heads).index_select(0, p.q_rows).t().contiguous()
+        dq, dk, dv = self.kern.backward(pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale)
+        # a key row may serve several segments: add
+        dk, dv = (d.new_zeros(b * t.shape[2], *d.shape[1:]).index_add_(0, p.k_rows, d) for d, t in ((dk, k), (dv, v)))
+        return _unflat(_scatter(p.q_rows, dq, b * length), b), _unflat(dk, b), _unflat(dv, b)
 
 
-def _varlen_backward(
-    kern: VarlenKernel,
-    p: Packing,
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    scale: float | None,
-) -> Grads:
-    b = q.shape[0]
-    fq, fk, fv = _flat(q), _flat(k), _flat(v)
-    pick = lambda t: _flat(t).index_select(0, p.q_rows)  # noqa: E731
-    packed_lse = lse.transpose(1, 2).reshape(-1, lse.shape[1]).index_select(0, p.q_rows).t().contiguous()
-    dq, dk, dv = kern.backward(
-        pick(grad), fq.index_select(0, p.q_rows), fk.index_select(0, p.k_rows), fv.index_select(0, p.k_rows),
-        pick(out), packed_lse, p, scale,
-    )
-    grads = [_scatter(p.q_rows, dq, fq)]
-    for flat, packed in ((fk, dk), (fv, dv)):  # a key row may serve several segments: add
-        grads.append(packed.new_zeros(flat.shape).index_add_(0, p.k_rows, packed))
-    return tuple(_unflat(g, b) for g in grads)
+def _implementation(state: BlockDiagState, q: torch.Tensor, d_k: int, d_v: int) -> _Loop | _Varlen:
+    """One varlen launch where a kernel serves q (and the rank has segments), else the loop."""
+    kern = varlen_kernel(q, d_k, d_v)
+    if kern is not None and state.segments:
+        return _Varlen(kern, state.packing_on(q.device))
+    return _Loop(state, q)
 
 
 # ------------------------------------------------------------------ the custom ops
@@ -331,12 +318,8 @@ def blockdiag_attention(
     """Per-document causal attention of q ``[B, Hq, L, d_k]`` over the halo-extended
     ``kv_ext`` ``[B, Hkv, halo + L, d_k + d_v]``: the output ``[B, Hq, L, d_v]`` (zeros on pad
     rows) and its log-sum-exp ``[B, Hq, L]`` (-inf on pad rows)."""
-    state = state_for(key)
     k, v = _split(kv_ext, d_k)
-    kern = varlen_kernel(q, d_k, v.shape[-1])
-    if kern is not None and state.segments:
-        return _varlen_forward(kern, state.packing_on(q.device), q, k, v, scale)
-    return _loop_forward(state, q, _repeat(k, q.shape[1]), _repeat(v, q.shape[1]), scale)
+    return _implementation(state_for(key), q, d_k, v.shape[-1]).forward(q, k, v, scale)
 
 
 @blockdiag_attention.register_fake
@@ -358,16 +341,9 @@ def blockdiag_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of q and of ``kv_ext`` (zeros where no query attends: an all-padding rank
     still returns its halo's gradient, so it joins the return exchange its peers wait for)."""
-    state = state_for(key)
     k, v = _split(kv_ext, d_k)
-    grad = grad.contiguous()
-    kern = varlen_kernel(q, d_k, v.shape[-1])
-    if kern is not None and state.segments:
-        dq, dk, dv = _varlen_backward(kern, state.packing_on(q.device), grad, q, k, v, out, lse, scale)
-    else:
-        heads = q.shape[1]
-        dq, dk, dv = _loop_backward(state, grad, q, _repeat(k, heads), _repeat(v, heads), out, lse, scale)
-        dk, dv = _fold(dk, k.shape[1]), _fold(dv, v.shape[1])
+    impl = _implementation(state_for(key), q, d_k, v.shape[-1])
+    dq, dk, dv = impl.backward(grad.contiguous(), q, k, v, out, lse, scale)
     return dq, torch.cat([dk, dv], dim=-1)
 
 
