@@ -55,14 +55,20 @@ def _packing(name: str, b: int, s: int) -> torch.Tensor:
     return doc
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor
+) -> torch.Tensor:
     """Dense block-diagonal causal attention on the full sequence (pads output zeros)."""
     s = q.shape[2]
     new_run = torch.ones_like(doc, dtype=torch.bool)
     new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
     run = torch.cumsum(new_run.long(), dim=1)
     pos = torch.arange(s)
-    mask = (run[:, :, None] == run[:, None, :]) & (doc[:, :, None] != 0) & (pos[:, None] >= pos[None, :])
+    mask = (
+        (run[:, :, None] == run[:, None, :])
+        & (doc[:, :, None] != 0)
+        & (pos[:, None] >= pos[None, :])
+    )
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
@@ -90,7 +96,9 @@ class _Proj(torch.nn.Module):
 def _inputs(b: int, s: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(b, s, hidden, dtype=torch.float64, generator=g)
-    upstream = torch.randn(b, 4, s + 4, D, dtype=torch.float64, generator=g)  # covers W <= 4 padding
+    upstream = torch.randn(
+        b, 4, s + 4, D, dtype=torch.float64, generator=g
+    )  # covers W <= 4 padding
     return emb, upstream
 
 
@@ -121,8 +129,14 @@ class _StandInVarlen:
 
     def _attend(self, q, k, v, p, scale):
         cu_q, cu_k = p.cu_q, p.cu_k
-        assert cu_q.dtype == cu_k.dtype == torch.int32 and isinstance(p.max_q, int) and isinstance(p.max_k, int)
-        assert p.max_q == int((cu_q[1:] - cu_q[:-1]).max()) and p.max_k == int((cu_k[1:] - cu_k[:-1]).max())
+        assert (
+            cu_q.dtype == cu_k.dtype == torch.int32
+            and isinstance(p.max_q, int)
+            and isinstance(p.max_k, int)
+        )
+        assert p.max_q == int((cu_q[1:] - cu_q[:-1]).max()) and p.max_k == int(
+            (cu_k[1:] - cu_k[:-1]).max()
+        )
         assert q.shape[0] == int(cu_q[-1]) and k.shape[0] == v.shape[0] == int(cu_k[-1])
         self.packings.append(p)
         outs, lses = [], []
@@ -133,7 +147,9 @@ class _StandInVarlen:
             vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
             n, m = qs.shape[1], ks.shape[1]
             visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
-            scores = (qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)).masked_fill(~visible, float("-inf"))
+            scores = (
+                qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+            ).masked_fill(~visible, float("-inf"))
             outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
             lses.append(torch.logsumexp(scores, dim=-1))
         return torch.cat(outs), torch.cat(lses, dim=1)
@@ -171,7 +187,9 @@ def _path(name: str) -> Iterator[_StandInVarlen | None]:
         attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL
 
 
-def _distributed(rank: int, world: int, cases: list[tuple], path: str = "per_segment") -> list[tuple[torch.Tensor, ...]]:
+def _distributed(
+    rank: int, world: int, cases: list[tuple], path: str = "per_segment"
+) -> list[tuple[torch.Tensor, ...]]:
     """Per case: this rank's output, and the gradients of its embeds shard and the projections,
     through the kernel ``path`` (see :func:`_path`)."""
     with _path(path) as kernel:
@@ -202,7 +220,9 @@ def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[
         weight = upstream[:, :heads, rank * local : (rank + 1) * local]
         (out * weight).sum().backward()
         # an all-padding rank's q projection takes no part in its output: no gradient there
-        grads = [emb.grad] + [torch.zeros_like(p) if p.grad is None else p.grad for p in proj.parameters()]
+        grads = [emb.grad] + [
+            torch.zeros_like(p) if p.grad is None else p.grad for p in proj.parameters()
+        ]
         results.append((out.detach(), batch["padding_mask"], *grads))
     return results
 
@@ -229,13 +249,17 @@ def test_matches_dense_reference(pools, world: int, path: str) -> None:
     for i, case in enumerate(CASES):
         s = case[2]
         out = torch.cat([got[r][i][0] for r in range(world)], dim=2)
-        torch.testing.assert_close(out[:, :, :s], want[i][0], rtol=0, atol=1e-12, msg=f"{case} output")
+        torch.testing.assert_close(
+            out[:, :, :s], want[i][0], rtol=0, atol=1e-12, msg=f"{case} output"
+        )
         assert torch.all(out[:, :, s:] == 0), case
         pad = torch.cat([got[r][i][1] for r in range(world)], dim=1)
         assert torch.equal(pad[:, :s], want[i][1]) and bool(pad[:, s:].all()), case
         for j, name in enumerate(["inputs_embeds", "q.weight", "q.bias", "kv.weight", "kv.bias"]):
             total = sum(got[r][i][2 + j] for r in range(world))  # each rank holds a partial grad
-            torch.testing.assert_close(total, want[i][2 + j], rtol=0, atol=1e-10, msg=f"{case} grad {name}")
+            torch.testing.assert_close(
+                total, want[i][2 + j], rtol=0, atol=1e-10, msg=f"{case} grad {name}"
+            )
 
 
 def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
@@ -244,7 +268,9 @@ def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
 
     doc = _packing("interior_pad", 1, 30)
     q, k, v = (torch.randn(1, 2, 30, D, dtype=torch.float64) for _ in range(3))
-    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, 30, 4), "_packed_seq_ids": doc})
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"inputs_embeds": torch.zeros(1, 30, 4), "_packed_seq_ids": doc}
+    )
     with ctx():
         out = cp_blockdiag_sdpa(q, k, v)
     assert torch.all(out[:, :, doc[0] == 0] == 0)
@@ -255,9 +281,16 @@ def test_plain_sdpa_when_inactive_and_nesting_restores() -> None:
     from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     q, k, v = (torch.randn(2, 2, 6, D) for _ in range(3))
-    torch.testing.assert_close(cp_blockdiag_sdpa(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    outer, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(2, 6, dtype=torch.long)})
-    inner, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(2, 4, dtype=torch.long)})
+    torch.testing.assert_close(
+        cp_blockdiag_sdpa(q, k, v, is_causal=True),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    )
+    outer, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": torch.ones(2, 6, dtype=torch.long)}
+    )
+    inner, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": torch.ones(2, 4, dtype=torch.long)}
+    )
     with outer():
         first = active_state()
         with inner():
@@ -276,7 +309,9 @@ def test_batch_sharding_conventions(pools) -> None:
         assert torch.equal(batch["input_ids"], ids[:, sl])
         assert torch.equal(batch["labels"], labels[:, sl])
         assert torch.equal(batch["position_ids"], pos[:, sl])
-        assert torch.equal(batch["loss_mask"], torch.cat([torch.ones(1, 7), torch.zeros(1, 2)], 1)[:, sl])
+        assert torch.equal(
+            batch["loss_mask"], torch.cat([torch.ones(1, 7), torch.zeros(1, 2)], 1)[:, sl]
+        )
         assert torch.equal(batch["padding_mask"], (torch.arange(9) >= 7).view(1, 9)[:, sl])
         assert "attention_mask" not in batch
         assert batch["pixel_values"].shape == (4, 3)  # not sequence-aligned: untouched
@@ -294,7 +329,9 @@ def _shard_batch(rank: int, world: int) -> dict:
         "attention_mask": torch.ones(1, 7, dtype=torch.long),
         "pixel_values": torch.zeros(4, 3),
     }
-    _, out = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch, loss_mask=torch.ones(1, 7), padding_token_id=5)
+    _, out = make_cp_blockdiag_batch_and_ctx(
+        dist.group.WORLD, None, batch, loss_mask=torch.ones(1, 7), padding_token_id=5
+    )
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
 
 
@@ -308,7 +345,9 @@ def test_document_ids_priority() -> None:
             block[row, 0, at : at + n, at : at + n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
             at += n
     flat = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
-    assert torch.equal(document_ids({"_packed_seq_ids": packed, "attention_mask": flat}, s, "cpu", b), packed)
+    assert torch.equal(
+        document_ids({"_packed_seq_ids": packed, "attention_mask": flat}, s, "cpu", b), packed
+    )
     from_block = document_ids({"attention_mask": block}, s, "cpu", b)
     assert torch.equal(from_block, torch.tensor([[1, 1, 2, 2, 0, 0], [1, 1, 1, 2, 2, 2]]))
     additive = torch.where(block, 0.0, torch.finfo(torch.float32).min)
@@ -326,7 +365,10 @@ def _bad_rank(rank: int, world: int, kind: str) -> None:
     from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     s = 12 if not (kind == "seq_len" and rank == 1) else 13
-    batch = {"inputs_embeds": torch.zeros(1, s, 4), "_packed_seq_ids": torch.ones(1, s, dtype=torch.long)}
+    batch = {
+        "inputs_embeds": torch.zeros(1, s, 4),
+        "_packed_seq_ids": torch.ones(1, s, dtype=torch.long),
+    }
     if kind == "doc_ids" and rank == 1:
         batch["_packed_seq_ids"][0, 0] = 2
     if kind == "no_embeds" and rank == 1:
@@ -347,7 +389,12 @@ def test_bad_input_on_one_rank_raises_everywhere(pools, kind: str) -> None:
     assert all("rank 1" in o.error_message for o in outcomes), [o.error_message for o in outcomes]
 
 
-COMPILE_BATCHES = ["short_docs", "one_doc", "interior_pad", "random"]  # different segments and halos
+COMPILE_BATCHES = [
+    "short_docs",
+    "one_doc",
+    "interior_pad",
+    "random",
+]  # different segments and halos
 
 
 def _compiled_vs_eager(rank: int, world: int, path: str) -> list[int]:
@@ -371,9 +418,13 @@ def _compiled_vs_eager(rank: int, world: int, path: str) -> list[int]:
     with _path(path):
         for name in COMPILE_BATCHES:
             doc = _packing(name, b, s)
-            ctx, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc})
+            ctx, _ = make_cp_blockdiag_batch_and_ctx(
+                dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+            )
             g = torch.Generator().manual_seed(len(name))
-            q, k, v = (torch.randn(b, h, local, D, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+            q, k, v = (
+                torch.randn(b, h, local, D, dtype=torch.float64, generator=g) for h in (4, 2, 2)
+            )
             weight = torch.randn(b, 4, local, D, dtype=torch.float64, generator=g)
             got = []
             for fn in (compiled, attend):
@@ -382,8 +433,10 @@ def _compiled_vs_eager(rank: int, world: int, path: str) -> list[int]:
                     out = fn(*leaves)
                     halos.add(active_state().halos)
                 got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
-            for a, e in zip(*got):
-                torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager")
+            for a, e in zip(*got, strict=True):
+                torch.testing.assert_close(
+                    a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager"
+                )
     assert world == 1 or len(halos) > 1, halos  # the batches differ in their halos too
     return [counter.frame_count, counter.op_count]
 
@@ -411,7 +464,9 @@ def _recording_host_reads(reads: list[str], allowed: torch.Tensor) -> Iterator[N
             frame = sys._getframe(1)
             while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
                 frame = frame.f_back
-            by_library = frame is not None and f"{os.sep}cpshard{os.sep}" in frame.f_code.co_filename
+            by_library = (
+                frame is not None and f"{os.sep}cpshard{os.sep}" in frame.f_code.co_filename
+            )
             if by_library and not (check_self and args[0] is allowed):
                 reads.append(f"{name} from {frame.f_code.co_filename}:{frame.f_lineno}")
             return real(*args, **kwargs)
@@ -439,9 +494,13 @@ def _host_reads(rank: int, world: int, path: str) -> list[str]:
     from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     doc = _packing("random", 2, 37)
-    ctx, batch = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(
+        dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
     local = batch["input_ids"].shape[1]
-    q, k, v = (torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    q, k, v = (
+        torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)
+    )
     reads: list[str] = []
     with ctx():
         state = active_state()
@@ -461,3 +520,25 @@ def test_hot_path_reads_no_tensor_data_on_host(pools, path: str) -> None:
     rebuild no metadata: the varlen kernel gets the packing computed once at the step's setup."""
     reads = pools(2).run(_host_reads, path, timeout=120)
     assert reads == [[], []], reads
+
+
+def test_packing_is_built_once_and_cached_per_device() -> None:
+    """The step's packing (host) is moved to a device once and reused by every later call;
+    it lists exactly the non-pad query rows, and each segment's keys from its document start."""
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+
+    doc = _packing("interior_pad", 2, 30)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    with ctx():
+        state = active_state()
+    p = state.packing
+    assert torch.equal(p.q_rows, torch.nonzero(doc.view(-1)).view(-1))
+    for i, s in enumerate(state.segments):
+        keys = p.k_rows[p.cu_k[i] : p.cu_k[i + 1]]
+        assert torch.equal(keys, s.row * 30 + torch.arange(s.doc_start, s.begin + s.length))
+    meta = torch.device("meta")
+    on_meta = state.packing_on(meta)
+    assert on_meta is state.packing_on(meta) and on_meta.q_rows.device == meta
+    assert state.packing_on(torch.device("cpu")) is p

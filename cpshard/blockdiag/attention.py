@@ -67,7 +67,9 @@ class Kernel(Protocol[How]):
 
     def forward(self, q: T, k: T, v: T, how: How, scale: float | None) -> Tensors: ...
 
-    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: How, scale: float | None) -> Grads: ...
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: How, scale: float | None
+    ) -> Grads: ...
 
 
 # A packed varlen kernel (the contract of torch's varlen flash kernels): ``[tokens, heads, D]``
@@ -88,11 +90,27 @@ class TorchFlashVarlen:
         )
         return out, lse
 
-    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, p: Packing, scale: float | None) -> Grads:
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, p: Packing, scale: float | None
+    ) -> Grads:
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # unused without dropout
         unused = torch.empty(0, device=q.device)
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad, q, k, v, out, lse, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, rng, unused, scale=scale
+            grad,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            p.cu_q,
+            p.cu_k,
+            p.max_q,
+            p.max_k,
+            0.0,
+            True,
+            rng,
+            unused,
+            scale=scale,
         )
         return dq, dk, dv
 
@@ -109,10 +127,14 @@ class CpuFlash:
     backward of each part is its exact share of the joint softmax's gradient."""
 
     def forward(self, q: T, k: T, v: T, causal: bool, scale: float | None) -> Tensors:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
         return out, lse
 
-    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None) -> Grads:
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None
+    ) -> Grads:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             grad, q, k, v, out, lse, 0.0, causal, scale=scale
         )
@@ -122,12 +144,20 @@ class MathPart:
     """Explicit matmul-softmax, for devices and dtypes no flash kernel serves (CUDA fp32/fp64)."""
 
     @staticmethod
-    def _probs(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor | None, causal: bool, scale: float | None) -> Tensors:
+    def _probs(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        lse: torch.Tensor | None,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensors:
         s = scale if scale is not None else q.shape[-1] ** -0.5
         scores = (q @ k.transpose(-1, -2)) * s
         if causal:
             n = q.shape[2]
-            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+            scores = scores.masked_fill(
+                torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")
+            )
         if lse is None:
             lse = torch.logsumexp(scores, dim=-1)
         return torch.exp(scores - lse.unsqueeze(-1)), lse
@@ -136,7 +166,9 @@ class MathPart:
         probs, lse = self._probs(q, k, None, causal, scale)
         return probs @ v, lse
 
-    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None) -> Grads:
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None
+    ) -> Grads:
         s = scale if scale is not None else q.shape[-1] ** -0.5
         probs, _ = self._probs(q, k, lse, causal, scale)
         dv = probs.transpose(-1, -2) @ grad
@@ -156,7 +188,9 @@ def _parts(s: Segment, origin: int) -> list[tuple[slice, bool]]:
     """Key ranges (of the halo-extended keys) of a segment, and whether each is causal."""
     split, end = s.begin - origin, s.begin + s.length - origin
     square = (slice(split, end), True)
-    return [(slice(s.doc_start - origin, split), False), square] if s.begin > s.doc_start else [square]
+    return (
+        [(slice(s.doc_start - origin, split), False), square] if s.begin > s.doc_start else [square]
+    )
 
 
 class _Loop:
@@ -170,7 +204,14 @@ class _Loop:
         """Each segment and its query rows' index into ``[B, H, L, ...]``."""
         start = self.state.start
         for s in self.state.segments:
-            yield s, (slice(s.row, s.row + 1), slice(None), slice(s.begin - start, s.begin - start + s.length))
+            yield (
+                s,
+                (
+                    slice(s.row, s.row + 1),
+                    slice(None),
+                    slice(s.begin - start, s.begin - start + s.length),
+                ),
+            )
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
         k, v = _repeat(k, self.heads), _repeat(v, self.heads)
@@ -179,11 +220,19 @@ class _Loop:
         for s, rows in self._segments():
             qs = q[rows].contiguous()
             results = [
-                self.kern.forward(qs, k[s.row : s.row + 1, :, keys].contiguous(), v[s.row : s.row + 1, :, keys].contiguous(), causal, scale)
+                self.kern.forward(
+                    qs,
+                    k[s.row : s.row + 1, :, keys].contiguous(),
+                    v[s.row : s.row + 1, :, keys].contiguous(),
+                    causal,
+                    scale,
+                )
                 for keys, causal in _parts(s, self.origin)
             ]
             total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
-            out[rows] = sum(o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results)
+            out[rows] = sum(
+                o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results
+            )
             lse[rows] = total
         return out, lse
 
@@ -195,7 +244,9 @@ class _Loop:
             g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
             for keys, causal in _parts(s, self.origin):
                 at = (slice(s.row, s.row + 1), slice(None), keys)
-                dqs, dks, dvs = self.kern.backward(g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale)
+                dqs, dks, dvs = self.kern.backward(
+                    g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale
+                )
                 dq[rows] += dqs
                 dk[at] += dks
                 dv[at] += dvs
@@ -229,22 +280,37 @@ class _Varlen:
 
     def _packed(self, q: T, k: T, v: T) -> tuple[T, T, T]:
         p = self.p
-        return _flat(q).index_select(0, p.q_rows), _flat(k).index_select(0, p.k_rows), _flat(v).index_select(0, p.k_rows)
+        return (
+            _flat(q).index_select(0, p.q_rows),
+            _flat(k).index_select(0, p.k_rows),
+            _flat(v).index_select(0, p.k_rows),
+        )
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
         b, heads, length, _ = q.shape
         out, lse = self.kern.forward(*self._packed(q, k, v), self.p, scale)
-        full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(0, self.p.q_rows, lse.t())
-        return _unflat(_scatter(self.p.q_rows, out, b * length), b), full_lse.view(b, length, heads).transpose(1, 2)
+        full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(
+            0, self.p.q_rows, lse.t()
+        )
+        return _unflat(_scatter(self.p.q_rows, out, b * length), b), full_lse.view(
+            b, length, heads
+        ).transpose(1, 2)
 
     def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
         b, heads, length, _ = q.shape
         p = self.p
         pick = lambda t: _flat(t).index_select(0, p.q_rows)  # noqa: E731
-        packed_lse = lse.transpose(1, 2).reshape(-1, heads).index_select(0, p.q_rows).t().contiguous()
-        dq, dk, dv = self.kern.backward(pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale)
+        packed_lse = (
+            lse.transpose(1, 2).reshape(-1, heads).index_select(0, p.q_rows).t().contiguous()
+        )
+        dq, dk, dv = self.kern.backward(
+            pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale
+        )
         # a key row may serve several segments: add
-        dk, dv = (d.new_zeros(b * t.shape[2], *d.shape[1:]).index_add_(0, p.k_rows, d) for d, t in ((dk, k), (dv, v)))
+        dk, dv = (
+            d.new_zeros(b * t.shape[2], *d.shape[1:]).index_add_(0, p.k_rows, d)
+            for d, t in ((dk, k), (dv, v))
+        )
         return _unflat(_scatter(p.q_rows, dq, b * length), b), _unflat(dk, b), _unflat(dv, b)
 
 
@@ -369,7 +435,15 @@ blockdiag_attention.register_autograd(_blockdiag_attention_grad, setup_context=_
 # ------------------------------------------------------------------ the public function
 
 
-def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: object, dropout_p: float, enable_gqa: bool) -> str | None:
+def _problem(
+    state: BlockDiagState,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: object,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> str | None:
     """This rank's problem with the arguments, or None (shapes and the state's sizes only)."""
     problem = None
     if attn_mask is not None:
@@ -378,8 +452,15 @@ def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.T
         problem = "dropout_p must be 0 while block-diagonal CP attention is active"
     elif q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problem = "q, k, v must be [B, heads, L, D]"
-    elif q.shape[2] != state.local_len or k.shape[2] != state.local_len or v.shape[2] != state.local_len:
-        problem = f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard has {state.local_len}"
+    elif (
+        q.shape[2] != state.local_len
+        or k.shape[2] != state.local_len
+        or v.shape[2] != state.local_len
+    ):
+        problem = (
+            f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard has "
+            f"{state.local_len}"
+        )
     elif q.shape[0] != state.batch_size:
         problem = f"q has batch {q.shape[0]} but the sharded batch has {state.batch_size}"
     elif k.shape[:-1] != v.shape[:-1] or k.dtype != v.dtype or k.device != v.device:
@@ -388,13 +469,21 @@ def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.T
             "dim but the last, in dtype and in device"
         )
     elif k.shape[0] != q.shape[0] or q.dtype != k.dtype or q.device != k.device:
-        problem = f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must match in batch, dtype and device"
+        problem = (
+            f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must match in batch, "
+            "dtype and device"
+        )
     elif q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
-        problem = f"q has {q.shape[1]} heads and k {k.shape[1]}: pass enable_gqa=True with a divisible head count"
+        problem = (
+            f"q has {q.shape[1]} heads and k {k.shape[1]}: pass enable_gqa=True with a divisible "
+            "head count"
+        )
     return problem
 
 
-def _fields(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], dict[str, Sequence[int]]]:
+def _fields(
+    state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], dict[str, Sequence[int]]]:
     """What every rank's call must agree on (checked mode only: it reads the step's halos)."""
     return lambda: {
         "dtype": [dtype_code(q.dtype)],
@@ -425,7 +514,14 @@ def cp_blockdiag_sdpa(
     state = active_state()
     if state is None:
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
         )
     problem = _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
     check_call(state.group, _WHAT, problem, _fields(state, query, key, value))

@@ -55,7 +55,14 @@ class Packing:
         """The same packing on ``device`` (non-blocking copies; the host tensors are pinned when
         CUDA is available)."""
         move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
-        return Packing(move(self.q_rows), move(self.k_rows), move(self.cu_q), move(self.cu_k), self.max_q, self.max_k)
+        return Packing(
+            move(self.q_rows),
+            move(self.k_rows),
+            move(self.cu_q),
+            move(self.cu_k),
+            self.max_q,
+            self.max_k,
+        )
 
 
 def _runs(first: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,7 +71,9 @@ def _runs(first: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Ten
     lens = torch.tensor(lengths, dtype=torch.int64)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lens, 0, out=cu[1:])
-    rows = torch.repeat_interleave(torch.tensor(first, dtype=torch.int64) - cu[:-1], lens) + torch.arange(int(cu[-1]))
+    rows = torch.repeat_interleave(
+        torch.tensor(first, dtype=torch.int64) - cu[:-1], lens
+    ) + torch.arange(int(cu[-1]))
     return rows, cu.to(torch.int32)
 
 
@@ -89,13 +98,17 @@ class BlockDiagState:
     segments: tuple[Segment, ...]  # this rank's segments, row-major
     key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
     packing: Packing = field(init=False, repr=False, compare=False)  # host (pinned) copy
-    _on_device: dict[torch.device, Packing] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _on_device: dict[torch.device, Packing] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         ext = self.halo + self.local_len  # rows of a batch row's halo-extended keys
         origin = self.start - self.halo
         segs = self.segments
-        q_rows, cu_q = _runs([s.row * self.local_len + s.begin - self.start for s in segs], [s.length for s in segs])
+        q_rows, cu_q = _runs(
+            [s.row * self.local_len + s.begin - self.start for s in segs], [s.length for s in segs]
+        )
         k_lens = [s.begin + s.length - s.doc_start for s in segs]
         k_rows, cu_k = _runs([s.row * ext + s.doc_start - origin for s in segs], k_lens)
         packing = Packing(
@@ -128,8 +141,9 @@ def state_for(key: torch.Tensor) -> BlockDiagState:
     state = _registry.get(int(key))
     if state is None:
         raise RuntimeError(
-            "cpshard.cp_blockdiag_sdpa: the step's block-diagonal state is gone; keep the train_ctx "
-            "returned by make_cp_blockdiag_batch_and_ctx alive until the step's backward has run"
+            "cpshard.cp_blockdiag_sdpa: the step's block-diagonal state is gone; keep the "
+            "train_ctx returned by make_cp_blockdiag_batch_and_ctx alive until the step's "
+            "backward has run"
         )
     return state
 
