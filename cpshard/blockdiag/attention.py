@@ -22,18 +22,22 @@ a call reads no device data on the host and copies nothing host->device.
 
 Kernels:
 
-* CUDA fp16/bf16 (equal q/k and v head dims): ONE launch per layer of torch's own varlen flash
-  kernels (``aten._flash_attention_forward`` / ``_flash_attention_backward``, whose causal mask is
-  aligned bottom-right), GQA in the kernel; no flash-attn package needed.
+* CUDA fp16/bf16 on sm80+ (equal q/k and v head dims, a multiple of 8 up to 256): ONE launch
+  per layer of torch's own varlen flash kernels (``aten._flash_attention_forward`` /
+  ``_flash_attention_backward``, whose causal mask is aligned bottom-right), GQA in the kernel;
+  no flash-attn package needed (flash-attn's ``flash_attn_varlen_func`` is an autograd function,
+  which a custom op's explicit backward cannot call; torch ships the same FA2 kernels).
 * Otherwise a loop over segments: a segment whose document starts on an earlier rank splits
   into a non-causal prefix part and a causal square part, merged by their log-sum-exp
   (flash-attention's decomposition), so no ``[L, S]`` mask is ever built. On CPU each part is
-  torch's CPU flash kernel; on CUDA fp32/fp64 (no flash kernel takes them) each part is an
-  explicit matmul-softmax (memory O(n * m) per part): use fp16/bf16 on GPUs.
+  torch's CPU flash kernel; on CUDA fp32/fp64 (no flash kernel takes them), and where the flash
+  kernels do not fit (head dims, pre-sm80 GPUs), each part is an explicit matmul-softmax
+  (memory O(n * m) per part): use fp16/bf16 on GPUs.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, TypeVar
 
@@ -115,9 +119,20 @@ class TorchFlashVarlen:
         return dq, dk, dv
 
 
+@functools.cache
+def _flash_runs_on(device: torch.device) -> bool:
+    """torch's flash kernels run on this GPU: built in, and an sm80+ device (a host query)."""
+    return torch.backends.cuda.is_flash_attention_available() and (
+        torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
 def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
-    """The one-launch kernel for CUDA fp16/bf16 queries with equal head dims, else None."""
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d_k == d_v:
+    """The one-launch kernel for CUDA fp16/bf16 queries with equal head dims that the flash
+    kernels take (a multiple of 8, at most 256) on a GPU they run on, else None (the loop)."""
+    fits = d_k == d_v and d_k % 8 == 0 and d_k <= 256
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.is_cuda and half and fits and _flash_runs_on(q.device):
         return TorchFlashVarlen()
     return None
 
