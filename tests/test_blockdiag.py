@@ -546,3 +546,53 @@ def test_packing_is_built_once_and_cached_per_device() -> None:
     on_meta = state.packing_on(meta)
     assert on_meta is state.packing_on(meta) and on_meta.q_rows.device == meta
     assert state.packing_on(torch.device("cpu")) is p
+
+
+def _rounds_and_transfers(rank: int, world: int) -> dict[str, list[int]]:
+    """Per check mode, for one cp_blockdiag_sdpa call forward + backward: the consensus rounds
+    (host channel) and the halo transfers (exchange, return) it issued."""
+    import torch.distributed as dist
+
+    from cpshard import check_mode, consensus
+    from cpshard.blockdiag import attention, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    counts = {"rounds": 0, "exchange": 0, "return": 0}
+
+    def counting(name: str, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    real = consensus.all_gather_small, attention.halo_exchange, attention.halo_return
+    consensus.all_gather_small = counting("rounds", real[0])
+    attention.halo_exchange, attention.halo_return = (
+        counting("exchange", real[1]),
+        counting("return", real[2]),
+    )
+    try:
+        doc = _packing("pad_rank", 1, 40)
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(
+            dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+        )
+        local = 40 // world
+        got = {}
+        for mode in ("step", "call"):
+            counts.update(dict.fromkeys(counts, 0))
+            q = torch.randn(1, 2, local, D, dtype=torch.float64, requires_grad=True)
+            with check_mode(mode), ctx():
+                out = cp_blockdiag_sdpa(q, q, q)
+            out.sum().backward()
+            got[mode] = [counts["rounds"], counts["exchange"], counts["return"]]
+    finally:
+        consensus.all_gather_small = real[0]
+        attention.halo_exchange, attention.halo_return = real[1:]
+    return got
+
+
+def test_default_mode_issues_only_the_halo_transfers(pools) -> None:
+    """By default a call (forward + backward) issues its halo exchange and return and nothing
+    else, on every rank (an all-padding one included); checked mode adds one consensus round."""
+    for got in pools(4).run(_rounds_and_transfers, timeout=60):
+        assert got == {"step": [0, 1, 1], "call": [1, 1, 1]}, got
