@@ -282,7 +282,7 @@ def _unflat(flat: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, ...]`` zeros with ``packed`` at ``rows`` (rows are distinct)."""
+    """``[n, ...]`` zeros with ``packed`` at ``rows`` (distinct rows: deterministic, no atomics)."""
     return packed.new_zeros(n, *packed.shape[1:]).index_copy(0, rows, packed)
 
 
@@ -307,9 +307,8 @@ class _Varlen:
         full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(
             0, self.p.q_rows, lse.t()
         )
-        return _unflat(_scatter(self.p.q_rows, out, b * length), b), full_lse.view(
-            b, length, heads
-        ).transpose(1, 2)
+        lse = full_lse.view(b, length, heads).transpose(1, 2)
+        return _unflat(_scatter(self.p.q_rows, out, b * length), b), lse
 
     def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
         b, heads, length, _ = q.shape
@@ -321,12 +320,13 @@ class _Varlen:
         dq, dk, dv = self.kern.backward(
             pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale
         )
-        # a key row may serve several segments: add
-        dk, dv = (
-            d.new_zeros(b * t.shape[2], *d.shape[1:]).index_add_(0, p.k_rows, d)
-            for d, t in ((dk, k), (dv, v))
+        ext = b * k.shape[2]  # a key row serves one segment: distinct rows, plain copies
+        dq = _scatter(p.q_rows, dq, b * length)
+        return (
+            _unflat(dq, b),
+            _unflat(_scatter(p.k_rows, dk, ext), b),
+            _unflat(_scatter(p.k_rows, dv, ext), b),
         )
-        return _unflat(_scatter(p.q_rows, dq, b * length), b), _unflat(dk, b), _unflat(dv, b)
 
 
 def _implementation(state: BlockDiagState, q: torch.Tensor, d_k: int, d_v: int) -> _Loop | _Varlen:
@@ -404,7 +404,9 @@ def blockdiag_attention(
 
 
 @blockdiag_attention.register_fake
-def _blockdiag_attention_fake(q, kv_ext, key, d_k, scale):
+def _blockdiag_attention_fake(
+    q: T, kv_ext: T, key: T, d_k: int, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     out = q.new_empty(*q.shape[:3], kv_ext.shape[3] - d_k)
     return out, q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
@@ -429,7 +431,9 @@ def blockdiag_attention_backward(
 
 
 @blockdiag_attention_backward.register_fake
-def _blockdiag_attention_backward_fake(grad, q, kv_ext, out, lse, key, d_k, scale):
+def _blockdiag_attention_backward_fake(
+    grad: T, q: T, kv_ext: T, out: T, lse: T, key: T, d_k: int, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(kv_ext)
 
 
