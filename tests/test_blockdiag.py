@@ -596,3 +596,49 @@ def test_default_mode_issues_only_the_halo_transfers(pools) -> None:
     else, on every rank (an all-padding one included); checked mode adds one consensus round."""
     for got in pools(4).run(_rounds_and_transfers, timeout=60):
         assert got == {"step": [0, 1, 1], "call": [1, 1, 1]}, got
+
+
+def test_opcheck_attention_ops() -> None:
+    """The attention custom ops pass torch.library.opcheck (schema, fake kernel, autograd)."""
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard.blockdiag.attention import blockdiag_attention, blockdiag_attention_backward
+
+    doc = _packing("interior_pad", 2, 30)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    with ctx():
+        key = active_state().key
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 30, D, dtype=torch.float64, generator=g, requires_grad=True)
+    kv = torch.randn(2, 2, 30, 2 * D, dtype=torch.float64, generator=g, requires_grad=True)
+    torch.library.opcheck(blockdiag_attention, (q, kv, key, D, None))
+    out, lse = (t.detach() for t in blockdiag_attention(q, kv, key, D, 0.5))
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    args = (grad, q.detach(), kv.detach(), out, lse, key, D, 0.5)
+    torch.library.opcheck(blockdiag_attention_backward, args)
+
+
+def _opcheck_halo_ops(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard.blockdiag.attention import blockdiag_halo, blockdiag_halo_return
+
+    doc = _packing("random", 1, 37)
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(
+        dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    with ctx():
+        state = active_state()
+    assert max(state.halos) > 0  # a rank receives rows
+    local = batch["input_ids"].shape[1]
+    kv = torch.randn(1, 2, local, 2 * D, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(blockdiag_halo, (kv, state.key))
+    grad = torch.randn(1, 2, state.halo + local, 2 * D, dtype=torch.float64)
+    torch.library.opcheck(blockdiag_halo_return, (grad, state.key, local))
+
+
+def test_opcheck_halo_ops(pools) -> None:
+    """The halo custom ops pass torch.library.opcheck on every rank (same calls everywhere)."""
+    pools(2).run(_opcheck_halo_ops, timeout=120)
