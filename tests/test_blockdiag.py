@@ -642,3 +642,18 @@ def _opcheck_halo_ops(rank: int, world: int) -> None:
 def test_opcheck_halo_ops(pools) -> None:
     """The halo custom ops pass torch.library.opcheck on every rank (same calls everywhere)."""
     pools(2).run(_opcheck_halo_ops, timeout=120)
+
+
+def test_padding_mask_and_document_ids_on_the_batch_device() -> None:
+    """Host-made padding_mask and host-given document ids follow the batch to its device (meta
+    here), and so does the attention's packing."""
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+
+    doc = torch.tensor([[1, 1, 2, 2, 0]])
+    embeds = torch.zeros(1, 5, 3, device="meta")
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"inputs_embeds": embeds, "_packed_seq_ids": doc}
+    )
+    assert {key: t.device.type for key, t in batch.items()} == dict.fromkeys(batch, "meta")
+    with ctx():
+        assert torch.device("meta") in active_state()._on_device

@@ -68,13 +68,16 @@ def make_cp_blockdiag_batch_and_ctx(
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
     batch.pop("attention_mask", None)
-    batch["padding_mask"] = (doc == 0).to(ref.device)
+    batch["padding_mask"] = doc == 0
     for key, value in list(batch.items()):
         dim = sequence_dim(key, value, bsz, padded if key == "padding_mask" else seq)
         if dim is None:
             continue
         full = pad_sequence(key, value, dim, padded, padding_token_id)
         batch[key] = full.narrow(dim, start, local)
+    for key in ("padding_mask", "_packed_seq_ids"):  # made or given on the host: to the device
+        if isinstance(batch.get(key), torch.Tensor):
+            batch[key] = batch[key].to(ref.device)
 
     segments = [_segments(doc, r * local, (r + 1) * local) for r in range(world)]
     state = BlockDiagState(
