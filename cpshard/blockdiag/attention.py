@@ -156,7 +156,8 @@ class CpuFlash:
 
 
 class MathPart:
-    """Explicit matmul-softmax, for devices and dtypes no flash kernel serves (CUDA fp32/fp64)."""
+    """Explicit matmul-softmax (fp16/bf16 computed in fp32), for devices and dtypes no flash
+    kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take)."""
 
     @staticmethod
     def _probs(
@@ -178,17 +179,20 @@ class MathPart:
         return torch.exp(scores - lse.unsqueeze(-1)), lse
 
     def forward(self, q: T, k: T, v: T, causal: bool, scale: float | None) -> Tensors:
-        probs, lse = self._probs(q, k, None, causal, scale)
-        return probs @ v, lse
+        wide = _lse_dtype(q.dtype)  # fp16/bf16 computed in fp32
+        probs, lse = self._probs(q.to(wide), k.to(wide), None, causal, scale)
+        return (probs @ v.to(wide)).to(q.dtype), lse
 
     def backward(
         self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None
     ) -> Grads:
         s = scale if scale is not None else q.shape[-1] ** -0.5
+        dtype, wide = q.dtype, _lse_dtype(q.dtype)
+        grad, q, k, v, out = (t.to(wide) for t in (grad, q, k, v, out))
         probs, _ = self._probs(q, k, lse, causal, scale)
         dv = probs.transpose(-1, -2) @ grad
         dscores = probs * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True)) * s
-        return dscores @ k, dscores.transpose(-1, -2) @ q, dv
+        return tuple(t.to(dtype) for t in (dscores @ k, dscores.transpose(-1, -2) @ q, dv))
 
 
 def part_kernel(q: torch.Tensor) -> PartKernel:
