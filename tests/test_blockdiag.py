@@ -151,7 +151,8 @@ class _StandInVarlen:
                 qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
             ).masked_fill(~visible, float("-inf"))
             outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
-            lses.append(torch.logsumexp(scores, dim=-1))
+            wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse
+            lses.append(torch.logsumexp(scores.to(wide), dim=-1))
         return torch.cat(outs), torch.cat(lses, dim=1)
 
     def forward(self, q, k, v, p, scale):
@@ -657,3 +658,28 @@ def test_padding_mask_and_document_ids_on_the_batch_device() -> None:
     assert {key: t.device.type for key, t in batch.items()} == dict.fromkeys(batch, "meta")
     with ctx():
         assert torch.device("meta") in active_state()._on_device
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_on_every_path(path: str) -> None:
+    """bf16 through each kernel path (the dtype of the GPU one-launch path) stays within bf16
+    rounding of the float64 reference, forward and backward; outputs and gradients keep bf16."""
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    doc = _packing("random", 2, 37)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, h, 37, D, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    wide = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _reference(*wide, doc)
+    want_grads = torch.autograd.grad(want.sum(), wide)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    with _path(path), ctx():
+        got = cp_blockdiag_sdpa(*low, enable_gqa=True)
+    got_grads = torch.autograd.grad(got.float().sum(), low)
+    assert got.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in got_grads)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-2)
+    for a, e in zip(got_grads, want_grads, strict=True):  # gradients of magnitude up to ~10
+        torch.testing.assert_close(a.double(), e, rtol=0, atol=1e-1)
