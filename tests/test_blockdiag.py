@@ -683,3 +683,25 @@ def test_bf16_on_every_path(path: str) -> None:
     torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-2)
     for a, e in zip(got_grads, want_grads, strict=True):  # gradients of magnitude up to ~10
         torch.testing.assert_close(a.double(), e, rtol=0, atol=1e-1)
+
+
+def test_torch_flash_varlen_calls_match_the_aten_kernels() -> None:
+    """The one-launch CUDA path with torch's real varlen flash ops, run on meta tensors (their
+    meta kernels check the arguments and give the shapes): GQA bf16 forward and backward."""
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard.blockdiag.attention import TorchFlashVarlen, _Varlen
+
+    doc = _packing("random", 2, 37)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    with ctx():
+        packing = active_state().packing_on(torch.device("meta"))
+    impl = _Varlen(TorchFlashVarlen(), packing)
+    q = torch.empty(2, 4, 37, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 37, 64, dtype=torch.bfloat16, device="meta")
+    out, lse = impl.forward(q, k, k, None)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    grads = impl.backward(torch.empty_like(out), q, k, k, out, lse, 0.125)
+    assert [t.shape for t in grads] == [q.shape, k.shape, k.shape]
