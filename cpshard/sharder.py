@@ -280,9 +280,10 @@ class ContextParallelSharder:
             return None, self._user_indices
         if self.layout in CLOSED_FORM_LAYOUTS:
             return None, None
+        which = f"layout {self.layout!r}" if self.layout else "the custom shard_batch's layout"
         raise _Problem(
-            f"layout {self.layout or 'of the custom shard_batch'!r} is data-dependent: its "
-            "partition is computed from the batch, so call shard(batch) before the token verbs"
+            f"{which} is data-dependent: its partition is computed from the batch, so call "
+            "shard(batch) before the token verbs"
         )
 
     def _virtual(self, padded: int) -> ShardLayout:
