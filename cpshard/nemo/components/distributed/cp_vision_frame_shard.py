@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard import vision as _vision
+from cpshard.comm import Group
 from cpshard.consensus import raise_on_any_rank
 from cpshard.nemo._autograd import reentrant_backward, reentrant_forward
 from cpshard.transport import gather_ragged, gather_sequence
@@ -207,7 +208,13 @@ def _check_group_scope_for_trainable(visual: torch.nn.Module, scope: _GroupScope
     """Raise ``ValueError`` when a trainable vision tower is sharded over a group not declared
     CP-only (the gather's backward would add its gradient once per TP rank). Deterministic
     across ranks, so it raises on every rank before any collective."""
-    _distribute._check_group_scope_for_trainable(visual, None, scope._resolved())
+    try:
+        top = scope._resolved()
+    except (TypeError, ValueError):  # a group cpshard cannot resolve: the check needs no group
+        top = None
+    if top is None:
+        top = _vision.CpVisionGroupScope(Group(None, 0, 1), scope.config, scope.spans_only_cp)
+    _distribute._check_group_scope_for_trainable(visual, None, top)
 
 
 def _contiguous_balanced_bounds(
