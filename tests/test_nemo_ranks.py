@@ -107,10 +107,6 @@ def _run_step5(rank: int, world: int) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_step5_transport(pools, world):
-    _assert_clean(pools(world).run(_run_step5, timeout=120))
-
 
 # --------------------------------------------------------------------------- vision gathers
 
@@ -151,10 +147,6 @@ def _run_vision_gathers(rank: int, world: int) -> list[str]:
                 bad.append(f"W={world} r={rank}: unexpected message {e}")
     return bad
 
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_vision_gathers_and_consensus(pools, world):
-    _assert_clean(pools(world).run(_run_vision_gathers, timeout=60))
 
 
 # --------------------------------------------------------------------------- maybe_distribute_visual
@@ -278,10 +270,6 @@ def _run_visual(rank: int, world: int) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_maybe_distribute_visual(pools, world):
-    _assert_clean(pools(world).run(_run_visual, timeout=120))
-
 
 # --------------------------------------------------------------------------- block-diagonal batch
 
@@ -334,10 +322,6 @@ def _run_blockdiag(rank: int, world: int) -> list[str]:
                 bad.append(f"{tag}: train_ctx() did not activate the block-diagonal state")
     return bad
 
-
-@pytest.mark.parametrize("world", WORLDS)
-def test_blockdiag_batch(pools, world):
-    _assert_clean(pools(world).run(_run_blockdiag, timeout=60))
 
 
 # --------------------------------------------------------------------------- the sharder
@@ -438,10 +422,6 @@ def _run_sharder(rank: int, world: int) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_sharder_forms(pools, world):
-    _assert_clean(pools(world).run(_run_sharder, timeout=120))
-
 
 def _run_one_rank_bad_shard(rank: int, world: int) -> list[str]:
     """A per-step entry point keeps its consensus: one rank's bad batch makes every rank raise."""
@@ -459,3 +439,15 @@ def _run_one_rank_bad_shard(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharder_shard_raises_on_every_rank(pools, world):
     _assert_clean(pools(world).run(_run_one_rank_bad_shard, timeout=60))
+
+
+RANK_CASES = [(_run_step5, 120), (_run_vision_gathers, 60), (_run_visual, 120), (_run_blockdiag, 60),
+              (_run_sharder, 120)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", RANK_CASES, ids=lambda c: c[0].__name__.removeprefix("_run_"))
+def test_on_ranks(pools, case, world):
+    """Every area's grid of cases on one spawned group of ``world`` ranks."""
+    fn, timeout = case
+    _assert_clean(pools(world).run(fn, timeout=timeout))

@@ -13,17 +13,9 @@ from cpshard.blockdiag.state import active_state
 __all__ = ["cp_blockdiag_sdpa"]
 
 
-def cp_blockdiag_sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    **kwargs: Any,
-) -> torch.Tensor:
+def cp_blockdiag_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0, is_causal: bool = False,
+                      scale: float | None = None, enable_gqa: bool = False, **kwargs: Any) -> torch.Tensor:
     """:func:`cpshard.cp_blockdiag_sdpa` with NeMo's calling convention: while the block-diagonal
     state is active, ``attn_mask`` is ignored (the documents define the mask) and extra keyword
     arguments are accepted and ignored; otherwise plain SDPA with ``attn_mask``."""
