@@ -15,12 +15,12 @@ import dataclasses
 import importlib
 import inspect
 import itertools
-import tomllib
 from importlib import resources
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import tomllib
 import torch
 
 import cpshard

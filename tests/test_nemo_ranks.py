@@ -213,7 +213,7 @@ def _run_visual(rank: int, world: int) -> list[str]:
             v_all = sum(_rand(ref.deepstack_features[0].shape, 95 + q) for q in range(world))
             want = torch.autograd.grad((ref.pooler_output * u_all).sum() + (ref.deepstack_features[0] * v_all).sum(),
                                        list(tower.parameters()))
-            for k, (g, w) in enumerate(zip(grads, want)):
+            for k, (g, w) in enumerate(zip(grads, want, strict=True)):
                 summed = g.detach().clone().contiguous()
                 dist.all_reduce(summed)
                 _close(bad, f"{tag} {grid} grad[{k}]", summed, w)
@@ -284,6 +284,14 @@ def _run_blockdiag(rank: int, world: int) -> list[str]:
     embeds = _rand((b, s, hidden), 3)
     doc = torch.tensor([[1, 1, 1, 2, 2, 0, 3], [1, 1, 1, 1, 1, 1, 1]])
     labels = torch.arange(b * s).reshape(b, s)
+    pad = padded - s
+
+    def ref(t, value, dim=1):
+        """``t`` padded along ``dim`` with ``value``, then this rank's contiguous slice."""
+        extra = list(t.shape)
+        extra[dim] = pad
+        return torch.cat([t, torch.full(extra, value, dtype=t.dtype)], dim).narrow(dim, lo, local)
+
     for mrope in (False, True):
         pos = torch.arange(10, 10 + s).expand(b, s)
         pos = pos.expand(3, b, s) if mrope else pos
@@ -293,13 +301,6 @@ def _run_blockdiag(rank: int, world: int) -> list[str]:
                  "attention_mask": doc != 0}
         ctx, out = bd.make_cp_blockdiag_batch_and_ctx(group, None, batch, loss_mask=loss_mask)
         tag = f"W={world} r={rank} mrope={mrope}"
-        pad = padded - s
-
-        def ref(t, value, dim=1):
-            extra = list(t.shape)
-            extra[dim] = pad
-            return torch.cat([t, torch.full(extra, value, dtype=t.dtype)], dim).narrow(dim, lo, local)
-
         _close(bad, f"{tag} inputs_embeds", out["inputs_embeds"], ref(embeds, 0.0))
         checks = {
             "labels": ref(labels, -100),
@@ -335,7 +336,6 @@ def _round_robin_positions(world: int, padded: int, rank: int) -> list[int]:
 
 def _run_sharder(rank: int, world: int) -> list[str]:
     bad: list[str] = []
-    group = dist.group.WORLD
     mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
     b, s = 2, 11
     ids = torch.arange(100, 100 + b * s).reshape(b, s)

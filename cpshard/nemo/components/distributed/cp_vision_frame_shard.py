@@ -77,13 +77,14 @@ class _GroupScope:
     config: _vision.CpVisionFrameShardingConfig
     spans_only_cp: bool = True
 
-    def _resolved(self) -> _vision.CpVisionGroupScope:
+    def _resolved(self) -> _vision.CpVisionGroupScope | None:
         """cpshard's scope for this one (group resolved and checked); built once."""
         top = self.__dict__.get("_top")
         if top is None:
             top = _scope.make_scope(self.group, self.config, self.spans_only_cp)
-            object.__setattr__(self, "_top", top)
-            _BY_RESOLVED[id(top)] = self
+            if top is not None:  # (group None: no scope, nothing to remember)
+                object.__setattr__(self, "_top", top)
+                _BY_RESOLVED[id(top)] = self
         return top
 
 

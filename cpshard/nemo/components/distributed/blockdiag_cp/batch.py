@@ -9,7 +9,8 @@ the top-level :func:`cpshard.make_cp_blockdiag_batch_and_ctx` keeps counting.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,7 +37,7 @@ def make_cp_blockdiag_batch_and_ctx(
     batch: dict[str, Any],
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
-) -> tuple[Callable[[], ContextManager], dict[str, Any]]:
+) -> tuple[Callable[[], AbstractContextManager], dict[str, Any]]:
     """Sequentially shard a pre-embedded batch for block-diagonal CP.
 
     :func:`cpshard.make_cp_blockdiag_batch_and_ctx` (pads to a multiple of the CP size, slices
