@@ -308,6 +308,8 @@ def test_cost_alpha_source_and_config():
         (SimpleNamespace(hidden_size=4096, vision_config=SimpleNamespace(hidden_size=1024)), 1024),
         ({"embed_dim": "1024"}, 1024),  # numeric-string widths (YAML / JSON configs)
         ({"vision_config": {"hidden_size": 512.0}}, 512),
+        (SimpleNamespace(vit_hidden_size=torch.tensor(256)), 256),
+        (SimpleNamespace(embed_dim=1024.5, hidden_size=64), 64),  # not a width: the root one counts
         (SimpleNamespace(hidden_size=640), 640),  # the tower itself
         (SimpleNamespace(), None),
         ({"embed_dim": "wide"}, None),

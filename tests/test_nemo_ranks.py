@@ -21,6 +21,7 @@ from torch import nn
 import cpshard
 from cpshard.nemo.components.distributed import cp_vision_frame_shard as vfs
 from cpshard.nemo.components.distributed.blockdiag_cp import batch as bd
+from cpshard.nemo.components.distributed.blockdiag_cp import runtime as bd_runtime
 from cpshard.nemo.components.distributed.context_parallel import sharder as sh
 from cpshard.nemo.components.models.step5 import cp as step5
 
@@ -321,7 +322,27 @@ def _run_blockdiag(rank: int, world: int) -> list[str]:
         with ctx():
             if cpshard.blockdiag.active_state() is None:
                 bad.append(f"{tag}: train_ctx() did not activate the block-diagonal state")
+            _check_sdpa(bad, tag, rank, out["padding_mask"], padded, lo, local)
     return bad
+
+
+def _check_sdpa(bad: list[str], tag: str, rank: int, pad_rows: torch.Tensor, padded: int, lo: int,
+                local: int) -> None:
+    """The mirror's ``cp_blockdiag_sdpa`` under an active state: cpshard's attention on document
+    rows, the row's own value on pad rows (GQA: the value head of its group); ``attn_mask`` and
+    extra keywords ignored; the backward runs (a collective) on every rank."""
+    heads, kv_heads, d = 4, 2, 3
+    full = [_rand((pad_rows.shape[0], h, padded, d), 30 + i) for i, h in enumerate((heads, kv_heads, kv_heads))]
+    q, k, v = (t[:, :, lo:lo + local].clone().requires_grad_(True) for t in full)
+    got = bd_runtime.cp_blockdiag_sdpa(q, k, v, attn_mask=torch.zeros(1, dtype=torch.bool), enable_gqa=True,
+                                       position_ids=None, cu_seqlens=None)
+    want = cpshard.cp_blockdiag_sdpa(q.detach(), k.detach(), v.detach(), enable_gqa=True)
+    own = v.detach().repeat_interleave(heads // kv_heads, dim=1)
+    want = torch.where(pad_rows[:, None, :, None], own, want)
+    _close(bad, f"{tag} runtime cp_blockdiag_sdpa", got, want)
+    got.sum().backward()
+    if v.grad is None:
+        bad.append(f"{tag}: no gradient reached v")
 
 
 

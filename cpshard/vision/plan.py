@@ -302,8 +302,8 @@ def _field(node: object, name: str) -> object:
 
 
 def _positive_int(value: object) -> int | None:
-    """A width written as an int, an integral float (``1024.0``) or a numeric string
-    (``"1024"``, as configs loaded from YAML/JSON may hold it); None for anything else."""
+    """A width written as an int, an integral float (``1024.0``), a 0-d integer tensor or a
+    numeric string (``"1024"``, as configs loaded from YAML/JSON may hold it); None otherwise."""
     if isinstance(value, bool):
         return None
     if isinstance(value, str):
@@ -311,6 +311,9 @@ def _positive_int(value: object) -> int | None:
         value = int(text) if text.isdecimal() else None
     elif isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
         value = int(value) if math.isfinite(value) and float(value).is_integer() else None
+    elif isinstance(value, torch.Tensor):  # a 0-d integer tensor (a checkpointed config value)
+        integral = value.dim() == 0 and not value.is_floating_point() and not value.is_complex()
+        value = int(value) if integral and value.dtype != torch.bool else None
     if not isinstance(value, numbers.Integral):
         return None
     return int(value) if value > 0 else None
