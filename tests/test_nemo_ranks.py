@@ -423,6 +423,8 @@ def _run_sharder(rank: int, world: int) -> list[str]:
     total = sum(_rand(whole.shape, 70 + q) for q in range(world))
     _close(bad, f"{tag} direct grad", y.grad, torch.where(held[None, :], total, 0.0))
 
+    _check_thd_and_repositioned(bad, tag, rank, world, mesh)
+
     # resolution through the model-owned block-diagonal hook: contiguous layout
     emb = _rand((b, s, 2), 9)
     hooked = {"inputs_embeds": emb, "_cp_make_batch_fn": bd.make_cp_blockdiag_batch_and_ctx}
@@ -455,6 +457,41 @@ def _run_one_rank_bad_shard(rank: int, world: int) -> list[str]:
                        lambda: sharder.shard(batch))
     dist.barrier()  # the group still works
     return bad
+
+
+def _check_thd_and_repositioned(bad: list[str], tag: str, rank: int, world: int, mesh) -> None:
+    """Direct-form NeMo layouts in the caller's coordinates: a THD stream (``input_row_shape``:
+    ``[B, S]`` rows flattened into one stream, this rank's stripes of it) and a repositioned
+    layout (``input_token_stream_positions``: input position -> padded column, -1 dropped)."""
+    b, s = 2, 5
+    p = -(-(b * s) // world) * world
+    own = torch.arange(rank, p, world)
+    thd = sh.ShardLayout(local_token_global_indices=own, padded_seq_len=p, input_row_shape=(b, s))
+    sharder = sh.ContextParallelSharder(device_mesh=mesh, shard_batch=lambda *a, **k: (None, {}, thd))
+    sharder.shard({})
+    t = _rand((b, s, 2), 21)
+    local = sharder.shard_token_tensor(t, fill=0.0)  # NeMo's stream coordinate: [L, 2]
+    _close(bad, f"{tag} THD shard", local, torch.cat([t.reshape(b * s, 2), torch.zeros(p - b * s, 2, dtype=F64)])[own])
+    _close(bad, f"{tag} THD gather(trim)", sharder.gather_token_tensor(local, seq_dim=0, trim=True), t)
+
+    positions = torch.tensor([[0, 1, -1, 2, 3], [4, -1, 5, 6, 7]])  # two dropped pad slots
+    cols = -(-8 // world) * world
+    own = torch.arange(rank * cols // world, (rank + 1) * cols // world)
+    moved = sh.ShardLayout(local_token_global_indices=own, padded_seq_len=cols, input_token_stream_positions=positions)
+    sharder = sh.ContextParallelSharder(device_mesh=mesh, shard_batch=lambda *a, **k: (None, {}, moved))
+    sharder.shard({})
+    x = torch.arange(10.0, 20.0, dtype=F64).reshape(b, s)
+    _raises_everywhere(bad, f"{tag} repositioned shard without fill", ValueError, lambda: sharder.shard_token_tensor(x))
+    padded = torch.full((b, cols), -1.0, dtype=F64)
+    for row in range(b):
+        keep = positions[row] >= 0
+        padded[row, positions[row][keep]] = x[row][keep]
+    local = sharder.shard_token_tensor(x, fill=-1.0)
+    _close(bad, f"{tag} repositioned shard", local, padded[:, own])
+    _raises_everywhere(bad, f"{tag} repositioned trim without fill", ValueError,
+                       lambda: sharder.gather_token_tensor(local, trim=True))
+    back = sharder.gather_token_tensor(local, trim=True, fill=-5.0)
+    _close(bad, f"{tag} repositioned gather(trim)", back, torch.where(positions >= 0, x, -5.0))
 
 
 @pytest.mark.parametrize("world", [2, 4])

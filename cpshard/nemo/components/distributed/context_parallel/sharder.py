@@ -289,6 +289,17 @@ class ContextParallelSharder:
         repositioned layout, THD input rows, ``original_seq_len`` (padded with ``fill``) or
         ``padded_seq_len``; any other length raises ``ValueError``."""
         self._check_source()
+        lay = self.shard_layout
+        if lay is not None and isinstance(tensor, torch.Tensor):
+            positions, rows = lay.input_token_stream_positions, lay.input_row_shape
+            if positions is not None and tuple(tensor.shape) == tuple(positions.shape) and fill is None:
+                raise ValueError(
+                    f"{_WHAT}: rank {self._impl.rank}: sharding an input-coordinate tensor on a "
+                    "repositioned layout requires fill"
+                )
+            if rows is not None and len(rows) == 2 and tuple(tensor.shape[:2]) == tuple(rows):
+                # THD input rows: flattened into the stream; NeMo's shard has no row dim
+                return self._impl.shard_token_tensor(tensor, 1, fill).squeeze(0)
         return self._impl.shard_token_tensor(tensor, seq_dim, fill)
 
     def gather_token_tensor(
@@ -304,4 +315,10 @@ class ContextParallelSharder:
                 "with trim=False, or shard a batch first"
             )
         self._check_source()
+        lay = self.shard_layout
+        if trim is True and fill is None and lay is not None and lay.input_token_stream_positions is not None:
+            raise ValueError(
+                f"{_WHAT}: rank {self._impl.rank}: trimming to input coordinates on a repositioned "
+                "layout requires fill"
+            )
         return self._impl.gather_token_tensor(tensor, seq_dim, trim, fill)
