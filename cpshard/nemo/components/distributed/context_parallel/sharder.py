@@ -133,6 +133,7 @@ class ContextParallelSharder:
         invoke_pre_embed: bool = True,
         extra_seq_buffers: dict[str, int] | None = None,
     ) -> None:
+        cp = _cp_of(device_mesh)
         if shard_batch is not None:
             if (model is not None or batch is not None or num_chunks != 1 or not invoke_pre_embed
                     or extra_seq_buffers is not None):
@@ -140,7 +141,6 @@ class ContextParallelSharder:
                     f"{_WHAT}: shard_batch (the direct form) is mutually exclusive with model, batch "
                     "and the resolution options (num_chunks, invoke_pre_embed, extra_seq_buffers)"
                 )
-            cp = _cp_of(device_mesh)
         else:
             if local_token_global_indices is not None or shard_layout is not None:
                 raise TypeError(f"{_WHAT}: local_token_global_indices and shard_layout require shard_batch")
@@ -148,7 +148,6 @@ class ContextParallelSharder:
                 raise TypeError(f"{_WHAT}: batch is required when shard_batch is not provided")
             if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
                 raise ValueError(f"{_WHAT}: num_chunks must be an int >= 1, got {num_chunks!r}")
-            cp = _cp_of(device_mesh)
             shard_batch, local_token_global_indices = self._resolve(cp, batch)
         self._cp_mesh = cp
         self._tp_mesh = _axis(device_mesh, "tp")
