@@ -525,3 +525,8 @@ def test_direct_form_reports_and_uses_nemo_layouts():
         sharder.shard_token_tensor(torch.arange(6)[None], fill=0)
     with pytest.raises(TypeError):
         sharder.shard_layout = {"padded_seq_len": 8}
+    # reported indices are flattened and cast to int64, and checked against the length asked for
+    sharder.shard_layout = sh.ShardLayout(local_token_global_indices=torch.tensor([[1, 0]], dtype=torch.int32))
+    assert torch.equal(sharder._indices(2, None), torch.tensor([1, 0]))
+    with pytest.raises(ValueError, match="does not match"):
+        sharder._indices(6, None)

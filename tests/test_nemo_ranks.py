@@ -46,11 +46,14 @@ def _assert_clean(results: list[list[str]]) -> None:
     assert not bad, "\n".join(bad[:20])
 
 
-def _raises_everywhere(bad: list[str], tag: str, exc: type, call) -> None:
-    """``call()`` must raise ``exc`` on this rank (every rank runs it)."""
+def _raises_everywhere(bad: list[str], tag: str, exc: type, call, match: str = "") -> None:
+    """``call()`` must raise ``exc`` (its message containing ``match``) on this rank (every rank
+    runs it)."""
     try:
         call()
-    except exc:
+    except exc as e:
+        if match not in str(e):
+            bad.append(f"{tag}: message without {match!r}: {e}")
         return
     except Exception as e:  # noqa: BLE001
         bad.append(f"{tag}: raised {type(e).__name__}: {e}")
@@ -256,7 +259,7 @@ def _run_visual(rank: int, world: int) -> list[str]:
             tower.drop_token = rank == world - 1
             pv, gthw = _pack([[1, 4, 4]] * world, 15)
             _raises_everywhere(bad, f"{tag} token mismatch", ValueError,
-                               lambda: vfs.maybe_distribute_visual(tower, pv, gthw))
+                               lambda: vfs.maybe_distribute_visual(tower, pv, gthw), match="cp_vision_frame_shard")
         # the top-level API publishes into the same holder
         with cpshard.cp_vision_group(group, config=on):
             seen = vfs._CP_VISION_GROUP.get()

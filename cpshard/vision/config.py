@@ -14,7 +14,7 @@ def _non_negative_int(value: object, name: str) -> None:
     # ValueError for every bad value (a bool, a float, a string, a negative int): the field's
     # value is wrong, as NeMo Automodel's config reports it.
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{_WHAT}.{name} must be an int >= 0, got {type(value).__name__} ({value!r})")
+        raise ValueError(f"{_WHAT}.{name} must be a non-negative integer, got {type(value).__name__} ({value!r})")
 
 
 @dataclass(frozen=True)

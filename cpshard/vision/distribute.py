@@ -360,12 +360,12 @@ def _small(inputs: _Inputs, cfg: Any) -> bool:
 
 
 def distribute_visual(visual: Any, pixel_values: Any, grid_thw: Any, kwargs: dict, *,
-                      local_fallbacks: bool = False, floor_dummy_frames: bool = True) -> Any:
+                      local_fallbacks: bool = False, floor_dummy_frames: bool = True, what: str = _WHAT) -> Any:
     """:func:`maybe_distribute_visual` with two policy switches (the NeMo mirror sets both the
     other way). ``local_fallbacks``: decide the no-media and small-workload fall-backs from this
     rank's inputs alone, with no collective (so ranks must agree on them); otherwise they are
     decided after the consensus round. ``floor_dummy_frames``: raise a dummy-only rank's frame to
-    ``min_local_patch_rows`` too."""
+    ``min_local_patch_rows`` too. ``what`` names the caller in the errors."""
     scope = current_cp_vision_scope()
     if scope is None or not scope.active:
         return _replicated(visual, pixel_values, grid_thw, kwargs)
@@ -378,7 +378,7 @@ def distribute_visual(visual: Any, pixel_values: Any, grid_thw: Any, kwargs: dic
     inputs = _inspect(visual, pixel_values, grid_thw, scope)
     if local_fallbacks and inputs.problem is None and (not inputs.grid or _small(inputs, cfg)):
         return _replicated(visual, pixel_values, grid_thw, kwargs)
-    agree(group, _WHAT, inputs.problem, inputs.fields(pixel_values, scope))
+    agree(group, what, inputs.problem, inputs.fields(pixel_values, scope))
 
     if not inputs.has_media or not inputs.grid or _small(inputs, cfg):
         return _replicated(visual, pixel_values, grid_thw, kwargs)
@@ -388,7 +388,7 @@ def distribute_visual(visual: Any, pixel_values: Any, grid_thw: Any, kwargs: dic
         min_local_patch_rows=cfg.min_local_patch_rows, floor_dummy_frames=floor_dummy_frames,
     )
     rank = group.rank
-    logger.debug("%s: %d frames over %d ranks (%d dummy), tokens per rank %s", _WHAT, len(plan.unit_rows),
+    logger.debug("%s: %d frames over %d ranks (%d dummy), tokens per rank %s", what, len(plan.unit_rows),
                  group.world, plan.dummy_ranks, list(plan.token_counts))
 
     failure: Exception | None = None
@@ -399,7 +399,7 @@ def distribute_visual(visual: Any, pixel_values: Any, grid_thw: Any, kwargs: dic
         failure = exc
     if failure is not None:
         try:
-            agree(group, _WHAT, f"the vision tower raised {type(failure).__name__}: {failure}")
+            agree(group, what, f"the vision tower raised {type(failure).__name__}: {failure}")
         except ValueError:
             pass  # always taken: this rank failed; the others now raise naming it
         raise failure
@@ -407,7 +407,7 @@ def distribute_visual(visual: Any, pixel_values: Any, grid_thw: Any, kwargs: dic
     fields = {"deepstack levels": [0], "level dtypes and shapes": [0, 0], "requires grad": [0]}
     if problem is None:
         fields = _level_fields(out)
-    agree(group, _WHAT, problem, fields)
+    agree(group, what, problem, fields)
 
     pooler, deep = _levels(out)
     levels = [pooler, *(deep or [])]

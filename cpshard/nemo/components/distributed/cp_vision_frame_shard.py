@@ -291,5 +291,6 @@ def maybe_distribute_visual(
     if "return_dict" in kwargs:
         raise TypeError(f"{_WHAT}: return_dict is always True; do not pass it")
     return _distribute.distribute_visual(
-        visual, pixel_values, grid_thw, kwargs, local_fallbacks=True, floor_dummy_frames=False
+        visual, pixel_values, grid_thw, kwargs, local_fallbacks=True, floor_dummy_frames=False,
+        what=f"{__name__}.maybe_distribute_visual",
     )

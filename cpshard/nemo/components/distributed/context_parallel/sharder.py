@@ -276,8 +276,17 @@ class ContextParallelSharder:
         return ctx, out
 
     def _indices(self, padded_seq_len: int, device) -> torch.Tensor:
-        """This rank's global positions for ``padded_seq_len`` tokens."""
+        """This rank's global positions for ``padded_seq_len`` tokens (the reported layout's,
+        checked to cover that many tokens: ``ValueError`` otherwise)."""
         self._check_source()
+        lay = self._nemo_layout
+        if lay is not None and lay.local_token_global_indices is not None:
+            expected = lay.local_token_global_indices.numel() * self._impl.world_size
+            if padded_seq_len != expected:
+                raise ValueError(
+                    f"{_WHAT}: rank {self._impl.rank}: the reported indices cover a padded stream of "
+                    f"{expected} tokens, which does not match padded_seq_len = {padded_seq_len}"
+                )
         return self._impl._indices(padded_seq_len, device)
 
     def shard_token_tensor(
