@@ -77,9 +77,8 @@ def make_cp_blockdiag_batch_and_ctx(
             continue
         full = pad_sequence(key, value, dim, padded, padding_token_id)
         batch[key] = full.narrow(dim, start, local)
-    for key in ("padding_mask", "_packed_seq_ids"):  # made or given on the host: to the device
-        if isinstance(batch.get(key), torch.Tensor):
-            batch[key] = batch[key].to(ref.device)
+    if isinstance(batch.get("_packed_seq_ids"), torch.Tensor):  # may be given on the host
+        batch["_packed_seq_ids"] = batch["_packed_seq_ids"].to(ref.device)
 
     segments = [_segments(doc, r * local, (r + 1) * local) for r in range(world)]
     state = BlockDiagState(
