@@ -52,7 +52,7 @@ def make_cp_blockdiag_batch_and_ctx(
         problem = f"loss_mask must be a [B, S] tensor matching {tuple(ref.shape[:2])}"
     if problem is None:
         try:
-            doc = document_ids(batch, ref.shape[1], ref.device, ref.shape[0])
+            doc = document_ids(batch, ref.shape[1], "cpu", ref.shape[0])  # the step's host copy
         except ValueError as e:
             problem = str(e)
     if problem is not None:
@@ -62,9 +62,8 @@ def make_cp_blockdiag_batch_and_ctx(
     padded = -(-seq // world) * world
     local = padded // world
     start = rank * local
-    doc = pad_sequence("_packed_seq_ids", doc, 1, padded)  # on the batch's device
-    padding_mask = doc == 0
-    doc = doc.cpu()  # the step's one host copy, for the segments and the consensus
+    doc = pad_sequence("_packed_seq_ids", doc, 1, padded)
+    padding_mask = (doc == 0).to(ref.device)
     agree(g, what, None, {"[B, S]": [bsz, seq], "document ids": digest(doc)})
 
     if loss_mask is not None:
