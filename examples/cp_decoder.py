@@ -177,16 +177,22 @@ def decoder_step(rank: int, world: int, arch: str, rows: Sequence[Sequence[int]]
     return compare(model, reference, cp, ref, group)
 
 
+def run_example(step: Callable[..., tuple[float, float, float]], world: int, label: str,
+                *args: Any) -> None:
+    """Spawn ``world`` gloo ranks, run ``step(rank, world, *args)`` on each, print the losses."""
+    from cpshard.testing import run_ranks
+
+    cp, ref, grad = run_ranks(step, world, *args, timeout=300)[0]
+    print(f"{label} W={world}: CP loss {cp:.15f}  single-process loss {ref:.15f}  "
+          f"max |grad diff| {grad:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--arch", choices=("llama", "qwen3"), default="llama")
     args = parser.parse_args()
-    from cpshard.testing import run_ranks
-
-    cp, ref, grad = run_ranks(decoder_step, args.world, args.arch, timeout=300)[0]
-    print(f"{args.arch} W={args.world}: CP loss {cp:.15f}  single-process loss {ref:.15f}  "
-          f"max |grad diff| {grad:.2e}")
+    run_example(decoder_step, args.world, args.arch, args.arch)
 
 
 if __name__ == "__main__":

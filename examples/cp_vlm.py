@@ -33,7 +33,15 @@ import torch.distributed as dist
 import cpshard
 from cpshard.integrations import transformers as cp_transformers
 
-from cp_decoder import compare, cp_loss, document_ids, reference_loss, runs, shifted_labels
+from cp_decoder import (
+    compare,
+    cp_loss,
+    document_ids,
+    reference_loss,
+    run_example,
+    runs,
+    shifted_labels,
+)
 
 IMAGE, VIDEO, START, END = 60, 61, 62, 63
 PATCH = 3 * 2 * 2  # channels * patch_size ** 2 (temporal patch 1)
@@ -231,12 +239,7 @@ def vlm_step(rank: int, world: int, rows: Sequence[Sequence[Any]] = ROWS,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
-    args = parser.parse_args()
-    from cpshard.testing import run_ranks
-
-    cp, ref, grad = run_ranks(vlm_step, args.world, timeout=300)[0]
-    print(f"qwen3-vl W={args.world}: CP loss {cp:.15f}  single-process loss {ref:.15f}  "
-          f"max |grad diff| {grad:.2e}")
+    run_example(vlm_step, parser.parse_args().world, "qwen3-vl")
 
 
 if __name__ == "__main__":
