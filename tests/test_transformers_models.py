@@ -86,6 +86,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
     """Each unsupported attention under CP: the error text on this rank (or 'no error')."""
     import transformers
 
+    cp_transformers.register()
     group = dist.group.WORLD
     batch = cp_decoder.packed_batch(cp_decoder.ROWS, 64)
     out = {}

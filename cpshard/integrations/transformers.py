@@ -15,6 +15,7 @@ imported when :func:`register` runs, never when cpshard is imported.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -220,10 +221,7 @@ def wrap_vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     return tower
 
 
-_classes: dict[type, type] = {}
-
-
+@functools.cache
 def _wrapped_class(cls: type) -> type:
-    if cls not in _classes:
-        _classes[cls] = type(f"CpShard{cls.__name__}", (CpVisionTower, cls), {})
-    return _classes[cls]
+    """``cls`` with :class:`CpVisionTower` in front (one per tower class)."""
+    return type(f"CpShard{cls.__name__}", (CpVisionTower, cls), {})
