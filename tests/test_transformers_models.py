@@ -125,6 +125,27 @@ def test_unsupported_attention_refused_on_every_rank(pool2):
             assert fragment in outcome[name] and f"rank {rank}" in outcome[name], (rank, name, outcome[name])
 
 
+def _tower_inside_cp_step(rank: int, world: int) -> float:
+    """The wrapped tower (attention "cpshard" too) called inside a CP step and a vision scope:
+    it attends within its frames, not over the sharded text; |difference| from the plain tower."""
+    from cpshard import CpVisionFrameShardingConfig, cp_vision_group
+
+    model = cp_vlm.tiny_vlm()
+    batch = cp_vlm.vlm_batch(model)
+    pixels, grid = batch["pixel_values"], batch["image_grid_thw"]
+    want = model.model.visual(pixels, grid_thw=grid, return_dict=True).pooler_output
+    cp_transformers.wrap_vision_tower(model)
+    train_ctx, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, dict(batch))
+    config = CpVisionFrameShardingConfig(enabled=True, min_tokens=1, min_frames=1, min_local_patch_rows=1)
+    with train_ctx(), cp_vision_group(dist.group.WORLD, config=config):
+        got = model.model.visual(pixels, grid_thw=grid, return_dict=True).pooler_output
+    return float((got - want).abs().max())
+
+
+def test_wrapped_tower_inside_a_cp_step(pool2):
+    assert max(pool2.run(_tower_inside_cp_step, timeout=120)) <= VLM_TOL
+
+
 # --------------------------------------------------------------------------- single process
 
 
