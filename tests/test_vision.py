@@ -433,7 +433,7 @@ def _error_cases(world: int) -> dict:
         "float grid": (last, "grid_thw must be an integer tensor", f"rank {last} failed", "ValueError"),
         "config differs": (1, "config differs on rank 1", "config differs on rank 1", "ValueError"),
         "no merge factor": ("all", "spatial merge factor", "", "ValueError"),
-        "return_dict passed": ("all", "return_dict is always True", "", "TypeError"),
+        "return_dict=False": ("all", "return_dict=False is not supported", "", "ValueError"),
         "output dtype differs": (last, "level dtypes and shapes differs", "level dtypes and shapes differs", "ValueError"),
     }
 
@@ -470,8 +470,8 @@ def _errors(rank: int, world: int) -> dict:
             cfg = _sharding_config(min_tokens=1)
         elif name == "no merge factor":
             tower = TinyTower(merge=None)
-        elif name == "return_dict passed":
-            kwargs["return_dict"] = True
+        elif name == "return_dict=False":
+            kwargs["return_dict"] = False
         elif name == "output dtype differs" and me:
             kwargs["as_f32"] = True
         try:

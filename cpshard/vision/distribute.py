@@ -342,10 +342,11 @@ def maybe_distribute_visual(visual: Any, pixel_values: torch.Tensor | None, grid
             ``pooler_output`` or some ``deepstack_features`` level, or has a different structure.
             A rank whose tower call raises re-raises that exception; the others raise
             ``ValueError`` naming it.
-        TypeError: ``return_dict`` was passed (it is always True).
+        ValueError: ``return_dict=False`` (the result is always the output object;
+            ``return_dict=True``, as transformers' VLMs pass it, is accepted).
     """
-    if "return_dict" in kwargs:
-        raise TypeError(f"{_WHAT}: return_dict is always True; do not pass it")
+    if kwargs.pop("return_dict", True) is False:
+        raise ValueError(f"{_WHAT}: return_dict=False is not supported: the result is always the output object")
     return distribute_visual(visual, pixel_values, grid_thw, kwargs)
 
 

@@ -1,0 +1,1 @@
+"""Adapters that plug cpshard into model libraries (each imports its library lazily)."""

@@ -1,0 +1,227 @@
+"""Hugging Face ``transformers`` (>= 5) models on cpshard, without glue in the model code.
+
+* :func:`register` adds the attention implementation ``"cpshard"``: select it with
+  ``model.set_attn_implementation("cpshard")``. While a CP attention state is active (inside the
+  ``train_ctx()`` of :func:`cpshard.make_cp_blockdiag_batch_and_ctx`) every attention layer runs
+  the CP attention over the sharded sequence; otherwise it is exactly transformers' ``"sdpa"``
+  (its masks included), so the same model also runs outside CP.
+* :func:`wrap_vision_tower` makes a VLM's vision tower (``model.visual``, ``model.model.visual``)
+  run through :func:`cpshard.maybe_distribute_visual`: inside a vision group scope each rank
+  runs the tower on its own frames and every rank receives the full embeddings.
+
+transformers stays optional for cpshard users (``pip install cpshard[transformers]``): it is
+imported when :func:`register` runs, never when cpshard is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from cpshard.blockdiag import active_state, cp_blockdiag_sdpa
+from cpshard.blockdiag.state import current
+from cpshard.vision import maybe_distribute_visual
+
+__all__ = ["ATTN_IMPLEMENTATION", "cpshard_attention", "register", "wrap_vision_tower"]
+
+ATTN_IMPLEMENTATION = "cpshard"
+_WHAT = "cpshard.integrations.transformers"
+# Keyword arguments of transformers' attention call that change the attention itself: the CP
+# attention has no support for them, so they are refused rather than dropped.
+_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
+
+
+# ------------------------------------------------------------------ the CP attention in use
+# The one place that knows which CP attention serves the model: the block-diagonal attention
+# (contiguous shards, causal within documents) for now.
+
+
+def _cp_active() -> bool:
+    """A CP attention state is active on this rank (a sharded step is running)."""
+    return active_state() is not None
+
+
+def _cp_rank() -> int:
+    state = active_state()
+    return state.group.rank if state is not None else 0
+
+
+def _cp_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The active CP attention, ``[B, H, L, D]`` in and out. The block-diagonal attention is
+    causal within documents with no window: anything else is refused here, never ignored."""
+    if not is_causal:
+        raise ValueError(
+            f"{_WHAT}: rank {_cp_rank()}: is_causal=False (bidirectional attention) is not "
+            "supported by the block-diagonal CP attention; run this module outside the CP step"
+        )
+    if sliding_window is not None:
+        raise ValueError(
+            f"{_WHAT}: rank {_cp_rank()}: sliding_window={sliding_window} is not supported by the "
+            "block-diagonal CP attention (it attends to the whole document prefix); use a model "
+            "config without sliding-window layers"
+        )
+    return cp_blockdiag_sdpa(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=True,
+        scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+
+
+@contextmanager
+def _cp_attention_suspended() -> Iterator[None]:
+    """No CP attention inside: for a module whose tokens are not the sharded sequence (a
+    vision tower run on this rank's frames)."""
+    token = current.set(None)
+    try:
+        yield
+    finally:
+        current.reset(token)
+
+
+# ------------------------------------------------------------------ the attention function
+
+
+def cpshard_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function contract (``[B, H, S, D]`` in, ``([B, S, H, D], None)``
+    out): the active CP attention, else transformers' ``"sdpa"`` function unchanged.
+
+    Under CP, ``is_causal`` (else the module's ``is_causal``), ``scaling``, GQA (from the head
+    counts) and the sliding window (the call's ``sliding_window``, else the module's) go to the
+    CP attention, which refuses what it cannot do exactly; so do a mask, dropout, and the
+    arguments that alter attention (``softcap``, sinks, ``position_bias``)."""
+    if not _cp_active():
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
+        )
+    extra = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
+    if extra:
+        raise ValueError(
+            f"{_WHAT}: rank {_cp_rank()}: {', '.join(extra)} is not supported by the CP attention"
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    out = _cp_attention(query, key, value, attention_mask, dropout, causal, scaling, window)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """The mask builder for ``"cpshard"``: none under CP (the step's documents define the
+    attention; a mask built from one shard would be wrong), transformers' SDPA mask otherwise."""
+    if _cp_active():
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def register() -> None:
+    """Register the attention implementation ``"cpshard"`` (and its mask builder) with
+    transformers, so that ``model.set_attn_implementation("cpshard")`` selects it. Idempotent."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as exc:
+        raise ImportError(
+            f"{_WHAT} needs transformers >= 5: pip install 'cpshard[transformers]'"
+        ) from exc
+    AttentionInterface.register(ATTN_IMPLEMENTATION, cpshard_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _cpshard_mask)
+
+
+# ------------------------------------------------------------------ the vision tower
+
+
+class _Tower:
+    """The tower as :func:`maybe_distribute_visual` sees it: its attributes (merge size,
+    config, parameters) and its ORIGINAL forward as the call."""
+
+    def __init__(self, tower: torch.nn.Module, forward: Callable[..., Any]) -> None:
+        self._tower, self._forward = tower, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tower, name)
+
+
+class CpVisionTower:
+    """Mixin put in front of a vision tower's class by :func:`wrap_vision_tower`: the tower's
+    call goes through :func:`maybe_distribute_visual`, with no CP attention inside (the tower
+    attends within this rank's frames, not over the sharded sequence)."""
+
+    def forward(
+        self, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None = None, **kwargs: Any
+    ) -> Any:
+        original = super().forward  # type: ignore[misc]
+        with _cp_attention_suspended():
+            return maybe_distribute_visual(_Tower(self, original), pixel_values, grid_thw, **kwargs)
+
+
+_TOWER_NAMES = ("visual", "vision_tower", "vision_model")
+
+
+def _find_tower(model: torch.nn.Module) -> tuple[torch.nn.Module, str]:
+    """``(owner, attribute)`` of the vision tower on ``model`` or on its ``model`` submodule."""
+    for owner in (model, getattr(model, "model", None)):
+        for name in _TOWER_NAMES:
+            if isinstance(owner, torch.nn.Module) and isinstance(
+                getattr(owner, name, None), torch.nn.Module
+            ):
+                return owner, name
+    raise ValueError(
+        f"{_WHAT}.wrap_vision_tower: no vision tower on {type(model).__name__}: looked for "
+        f"{', '.join(_TOWER_NAMES)} on the model and on model.model"
+    )
+
+
+def wrap_vision_tower(model: torch.nn.Module) -> torch.nn.Module:
+    """Route the VLM's vision tower (``visual``, ``vision_tower`` or ``vision_model``, on the
+    model or on ``model.model``) through :func:`maybe_distribute_visual`; returns the tower.
+
+    The tower object stays in place and its class gains :class:`CpVisionTower` in front (a
+    subclass made once per tower class), so its parameter names (state_dict keys), ``dtype``,
+    ``spatial_merge_size`` and ``isinstance`` checks are unchanged and the model code calls it
+    as before (``return_dict=True`` and its keyword arguments pass through). Idempotent."""
+    owner, name = _find_tower(model)
+    tower = getattr(owner, name)
+    cls = type(tower)
+    if not issubclass(cls, CpVisionTower):
+        tower.__class__ = _wrapped_class(cls)
+    return tower
+
+
+@functools.cache
+def _wrapped_class(cls: type) -> type:
+    """``cls`` with :class:`CpVisionTower` in front (one per tower class)."""
+    return type(f"CpShard{cls.__name__}", (CpVisionTower, cls), {})
