@@ -360,3 +360,32 @@ def test_case6_blockdiag_batch_leaves_the_callers_dict_alone() -> None:
     assert out is not batch
     assert set(batch) == set(snapshot) and all(batch[k] is v for k, v in snapshot.items())
     assert "attention_mask" in batch and "padding_mask" not in batch and "loss_mask" not in batch
+
+
+def test_transformers_model_takes_the_sharded_batch() -> None:
+    """``model(**batch)`` on a sharded DataCollatorWithFlattening batch (one rank, so the model's
+    own packed-sequence attention applies): the forward accepts every key, computes no loss of
+    its own, and the side record's labels give the model's own loss on the full batch."""
+    transformers = pytest.importorskip("transformers")
+    from cpshard import ContextParallelSharder, cp_cross_entropy, make_cp_blockdiag_batch_and_ctx
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1,
+    )
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    features = [{"input_ids": list(range(3 + n, 3 + 2 * n))} for n in (3, 5, 2)]
+    batch = dict(transformers.DataCollatorWithFlattening(return_tensors="pt")(features))
+    want = model(**batch).loss
+    for entry in ("sharder", "blockdiag"):
+        if entry == "sharder":
+            _, out = ContextParallelSharder(None, "contiguous").shard(batch)
+        else:
+            _, out = make_cp_blockdiag_batch_and_ctx(None, None, batch)
+        result = model(**out)
+        assert result.loss is None, entry
+        got = cp_cross_entropy(result.logits, out.targets.labels, None)
+        # transformers computes its loss in float32
+        torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6, msg=entry)
+        assert int(out.targets.num_labelled) == int((batch["labels"][:, 1:] != -100).sum())
