@@ -142,21 +142,22 @@ def read_documents(batch: Mapping[str, Any], rows: int, seq_len: int) -> tuple[t
     if mask is not None:
         if not isinstance(mask, torch.Tensor):
             raise DocumentError(f"attention_mask must be a tensor, got {type(mask).__name__}")
-        mask = mask.detach().cpu()
+        mask = mask.detach()
         if mask.dim() == 4:
             if mask.shape[1] != 1 or mask.shape[0] not in (rows, 1) or mask.shape[2:] != (seq_len, seq_len):
                 raise DocumentError(
                     f"a 4-D attention_mask must be [B, 1, S, S] = [{rows}, 1, {seq_len}, {seq_len}], "
                     f"got {tuple(mask.shape)}"
                 )
-            attends = _attends(mask[:, 0]).expand(rows, seq_len, seq_len)
-            valid = attends.diagonal(dim1=-2, dim2=-1)
+            # only the two diagonals leave the mask's device, never the [S, S] mask
+            valid = _attends(mask[:, 0].diagonal(dim1=-2, dim2=-1)).cpu().expand(rows, seq_len)
+            to_prev = _attends(mask[:, 0].diagonal(offset=-1, dim1=-2, dim2=-1)).cpu()
             pad |= ~valid
             starts = valid.clone()
-            starts[:, 1:] &= ~(attends.diagonal(offset=-1, dim1=-2, dim2=-1) & valid[:, :-1])
+            starts[:, 1:] &= ~(to_prev.expand(rows, seq_len - 1) & valid[:, :-1])
             explicit.append(("the 4-D attention_mask", None, starts))
         elif mask.dim() == 2:
-            mask = _rows(mask, "attention_mask", rows, seq_len)
+            mask = _rows(mask.cpu(), "attention_mask", rows, seq_len)
             pad |= mask == 0  # a 2-D mask is validity (or document indices) in any dtype
             if not mask.dtype.is_floating_point and mask.dtype != torch.bool and bool((mask > 1).any()):
                 explicit.append(("the 2-D attention_mask's document indices", mask.to(torch.int64), None))
