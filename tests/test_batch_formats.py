@@ -389,3 +389,20 @@ def test_transformers_model_takes_the_sharded_batch() -> None:
         # transformers computes its loss in float32
         torch.testing.assert_close(got.float(), want, rtol=1e-6, atol=1e-6, msg=entry)
         assert int(out.targets.num_labelled) == int((batch["labels"][:, 1:] != -100).sum())
+
+
+def test_labels_that_already_are_targets_are_not_shifted() -> None:
+    """``shift_labels=False`` (labels already targets, e.g. NeMo's): sharded as given."""
+    from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
+
+    batch = _full_batch()
+    loss_mask = torch.rand(B, S, dtype=torch.float64)
+    _, out = ContextParallelSharder(None, "stripe", shift_labels=False, loss_mask=loss_mask).shard(batch)
+    assert torch.equal(out.targets.labels, batch["labels"]) and torch.equal(out.targets.loss_mask, loss_mask)
+    _, out = make_cp_blockdiag_batch_and_ctx(None, None, batch, loss_mask, shift_labels=False)
+    assert torch.equal(out.targets.labels, batch["labels"]) and torch.equal(out.targets.loss_mask, loss_mask)
+    assert int(out.targets.num_labelled) == int((batch["labels"] != -100).sum())
+    with pytest.raises(TypeError, match="shift_labels must be a bool"):
+        ContextParallelSharder(None, "contiguous", shift_labels=1)
+    with pytest.raises(ValueError, match="rank 0: labels and loss_mask must be"):
+        make_cp_blockdiag_batch_and_ctx(None, None, {**batch, "labels": batch["labels"][:, :-1]})
