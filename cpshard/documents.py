@@ -94,7 +94,9 @@ def _starts_of_runs(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def _cu_seqlens_starts(value: object, name: str, rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _cu_seqlens_starts(
+    value: object, name: str, rows: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(starts, pad)`` ``[B, S]`` of a 1-D offsets tensor over the flattened ``B * S`` stream."""
     cu = _integers(value, name)
     if cu.dim() == 2 and cu.shape[0] == 1:
@@ -104,7 +106,8 @@ def _cu_seqlens_starts(value: object, name: str, rows: int, seq_len: int) -> tup
         raise DocumentError(f"{name} must be 1-D offsets starting at 0, got {cu.tolist()}")
     if bool((cu[1:] < cu[:-1]).any()) or int(cu[-1]) > total:
         raise DocumentError(
-            f"{name} must be non-decreasing offsets of at most B * S = {total} tokens, got {cu.tolist()}"
+            f"{name} must be non-decreasing offsets of at most B * S = {total} tokens, got "
+            f"{cu.tolist()}"
         )
     starts = torch.zeros(total, dtype=torch.bool)
     begins = cu[:-1][cu[:-1] < cu[1:]]  # empty documents start nothing
@@ -113,7 +116,9 @@ def _cu_seqlens_starts(value: object, name: str, rows: int, seq_len: int) -> tup
     return starts.view(rows, seq_len), pad.view(rows, seq_len)
 
 
-def read_documents(batch: Mapping[str, Any], rows: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def read_documents(
+    batch: Mapping[str, Any], rows: int, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, pad)`` of a batch: document ids ``[B, S]`` int64 (0 = pad) and the padding ``[B, S]``
     bool, both on the host. Raises :class:`DocumentError` on malformed or contradictory sources
     (see the module doc for the sources and their priority)."""
@@ -132,7 +137,9 @@ def read_documents(batch: Mapping[str, Any], rows: int, seq_len: int) -> tuple[t
         explicit.append(("_packed_seq_ids", packed, None))
     seq_idx = batch.get("seq_idx")
     if seq_idx is not None:
-        explicit.append(("seq_idx", _rows(_integers(seq_idx, "seq_idx"), "seq_idx", rows, seq_len), None))
+        explicit.append(
+            ("seq_idx", _rows(_integers(seq_idx, "seq_idx"), "seq_idx", rows, seq_len), None)
+        )
     for key in CU_SEQLENS_KEYS:
         if batch.get(key) is not None:
             starts, tail = _cu_seqlens_starts(batch[key], key, rows, seq_len)
@@ -144,10 +151,14 @@ def read_documents(batch: Mapping[str, Any], rows: int, seq_len: int) -> tuple[t
             raise DocumentError(f"attention_mask must be a tensor, got {type(mask).__name__}")
         mask = mask.detach()
         if mask.dim() == 4:
-            if mask.shape[1] != 1 or mask.shape[0] not in (rows, 1) or mask.shape[2:] != (seq_len, seq_len):
+            if (
+                mask.shape[1] != 1
+                or mask.shape[0] not in (rows, 1)
+                or mask.shape[2:] != (seq_len, seq_len)
+            ):
                 raise DocumentError(
-                    f"a 4-D attention_mask must be [B, 1, S, S] = [{rows}, 1, {seq_len}, {seq_len}], "
-                    f"got {tuple(mask.shape)}"
+                    f"a 4-D attention_mask must be [B, 1, S, S] = [{rows}, 1, {seq_len}, "
+                    f"{seq_len}], got {tuple(mask.shape)}"
                 )
             # only the two diagonals leave the mask's device, never the [S, S] mask
             valid = _attends(mask[:, 0].diagonal(dim1=-2, dim2=-1)).cpu().expand(rows, seq_len)
@@ -159,10 +170,18 @@ def read_documents(batch: Mapping[str, Any], rows: int, seq_len: int) -> tuple[t
         elif mask.dim() == 2:
             mask = _rows(mask.cpu(), "attention_mask", rows, seq_len)
             pad |= mask == 0  # a 2-D mask is validity (or document indices) in any dtype
-            if not mask.dtype.is_floating_point and mask.dtype != torch.bool and bool((mask > 1).any()):
-                explicit.append(("the 2-D attention_mask's document indices", mask.to(torch.int64), None))
+            if (
+                not mask.dtype.is_floating_point
+                and mask.dtype != torch.bool
+                and bool((mask > 1).any())
+            ):
+                explicit.append(
+                    ("the 2-D attention_mask's document indices", mask.to(torch.int64), None)
+                )
         else:
-            raise DocumentError(f"attention_mask must be [B, S] or [B, 1, S, S], got {tuple(mask.shape)}")
+            raise DocumentError(
+                f"attention_mask must be [B, S] or [B, 1, S, S], got {tuple(mask.shape)}"
+            )
 
     valid = ~pad
     implicit = _starts_of_runs(torch.zeros(rows, seq_len, dtype=torch.int64), valid)
@@ -172,7 +191,9 @@ def read_documents(batch: Mapping[str, Any], rows: int, seq_len: int) -> tuple[t
         if starts is None:
             first, starts = name, mine
         elif not torch.equal(mine, starts):
-            raise DocumentError(f"{name} and {first} describe different documents{_where(mine, starts)}")
+            raise DocumentError(
+                f"{name} and {first} describe different documents{_where(mine, starts)}"
+            )
 
     pos = batch.get("position_ids")
     if isinstance(pos, torch.Tensor) and pos.dim() in (1, 2):
@@ -182,7 +203,8 @@ def read_documents(batch: Mapping[str, Any], rows: int, seq_len: int) -> tuple[t
             starts = restarts | implicit
         elif bool((restarts & ~starts).any()):
             raise DocumentError(
-                f"position_ids restart at 0 inside a document of {first}{_where(restarts & ~starts)}"
+                f"position_ids restart at 0 inside a document of {first}"
+                f"{_where(restarts & ~starts)}"
             )
     if starts is None:
         starts = implicit

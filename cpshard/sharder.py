@@ -44,7 +44,7 @@ from cpshard import ops
 from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, pad_value
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import agree, check_call, digest
-from cpshard.documents import DOCUMENT_KEYS, DocumentError, document_positions, read_documents
+from cpshard.documents import DocumentError, document_positions, read_documents
 from cpshard.layout import (
     CLOSED_FORM_LAYOUTS,
     ShardLayout,
@@ -217,7 +217,9 @@ class ContextParallelSharder:
                     f"{where}: extra_seq_buffers names {key!r}, which the sharder shards itself"
                 )
         if not isinstance(shift_labels, bool):
-            raise TypeError(f"{where}: shift_labels must be a bool, got {type(shift_labels).__name__}")
+            raise TypeError(
+                f"{where}: shift_labels must be a bool, got {type(shift_labels).__name__}"
+            )
         if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
             raise ValueError(f"{where}: pad_multiple must be an int >= 1, got {pad_multiple!r}")
         pad_values = dict(extra_pad_values or {})
@@ -481,7 +483,8 @@ class ContextParallelSharder:
             add("input_ids", batch["input_ids"], 1)
         if batch.get("inputs_embeds") is not None:
             add("inputs_embeds", batch["inputs_embeds"], 1, max_dim=None)
-        labels, mask = batch.get("labels"), loss_mask if loss_mask is not None else batch.get("loss_mask")
+        labels = batch.get("labels")
+        mask = loss_mask if loss_mask is not None else batch.get("loss_mask")
         for key, t in (("labels", labels), ("loss_mask", mask)):
             if t is not None:
                 _tensor(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")

@@ -73,7 +73,11 @@ class ShardedBatch(dict):
         ``padding_mask``, and the document ids under ``document_ids_key`` when given; absent
         entries are left out): the one-dict shape of NeMo's batches."""
         side = self.targets
-        extra = {"labels": side.labels, "loss_mask": side.loss_mask, "padding_mask": side.padding_mask}
+        extra = {
+            "labels": side.labels,
+            "loss_mask": side.loss_mask,
+            "padding_mask": side.padding_mask,
+        }
         if document_ids_key is not None:
             extra[document_ids_key] = side.document_ids
         return {**self, **{key: value for key, value in extra.items() if value is not None}}

@@ -7,6 +7,9 @@ tokens, the shift on the full sequence in one process, per-document attention wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -110,12 +113,24 @@ def test_transformers_flattening_collator() -> None:
 @pytest.mark.parametrize(
     "batch, match",
     [
-        ({"_packed_seq_ids": torch.tensor([[1, 1, 2, 2]]), "seq_idx": torch.tensor([[0, 0, 0, 1]])},
-         "seq_idx and _packed_seq_ids describe different documents"),
-        ({"_packed_seq_ids": torch.tensor([[1, 1, 1, 1]]), "position_ids": torch.tensor([[0, 1, 0, 1]])},
-         "position_ids restart at 0 inside a document"),
-        ({"cu_seq_lens_q": torch.tensor([0, 2, 4]), "cu_seq_lens_k": torch.tensor([0, 1, 4])},
-         "cu_seq_lens_k and cu_seq_lens_q describe different documents"),
+        (
+            {
+                "_packed_seq_ids": torch.tensor([[1, 1, 2, 2]]),
+                "seq_idx": torch.tensor([[0, 0, 0, 1]]),
+            },
+            "seq_idx and _packed_seq_ids describe different documents",
+        ),
+        (
+            {
+                "_packed_seq_ids": torch.tensor([[1, 1, 1, 1]]),
+                "position_ids": torch.tensor([[0, 1, 0, 1]]),
+            },
+            "position_ids restart at 0 inside a document",
+        ),
+        (
+            {"cu_seq_lens_q": torch.tensor([0, 2, 4]), "cu_seq_lens_k": torch.tensor([0, 1, 4])},
+            "cu_seq_lens_k and cu_seq_lens_q describe different documents",
+        ),
         ({"cu_seqlens": torch.tensor([0, 3, 2])}, "non-decreasing"),
         ({"seq_idx": torch.tensor([[0.0, 0.0, 1.0, 1.0]])}, "seq_idx must hold integers"),
     ],
@@ -137,6 +152,7 @@ def test_document_positions_restart_in_every_document() -> None:
 
 
 # --------------------------------------------------------------------------- ranks
+
 
 def _full_batch() -> dict[str, torch.Tensor]:
     """A packed B = 2 batch with interior and trailing padding, labels = input_ids (unshifted,
@@ -176,35 +192,29 @@ def _shard_every_way(rank: int, world: int, fmt: str) -> list[dict]:
     for layout in LAYOUTS:
         sh = ContextParallelSharder(dist.group.WORLD, layout)
         _, out = sh.shard(batch)
-        gather = lambda t: sh.gather_token_tensor(t, trim=True)  # noqa: E731
-        side = out.targets
-        results.append({
-            "who": layout,
-            "keys": sorted(out),
-            "position_ids": gather(out["position_ids"]),
-            "labels": gather(side.labels),
-            "num_labelled": int(side.num_labelled),
-            "document_ids": gather(side.document_ids),
-            "padding_mask": gather(side.padding_mask),
-        })
+        results.append(_in_global_order(layout, out, partial(sh.gather_token_tensor, trim=True)))
     _, out = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
-    side = out.targets
-    cat = lambda t: _all_gather_rows(t, world)[:, :S]  # noqa: E731
-    results.append({
-        "who": "blockdiag",
-        "keys": sorted(out),
-        "position_ids": cat(out["position_ids"]),
-        "labels": cat(side.labels),
-        "num_labelled": int(side.num_labelled),
-        "document_ids": cat(side.document_ids),
-        "padding_mask": cat(side.padding_mask),
-    })
+    results.append(_in_global_order("blockdiag", out, lambda t: _all_gather_rows(t, world)[:, :S]))
     unchanged = set(batch) == set(before) and all(
         batch[k] is v and torch.equal(v, old) for k, (v, old) in before.items()
     )
     for r in results:
         r["unchanged"] = unchanged
     return results
+
+
+def _in_global_order(who: str, out, gather: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+    """A sharded batch's keys, and its positions and side record in global order."""
+    side = out.targets
+    return {
+        "who": who,
+        "keys": sorted(out),
+        "position_ids": gather(out["position_ids"]),
+        "labels": gather(side.labels),
+        "num_labelled": int(side.num_labelled),
+        "document_ids": gather(side.document_ids),
+        "padding_mask": gather(side.padding_mask),
+    }
 
 
 def _all_gather_rows(t: torch.Tensor, world: int) -> torch.Tensor:
@@ -222,7 +232,9 @@ def _world():
 
 @pytest.mark.parametrize("fmt", ["position_ids", "seq_idx", "4-D bool mask", "2-D indexed mask"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_sharded_batches_read_documents_create_positions_and_shift_once(pools, world: int, fmt: str) -> None:
+def test_sharded_batches_read_documents_create_positions_and_shift_once(
+    pools, world: int, fmt: str
+) -> None:
     got = pools(world).run(_shard_every_way, fmt, timeout=120)
     full = _full_batch()
     want_labels = _shifted(full["labels"])
@@ -243,7 +255,10 @@ def _contradiction_on_rank_1(rank: int, world: int, entry: str) -> None:
 
     from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
 
-    batch = {"input_ids": torch.ones(1, 8, dtype=torch.long), "_packed_seq_ids": torch.ones(1, 8, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.ones(1, 8, dtype=torch.long),
+        "_packed_seq_ids": torch.ones(1, 8, dtype=torch.long),
+    }
     if rank == 1:
         batch["position_ids"] = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
     if entry == "sharder":
@@ -343,7 +358,9 @@ def _logits(input_ids: torch.Tensor) -> torch.Tensor:
 def test_case4_labels_shift_once_before_sharding(pools, layout: str) -> None:
     batch = _full_batch()
     want = F.cross_entropy(
-        _logits(batch["input_ids"]).reshape(-1, 50), _shifted(batch["labels"]).reshape(-1), ignore_index=-100
+        _logits(batch["input_ids"]).reshape(-1, 50),
+        _shifted(batch["labels"]).reshape(-1),
+        ignore_index=-100,
     )
     for total, kept in pools(3).run(_cp_loss, layout, timeout=60):
         assert not kept, "labels left in the batch: model(**batch) would shift them again per shard"
@@ -371,8 +388,12 @@ def test_transformers_model_takes_the_sharded_batch() -> None:
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=50,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
     )
     model = transformers.LlamaForCausalLM(config).double().eval()
     features = [{"input_ids": list(range(3 + n, 3 + 2 * n))} for n in (3, 5, 2)]
@@ -397,10 +418,16 @@ def test_labels_that_already_are_targets_are_not_shifted() -> None:
 
     batch = _full_batch()
     loss_mask = torch.rand(B, S, dtype=torch.float64)
-    _, out = ContextParallelSharder(None, "stripe", shift_labels=False, loss_mask=loss_mask).shard(batch)
-    assert torch.equal(out.targets.labels, batch["labels"]) and torch.equal(out.targets.loss_mask, loss_mask)
+    _, out = ContextParallelSharder(None, "stripe", shift_labels=False, loss_mask=loss_mask).shard(
+        batch
+    )
+    assert torch.equal(out.targets.labels, batch["labels"]) and torch.equal(
+        out.targets.loss_mask, loss_mask
+    )
     _, out = make_cp_blockdiag_batch_and_ctx(None, None, batch, loss_mask, shift_labels=False)
-    assert torch.equal(out.targets.labels, batch["labels"]) and torch.equal(out.targets.loss_mask, loss_mask)
+    assert torch.equal(out.targets.labels, batch["labels"]) and torch.equal(
+        out.targets.loss_mask, loss_mask
+    )
     assert int(out.targets.num_labelled) == int((batch["labels"] != -100).sum())
     with pytest.raises(TypeError, match="shift_labels must be a bool"):
         ContextParallelSharder(None, "contiguous", shift_labels=1)

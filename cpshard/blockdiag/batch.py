@@ -56,12 +56,13 @@ def make_cp_blockdiag_batch_and_ctx(
     g = resolve_group(cp_mesh, what)
     ref = batch.get("inputs_embeds", batch.get("input_ids")) if isinstance(batch, dict) else None
     labels = batch.get("labels") if isinstance(batch, dict) else None
-    mask = loss_mask if loss_mask is not None or not isinstance(batch, dict) else batch.get("loss_mask")
+    mask = batch.get("loss_mask") if loss_mask is None and isinstance(batch, dict) else loss_mask
     problem = None
     if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
         problem = "batch needs inputs_embeds [B, S, H] or input_ids [B, S]"
     elif any(
-        t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(ref.shape[:2]))
+        t is not None
+        and (not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(ref.shape[:2]))
         for t in (labels, mask)
     ):
         problem = f"labels and loss_mask must be [B, S] tensors matching {tuple(ref.shape[:2])}"

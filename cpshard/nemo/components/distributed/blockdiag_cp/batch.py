@@ -54,7 +54,9 @@ def make_cp_blockdiag_batch_and_ctx(
     """
     ref = batch.get("inputs_embeds", batch.get("input_ids")) if isinstance(batch, dict) else None
     seq_len = ref.shape[1] if isinstance(ref, torch.Tensor) and ref.dim() >= 2 else None
-    train_ctx, out = _make_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, shift_labels=False)
+    train_ctx, out = _make_batch_and_ctx(
+        cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, shift_labels=False
+    )
     packed = "_packed_seq_ids" if batch.get("_packed_seq_ids") is not None else None
     out = out.with_targets(packed)
     pos = out.get("position_ids")

@@ -110,7 +110,9 @@ def _nemo_shaped(shard_batch: Callable[..., tuple]) -> Callable[..., tuple]:
     the sharded batch (labels are not shifted: NeMo's are targets already)."""
 
     def nemo_shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
-        ctx, out, lay = shard_batch(cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id)
+        ctx, out, lay = shard_batch(
+            cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
+        )
         packed = "_packed_seq_ids" if batch.get("_packed_seq_ids") is not None else None
         return ctx, out.with_targets(packed), lay
 
