@@ -431,9 +431,11 @@ class ContextParallelSharder:
             "sequence length": [plan.seq_len if plan else 0],
             "padded length": [plan.layout.padded_seq_len if plan else 0],
             "partition": digest(plan.layout.local_token_global_indices if plan else None),
+            "document ids": digest(plan.documents if plan else None),
         }
         # One small all-gather: every rank raises if any rank's batch is bad, and ranks whose
-        # batches (hence data-dependent partitions) differ are named instead of silently mixed.
+        # batches (hence data-dependent partitions, or documents) differ are named instead of
+        # silently mixed.
         agree(g, what, problem, fields)
         return contextlib.nullcontext, plan.apply(g.rank), plan.layout
 
@@ -522,7 +524,7 @@ class ContextParallelSharder:
             pos = document_positions(doc_ids).to(ref_t.device)
         plan.positions = pos[None] if pos.dim() == 1 else pos
         plan.padding = pad.to(ref_t.device)
-        plan.documents = doc_ids.to(ref_t.device)
+        plan.documents = doc_ids
         if labels is not None:
             plan.num_labelled = (labels != IGNORE_INDEX).sum()
         try:
@@ -840,7 +842,7 @@ class _BatchPlan:
         self.items: list[tuple[str, torch.Tensor, int, Any]] = []
         self.positions: torch.Tensor | None = None  # given, or created per document
         self.padding: torch.Tensor | None = None
-        self.documents: torch.Tensor | None = None
+        self.documents: torch.Tensor | None = None  # on the host
         self.num_labelled: torch.Tensor | None = None
         self.layout: ShardLayout | None = None
 
@@ -870,7 +872,7 @@ class _BatchPlan:
             num_labelled=self.num_labelled,
             loss_mask=side.get("loss_mask"),
             padding_mask=shard(self.padding, 1, pad_value("padding_mask", 0)),
-            document_ids=shard(self.documents, 1, 0),
+            document_ids=shard(self.documents.to(self.device), 1, 0),
         )
         return ShardedBatch(out, targets)
 

@@ -268,7 +268,7 @@ def _contradiction_on_rank_1(rank: int, world: int, entry: str) -> None:
 
 
 @pytest.mark.parametrize("entry", ["sharder", "blockdiag"])
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_contradictory_sources_raise_on_every_rank(pools, world: int, entry: str) -> None:
     outcomes = pools(world).run_collect(_contradiction_on_rank_1, entry, timeout=30)
     assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
@@ -433,3 +433,24 @@ def test_labels_that_already_are_targets_are_not_shifted() -> None:
         ContextParallelSharder(None, "contiguous", shift_labels=1)
     with pytest.raises(ValueError, match="rank 0: labels and loss_mask must be"):
         make_cp_blockdiag_batch_and_ctx(None, None, {**batch, "labels": batch["labels"][:, :-1]})
+
+
+def _documents_differ_on_rank_1(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder
+
+    ids = PACKED.clone()
+    if rank == 1:
+        ids[0, 2] = 2  # other documents, the same partition of a closed-form layout
+    ContextParallelSharder(dist.group.WORLD, "head_tail").shard(
+        {"input_ids": torch.ones(B, S, dtype=torch.long), "_packed_seq_ids": ids}
+    )
+
+
+def test_sharder_names_a_rank_whose_documents_differ(pools) -> None:
+    outcomes = pools(2).run_collect(_documents_differ_on_rank_1, timeout=30)
+    assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
+    assert all("document ids differs on rank" in o.error_message for o in outcomes), [
+        o.error_message for o in outcomes
+    ]
