@@ -23,6 +23,7 @@ from cpshard.layout import (
     rank_major_inverse,
 )
 from cpshard.sharder import ContextParallelSharder
+from cpshard.targets import BatchTargets, ShardedBatch
 from cpshard.transport import gather_halo, gather_metadata, gather_ragged, gather_sequence
 from cpshard.vision import (
     CpVisionFrameShardingConfig,
@@ -46,6 +47,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "__version__",
+    "BatchTargets",
     "build_info",
     "BuildInfo",
     "check_mode",
@@ -86,6 +88,7 @@ __all__ = [
     "reset_cp_vision_group",
     "resolve_cost_alpha",
     "set_cp_vision_group",
+    "ShardedBatch",
     "ShardLayout",
     "unpack_ragged",
     "vision_hidden_size",

@@ -20,7 +20,10 @@ only). Both directions are differentiable: the backward of an index gather is it
 adjoint, that of the in-place chunk reorder the inverse chunk gather, that of the all-gather a
 reduce-scatter.
 
-Padding follows :mod:`cpshard.batch_padding` (the conventions every sharder shares).
+Padding follows :mod:`cpshard.batch_padding` (the conventions every sharder shares); documents
+are read by :mod:`cpshard.documents` and the sharded batch follows :mod:`cpshard.targets` (the
+model's inputs as keys, the loss's side record as ``batch.targets``), both shared with
+:func:`cpshard.make_cp_blockdiag_batch_and_ctx`.
 
 This module never calls ``torch.distributed``: ranks come from :func:`cpshard.comm.resolve_group`,
 communication from :mod:`cpshard.transport`. ``shard`` (once per step) checks across ranks with
@@ -38,9 +41,10 @@ from typing import Any, TypeVar
 import torch
 
 from cpshard import ops
-from cpshard.batch_padding import pad_sequence, pad_value
+from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, pad_value
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import agree, check_call, digest
+from cpshard.documents import DocumentError, document_positions, read_documents
 from cpshard.layout import (
     CLOSED_FORM_LAYOUTS,
     ShardLayout,
@@ -50,6 +54,7 @@ from cpshard.layout import (
     rank_major_inverse,
     resolve_num_chunks,
 )
+from cpshard.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shift_targets
 from cpshard.transport import gather_metadata, gather_ragged, gather_sequence
 
 __all__ = ["ContextParallelSharder"]
@@ -57,16 +62,7 @@ __all__ = ["ContextParallelSharder"]
 _T = TypeVar("_T")
 
 # Keys the sharder handles itself (extra_seq_buffers may not name them).
-_KNOWN_KEYS = (
-    "input_ids",
-    "inputs_embeds",
-    "labels",
-    "position_ids",
-    "loss_mask",
-    "padding_mask",
-    "_packed_seq_ids",
-    "attention_mask",
-)
+_KNOWN_KEYS = ("input_ids", "inputs_embeds", "position_ids", *CONSUMED_KEYS)
 
 
 class _Problem(Exception):
@@ -137,8 +133,8 @@ class ContextParallelSharder:
             :mod:`cpshard.layout`). In the direct form, the closed-form layout the caller's
             ``shard_batch`` follows (used when it reports no layout), or ``None``.
         padding_token_id: the ``input_ids`` value of padded positions.
-        loss_mask: a ``[B, S]`` loss mask, sharded into ``batch["loss_mask"]`` (padded with 0);
-            overrides one in the batch.
+        loss_mask: a ``[B, S]`` loss mask (aligned with ``labels``), sharded into
+            ``batch.targets.loss_mask`` (padded with 0); overrides one in the batch.
         extra_seq_buffers: ``{key: seq_dim}`` of further sequence-aligned batch entries to shard
             (padded with 0 / False); keys absent from a batch are skipped.
         num_chunks: chunks of ``head_tail`` (per document for ``per_document_head_tail``), a
@@ -152,12 +148,21 @@ class ContextParallelSharder:
         local_token_global_indices: direct form: ``(cp_mesh, padded_seq_len, device) ->
             LongTensor`` of this rank's global positions.
         shard_layout: a layout to start from (e.g. the one a previous sharder reported).
+        shift_labels: shift ``labels`` (and ``loss_mask``) once over the whole sequence before
+            sharding (default True: labels as a causal LM takes them); False for labels that
+            are already targets.
+
+    The built-in ``shard`` returns a :class:`~cpshard.targets.ShardedBatch`: the model's inputs
+    as keys (``model(**batch)``), and ``batch.targets`` with this rank's shifted labels, the
+    global count of labelled tokens, ``loss_mask``, ``padding_mask`` and document ids (see
+    :mod:`cpshard.targets` for exactly which keys are kept). Documents come from
+    :func:`cpshard.documents.read_documents` (``_packed_seq_ids``, ``seq_idx``, ``cu_seqlens``,
+    masks, ``position_ids`` restarts; contradictions raise on every rank).
 
     Padding (the same for every layout): ``input_ids`` = ``padding_token_id``, ``labels`` =
-    -100, ``position_ids`` continue (last + 1, + 2, ...; created as ``arange`` when absent),
-    ``loss_mask`` = 0, ``padding_mask`` = True, ``_packed_seq_ids`` = 0, ``inputs_embeds`` and
-    extra buffers = 0. ``attention_mask`` is consumed (its padding goes into ``padding_mask``, a
-    4-D block-causal mask's documents into the data-dependent layouts' plan) and dropped.
+    -100, ``position_ids`` continue (last + 1, + 2, ...; created per document, restarting at 0,
+    when absent), ``loss_mask`` = 0, ``padding_mask`` = True, document ids = 0,
+    ``inputs_embeds`` and extra buffers = 0.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class ContextParallelSharder:
         shard_layout: ShardLayout | None = None,
         pad_multiple: int = 1,
         extra_pad_values: Mapping[str, Any] | None = None,
+        shift_labels: bool = True,
     ) -> None:
         what = "cpshard.ContextParallelSharder"
         self._group = resolve_group(group_or_mesh, what)
@@ -210,6 +216,10 @@ class ContextParallelSharder:
                 raise ValueError(
                     f"{where}: extra_seq_buffers names {key!r}, which the sharder shards itself"
                 )
+        if not isinstance(shift_labels, bool):
+            raise TypeError(
+                f"{where}: shift_labels must be a bool, got {type(shift_labels).__name__}"
+            )
         if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
             raise ValueError(f"{where}: pad_multiple must be an int >= 1, got {pad_multiple!r}")
         pad_values = dict(extra_pad_values or {})
@@ -244,6 +254,7 @@ class ContextParallelSharder:
         self.extra_seq_buffers = extras
         self.extra_pad_values = pad_values
         self.pad_multiple = pad_multiple
+        self.shift_labels = shift_labels
         self._user_indices = local_token_global_indices
         self._direct = shard_batch is not None
         self.shard_batch = shard_batch if shard_batch is not None else self._builtin_shard_batch
@@ -420,9 +431,11 @@ class ContextParallelSharder:
             "sequence length": [plan.seq_len if plan else 0],
             "padded length": [plan.layout.padded_seq_len if plan else 0],
             "partition": digest(plan.layout.local_token_global_indices if plan else None),
+            "document ids": digest(plan.documents if plan else None),
         }
         # One small all-gather: every rank raises if any rank's batch is bad, and ranks whose
-        # batches (hence data-dependent partitions) differ are named instead of silently mixed.
+        # batches (hence data-dependent partitions, or documents) differ are named instead of
+        # silently mixed.
         agree(g, what, problem, fields)
         return contextlib.nullcontext, plan.apply(g.rank), plan.layout
 
@@ -472,13 +485,19 @@ class ContextParallelSharder:
             add("input_ids", batch["input_ids"], 1)
         if batch.get("inputs_embeds") is not None:
             add("inputs_embeds", batch["inputs_embeds"], 1, max_dim=None)
-        if batch.get("labels") is not None:
-            add("labels", batch["labels"], 1)
+        labels = batch.get("labels")
         mask = loss_mask if loss_mask is not None else batch.get("loss_mask")
+        for key, t in (("labels", labels), ("loss_mask", mask)):
+            if t is not None:
+                _tensor(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
+                if t.dim() != 2:
+                    raise _Problem(f"{key} must be [B, S], got shape {tuple(t.shape)}")
+        if self.shift_labels:
+            labels, mask = shift_targets(labels, mask)
+        if labels is not None:
+            add("labels", labels, 1)
         if mask is not None:
             add("loss_mask", mask, 1)
-        if batch.get("_packed_seq_ids") is not None:
-            add("_packed_seq_ids", batch["_packed_seq_ids"], 1)
         for key, d in self.extra_seq_buffers.items():
             if batch.get(key) is not None:
                 add(key, batch[key], d, min_dim=1, max_dim=None)
@@ -497,77 +516,26 @@ class ContextParallelSharder:
                 )
             if pos.dtype.is_floating_point or pos.dtype == torch.bool:
                 raise _Problem(f"position_ids must hold integers, got {pos.dtype}", TypeError)
-        plan.positions = pos[None] if pos is not None and pos.dim() == 1 else pos
-
-        pad = self._padding(batch, rows, seq_len, ref_t.device)
-        plan.padding = pad
-        doc_ids = None
-        if self.layout not in CLOSED_FORM_LAYOUTS:
-            doc_ids = self._document_ids(batch, rows, seq_len, pad)
+        try:
+            doc_ids, pad = read_documents(batch, rows, seq_len)
+        except DocumentError as exc:
+            raise _Problem(str(exc)) from None
+        if pos is None:
+            pos = document_positions(doc_ids).to(ref_t.device)
+        plan.positions = pos[None] if pos.dim() == 1 else pos
+        plan.padding = pad.to(ref_t.device)
+        plan.documents = doc_ids
+        if labels is not None:
+            plan.num_labelled = (labels != IGNORE_INDEX).sum()
         try:
             plan.layout = make_layout(
-                self.layout, world, seq_len, doc_ids=doc_ids, num_chunks=self.num_chunks,
-                rank_multiple=self.pad_multiple,
+                self.layout, world, seq_len,
+                doc_ids=None if self.layout in CLOSED_FORM_LAYOUTS else doc_ids,
+                num_chunks=self.num_chunks, rank_multiple=self.pad_multiple,
             )
         except (TypeError, ValueError) as exc:
             raise _Problem(str(exc)) from None
         return plan
-
-    @staticmethod
-    def _attend(mask: torch.Tensor) -> torch.Tensor:
-        """A mask as booleans 'attends' (bool / int: nonzero; float: additive, 0 = attend)."""
-        if mask.dtype.is_floating_point:
-            return mask == 0
-        return mask.bool()
-
-    def _padding(self, batch: Mapping, rows: int, seq_len: int, device) -> torch.Tensor:
-        """``[B, S]`` bool, True at pad positions, from padding_mask / attention_mask / doc ids."""
-        pad = torch.zeros(rows, seq_len, dtype=torch.bool, device=device)
-        given = batch.get("padding_mask")
-        if given is not None:
-            given = _tensor(given, "batch['padding_mask']")
-            if given.dim() != 2 or given.shape[1] != seq_len or given.shape[0] not in (rows, 1):
-                raise _Problem(
-                    f"padding_mask must be [B, S] = [{rows}, {seq_len}], got shape "
-                    f"{tuple(given.shape)}"
-                )
-            pad = pad | given.to(device).bool()
-        am = batch.get("attention_mask")
-        if am is not None:
-            am = _tensor(am, "batch['attention_mask']")
-            if am.dim() == 2 and am.shape[1] == seq_len and am.shape[0] in (rows, 1):
-                pad = pad | ~self._attend(am).to(device)
-            elif am.dim() == 4 and am.shape[0] in (rows, 1) and am.shape[2:] == (seq_len, seq_len):
-                pad = pad | ~torch.diagonal(self._attend(am[:, 0]), dim1=-2, dim2=-1).to(device)
-            else:
-                raise _Problem(
-                    f"attention_mask must be [B, S] or [B, 1, S, S] with B = {rows}, S = "
-                    f"{seq_len}, got shape {tuple(am.shape)}"
-                )
-        ids = batch.get("_packed_seq_ids")
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] == seq_len:
-            pad = pad | (ids.to(device) == 0)
-        return pad
-
-    def _document_ids(
-        self, batch: Mapping, rows: int, seq_len: int, pad: torch.Tensor
-    ) -> torch.Tensor:
-        """``[B, S]`` int64 document ids (0 = pad) for the data-dependent layouts' planner."""
-        pad = pad.cpu()
-        ids = batch.get("_packed_seq_ids")
-        if ids is not None:
-            if ids.dtype.is_floating_point or ids.dtype.is_complex:
-                raise _Problem(f"_packed_seq_ids must hold integers, got {ids.dtype}", TypeError)
-            return (ids.detach().cpu().to(torch.int64).expand(rows, seq_len)) * ~pad
-        am = batch.get("attention_mask")
-        if isinstance(am, torch.Tensor) and am.dim() == 4 and seq_len > 0:
-            attend = self._attend(am[:, 0].detach().cpu()).expand(rows, seq_len, seq_len)
-            valid = ~pad
-            follows = torch.zeros_like(valid)  # token i attends to token i - 1 (same document)
-            follows[:, 1:] = torch.diagonal(attend, offset=-1, dim1=-2, dim2=-1) & valid[:, :-1]
-            starts = valid & ~follows
-            return torch.cumsum(starts.to(torch.int64), dim=1) * valid
-        return (~pad).to(torch.int64)
 
     # ------------------------------------------------------------------ token verbs
 
@@ -872,11 +840,13 @@ class _BatchPlan:
     def __init__(self, batch: Mapping, rows: int, seq_len: int, device: torch.device) -> None:
         self.batch, self.rows, self.seq_len, self.device = batch, rows, seq_len, device
         self.items: list[tuple[str, torch.Tensor, int, Any]] = []
-        self.positions: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # given, or created per document
         self.padding: torch.Tensor | None = None
+        self.documents: torch.Tensor | None = None  # on the host
+        self.num_labelled: torch.Tensor | None = None
         self.layout: ShardLayout | None = None
 
-    def apply(self, rank: int) -> dict[str, Any]:
+    def apply(self, rank: int) -> ShardedBatch:
         lay = self.layout
         padded, n = lay.padded_seq_len, self.seq_len
         by_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -888,19 +858,23 @@ class _BatchPlan:
                 by_device[key] = (mine, torch.where(mine < n, mine, torch.full_like(mine, -1)))
             return by_device[key]
 
-        out = {k: v for k, v in self.batch.items() if k != "attention_mask"}
+        def shard(t: torch.Tensor, d: int, fill: Any) -> torch.Tensor:
+            return _gather_rows(t, d, index(t.device)[1], fill)
+
+        out = {k: v for k, v in self.batch.items() if k not in CONSUMED_KEYS}
+        side: dict[str, torch.Tensor] = {}
         for key, t, d, fill in self.items:
-            out[key] = _gather_rows(t, d, index(t.device)[1], fill)
-        pos = self.positions
-        if pos is None:
-            pos = torch.arange(padded, device=self.device).expand(self.rows, padded)
-        else:
-            pos = pad_sequence("position_ids", pos, pos.dim() - 1, padded)
+            (side if key in CONSUMED_KEYS else out)[key] = shard(t, d, fill)
+        pos = pad_sequence("position_ids", self.positions, self.positions.dim() - 1, padded)
         out["position_ids"] = _gather_rows(pos, pos.dim() - 1, index(pos.device)[0], 0)
-        out["padding_mask"] = _gather_rows(
-            self.padding, 1, index(self.padding.device)[1], pad_value("padding_mask", 0)
+        targets = BatchTargets(
+            labels=side.get("labels"),
+            num_labelled=self.num_labelled,
+            loss_mask=side.get("loss_mask"),
+            padding_mask=shard(self.padding, 1, pad_value("padding_mask", 0)),
+            document_ids=shard(self.documents.to(self.device), 1, 0),
         )
-        return out
+        return ShardedBatch(out, targets)
 
 
 class _GatherPlan:

@@ -224,7 +224,7 @@ def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[
         grads = [emb.grad] + [
             torch.zeros_like(p) if p.grad is None else p.grad for p in proj.parameters()
         ]
-        results.append((out.detach(), batch["padding_mask"], *grads))
+        results.append((out.detach(), batch.targets.padding_mask, *grads))
     return results
 
 
@@ -305,16 +305,20 @@ def test_batch_sharding_conventions(pools) -> None:
     for rank, batch in enumerate(got):
         sl = slice(rank * 3, rank * 3 + 3)
         ids = torch.cat([torch.arange(7).view(1, 7) + 10, torch.full((1, 2), 5)], 1)
-        labels = torch.cat([torch.arange(7).view(1, 7), torch.full((1, 2), -100)], 1)
+        # labels and loss_mask shifted once over the whole sequence, then padded and sliced
+        labels = torch.cat([torch.arange(1, 7).view(1, 6), torch.full((1, 3), -100)], 1)
         pos = torch.arange(9).view(1, 9)
         assert torch.equal(batch["input_ids"], ids[:, sl])
-        assert torch.equal(batch["labels"], labels[:, sl])
+        assert torch.equal(batch["targets.labels"], labels[:, sl])
         assert torch.equal(batch["position_ids"], pos[:, sl])
         assert torch.equal(
-            batch["loss_mask"], torch.cat([torch.ones(1, 7), torch.zeros(1, 2)], 1)[:, sl]
+            batch["targets.loss_mask"], torch.cat([torch.ones(1, 6), torch.zeros(1, 3)], 1)[:, sl]
         )
-        assert torch.equal(batch["padding_mask"], (torch.arange(9) >= 7).view(1, 9)[:, sl])
-        assert "attention_mask" not in batch
+        assert torch.equal(batch["targets.padding_mask"], (torch.arange(9) >= 7).view(1, 9)[:, sl])
+        assert int(batch["targets.num_labelled"]) == 6
+        assert sorted(k for k in batch if not k.startswith("targets.")) == [
+            "input_ids", "pixel_values", "position_ids"
+        ]
         assert batch["pixel_values"].shape == (4, 3)  # not sequence-aligned: untouched
 
 
@@ -333,7 +337,8 @@ def _shard_batch(rank: int, world: int) -> dict:
     _, out = make_cp_blockdiag_batch_and_ctx(
         dist.group.WORLD, None, batch, loss_mask=torch.ones(1, 7), padding_token_id=5
     )
-    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+    side = {f"targets.{k}": v for k, v in vars(out.targets).items()}
+    return {k: v for k, v in {**out, **side}.items() if isinstance(v, torch.Tensor)}
 
 
 def test_document_ids_priority() -> None:
@@ -658,6 +663,8 @@ def test_padding_mask_and_document_ids_on_the_batch_device() -> None:
         None, None, {"inputs_embeds": embeds, "_packed_seq_ids": doc}
     )
     assert {key: t.device.type for key, t in batch.items()} == dict.fromkeys(batch, "meta")
+    side = batch.targets
+    assert side.padding_mask.device.type == side.document_ids.device.type == "meta"
     with ctx():
         assert torch.device("meta") in active_state()._on_device
 

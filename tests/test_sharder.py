@@ -316,35 +316,40 @@ def _run_batches(rank: int, world: int) -> list[str]:
             owner = _owner_of(sh, (layout, _chunks(spec, world)))
             mine = _positions(owner, rank)
             pos = batch.get("position_ids")
-            if pos is None:
-                pos_full = torch.arange(padded).repeat(B, 1)
-            else:
-                pos_full = torch.cat([pos, pos[..., -1:] + torch.arange(1, padded - S + 1)], dim=-1)
+            if pos is None:  # created per document (the documents here have no interior pad)
+                pos = _per_document_positions(batch["_packed_seq_ids"] * batch["attention_mask"])
+            pos_full = torch.cat([pos, pos[..., -1:] + torch.arange(1, padded - S + 1)], dim=-1)
             pad_full = _pad(
                 (batch["attention_mask"] == 0) | (batch["_packed_seq_ids"] == 0), 1, padded, True
             )
+            docs = batch["_packed_seq_ids"] * batch["attention_mask"]
+            # labels and loss_mask are shifted once over the whole sequence before sharding
+            labels = torch.cat([batch["labels"][:, 1:], torch.full((B, 1), -100)], 1)
+            shifted_mask = torch.cat([loss_mask[:, 1:], torch.zeros(B, 1)], 1)
             expected = {
                 "input_ids": _take(_pad(batch["input_ids"], 1, padded, -1), 1, mine),
-                "labels": _take(_pad(batch["labels"], 1, padded, -100), 1, mine),
+                "targets.labels": _take(_pad(labels, 1, padded, -100), 1, mine),
+                "targets.num_labelled": torch.tensor(B * (S - 1)),
                 "inputs_embeds": _take(
                     _pad(batch["inputs_embeds"].detach(), 1, padded, 0.0), 1, mine
                 ),
-                "loss_mask": _take(_pad(loss_mask, 1, padded, 0.0), 1, mine),
-                "_packed_seq_ids": _take(_pad(batch["_packed_seq_ids"], 1, padded, 0), 1, mine),
+                "targets.loss_mask": _take(_pad(shifted_mask, 1, padded, 0.0), 1, mine),
+                "targets.document_ids": _take(_pad(docs, 1, padded, 0), 1, mine),
                 "token_type_ids": _take(_pad(batch["token_type_ids"], 1, padded, 0), 1, mine),
                 "vision_pos": _take(_pad(batch["vision_pos"], 2, padded, 0.0), 2, mine),
                 "position_ids": _take(pos_full, pos_full.dim() - 1, mine),
-                "padding_mask": _take(pad_full, 1, mine),
+                "targets.padding_mask": _take(pad_full, 1, mine),
                 "meta": "kept as is",
             }
-            if set(out) != set(expected):
-                bad.append(f"{tag}: keys {sorted(out)}")
+            got = {**out, **{f"targets.{k}": v for k, v in vars(out.targets).items()}}
+            if set(got) != set(expected):
+                bad.append(f"{tag}: keys {sorted(got)}")
                 continue
             for key, ref in expected.items():
                 if key == "meta":
-                    ok = out[key] == ref
+                    ok = got[key] == ref
                 else:
-                    ok = _close(out[key].detach(), ref)
+                    ok = _close(got[key].detach(), ref)
                 if not ok:
                     bad.append(f"{tag}: {key}")
             # inputs_embeds: differentiable shard, gradient to the positions this rank holds
@@ -362,6 +367,16 @@ def _run_batches(rank: int, world: int) -> list[str]:
             ):
                 bad.append(f"{tag}: gather of the sharded inputs_embeds")
     return bad
+
+
+def _per_document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """0, 1, ... in every document (a maximal run of one non-zero id), pads continuing."""
+    out = torch.zeros_like(ids)
+    for b in range(ids.shape[0]):
+        for i in range(1, ids.shape[1]):
+            starts = ids[b, i] != 0 and ids[b, i] != ids[b, i - 1]
+            out[b, i] = 0 if starts else out[b, i - 1] + 1
+    return out
 
 
 def _pad_back(local: torch.Tensor, mine: torch.Tensor, padded: int) -> torch.Tensor:
@@ -390,7 +405,7 @@ def _run_attention_mask_4d(rank: int, world: int) -> list[str]:
         exp = _take(
             _pad(ids == 0, 1, sh.shard_layout.padded_seq_len, True), 1, _positions(owner, rank)
         )
-        if not torch.equal(out["padding_mask"], exp) or "attention_mask" in out:
+        if not torch.equal(out.targets.padding_mask, exp) or "attention_mask" in out:
             bad.append(f"{layout}: padding_mask from a 4-D mask")
     return bad
 

@@ -9,11 +9,12 @@ from typing import Any, ContextManager
 import torch
 
 from cpshard import ops
-from cpshard.batch_padding import pad_sequence, sequence_dim
-from cpshard.blockdiag.ids import document_ids
+from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, sequence_dim
 from cpshard.blockdiag.state import BlockDiagState, Segment, current
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import agree, digest
+from cpshard.documents import DocumentError, document_positions, read_documents
+from cpshard.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shift_targets
 
 
 def _segments(doc: torch.Tensor, start: int, end: int) -> list[Segment]:
@@ -32,28 +33,45 @@ def make_cp_blockdiag_batch_and_ctx(
     batch: dict[str, Any],
     loss_mask: torch.Tensor | None = None,
     padding_token_id: int = 0,
-) -> tuple[Callable[[], ContextManager[None]], dict[str, Any]]:
+    *,
+    shift_labels: bool = True,
+) -> tuple[Callable[[], ContextManager[None]], ShardedBatch]:
     """Shard a batch sequentially for block-diagonal (per-document) CP attention.
 
-    Pads the sequence to a multiple of the CP size, slices every sequence-aligned tensor to this
-    rank's contiguous chunk (differentiably for ``inputs_embeds``), drops ``attention_mask``,
-    adds ``padding_mask`` (True = pad) and shards ``loss_mask``. Returns ``(train_ctx, batch)``
-    (``batch`` is updated in place and returned); entering ``train_ctx()`` makes
-    :func:`cp_blockdiag_sdpa` attend causally within each document across the CP group.
-    ``tp_mesh`` is accepted for signature compatibility and unused. Batch size > 1 is supported.
+    Reads the documents (:func:`cpshard.documents.read_documents`: ``_packed_seq_ids``,
+    ``seq_idx``, ``cu_seqlens``, masks, ``position_ids`` restarts; contradictions raise on every
+    rank), creates per-document ``position_ids`` when the batch has none, shifts ``labels`` (and
+    ``loss_mask``, which overrides the batch's) once over the whole sequence unless
+    ``shift_labels=False``, pads the sequence to a multiple of the CP size and slices every
+    sequence-aligned tensor to this rank's contiguous chunk (differentiably for
+    ``inputs_embeds``). Returns ``(train_ctx, batch)``: a new
+    :class:`~cpshard.targets.ShardedBatch` holding what the model's forward takes, with labels,
+    the labelled-token count, ``loss_mask``, ``padding_mask`` (True = pad) and document ids in
+    ``batch.targets`` (:mod:`cpshard.targets`); the caller's batch is not modified. Entering
+    ``train_ctx()`` makes :func:`cp_blockdiag_sdpa` attend causally within each document across
+    the CP group. ``tp_mesh`` is accepted for signature compatibility and unused. Batch size > 1
+    is supported.
     """
     what = "cpshard.make_cp_blockdiag_batch_and_ctx"
     g = resolve_group(cp_mesh, what)
-    ref = batch.get("inputs_embeds", batch.get("input_ids"))
+    ref = batch.get("inputs_embeds", batch.get("input_ids")) if isinstance(batch, dict) else None
+    labels = batch.get("labels") if isinstance(batch, dict) else None
+    mask = batch.get("loss_mask") if loss_mask is None and isinstance(batch, dict) else loss_mask
     problem = None
     if not isinstance(ref, torch.Tensor) or ref.dim() < 2:
         problem = "batch needs inputs_embeds [B, S, H] or input_ids [B, S]"
-    elif loss_mask is not None and (not isinstance(loss_mask, torch.Tensor) or tuple(loss_mask.shape[:2]) != tuple(ref.shape[:2])):
-        problem = f"loss_mask must be a [B, S] tensor matching {tuple(ref.shape[:2])}"
+    elif any(
+        t is not None
+        and (not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(ref.shape[:2]))
+        for t in (labels, mask)
+    ):
+        problem = f"labels and loss_mask must be [B, S] tensors matching {tuple(ref.shape[:2])}"
+    elif not isinstance(shift_labels, bool):
+        problem = f"shift_labels must be a bool, got {type(shift_labels).__name__}"
     if problem is None:
         try:
-            doc = document_ids(batch, ref.shape[1], "cpu", ref.shape[0])  # the step's host copy
-        except ValueError as e:
+            doc, pad = read_documents(batch, ref.shape[0], ref.shape[1])
+        except DocumentError as e:
             problem = str(e)
     if problem is not None:
         agree(g, what, problem)
@@ -62,22 +80,29 @@ def make_cp_blockdiag_batch_and_ctx(
     padded = -(-seq // world) * world
     local = padded // world
     start = rank * local
-    doc = pad_sequence("_packed_seq_ids", doc, 1, padded)
-    padding_mask = (doc == 0).to(ref.device)
+    doc = pad_sequence("_packed_seq_ids", doc, 1, padded)  # the step's host copy
     agree(g, what, None, {"[B, S]": [bsz, seq], "document ids": digest(doc)})
 
-    if loss_mask is not None:
-        batch["loss_mask"] = loss_mask
-    batch.pop("attention_mask", None)
-    batch["padding_mask"] = padding_mask
-    for key, value in list(batch.items()):
-        dim = sequence_dim(key, value, bsz, padded if key == "padding_mask" else seq)
+    def take(key: str, value: Any, length: int = seq) -> Any:
+        dim = sequence_dim(key, value, bsz, length)
         if dim is None:
-            continue
-        full = pad_sequence(key, value, dim, padded, padding_token_id)
-        batch[key] = full.narrow(dim, start, local)
-    if isinstance(batch.get("_packed_seq_ids"), torch.Tensor):  # may be given on the host
-        batch["_packed_seq_ids"] = batch["_packed_seq_ids"].to(ref.device)
+            return value
+        return pad_sequence(key, value, dim, padded, padding_token_id).narrow(dim, start, local)
+
+    if shift_labels:
+        labels, mask = shift_targets(labels, mask)
+    positions = batch.get("position_ids")
+    if positions is None:
+        positions = document_positions(doc[:, :seq]).to(ref.device)
+    out = {key: take(key, value) for key, value in batch.items() if key not in CONSUMED_KEYS}
+    out["position_ids"] = take("position_ids", positions)
+    targets = BatchTargets(
+        labels=take("labels", labels),
+        num_labelled=None if labels is None else (labels != IGNORE_INDEX).sum(),
+        loss_mask=take("loss_mask", mask),
+        padding_mask=take("padding_mask", pad.to(ref.device)),
+        document_ids=doc.narrow(1, start, local).to(ref.device),
+    )
 
     segments = [_segments(doc, r * local, (r + 1) * local) for r in range(world)]
     state = BlockDiagState(
@@ -98,4 +123,4 @@ def make_cp_blockdiag_batch_and_ctx(
         finally:
             current.reset(token)
 
-    return train_ctx, batch
+    return train_ctx, ShardedBatch(out, targets)

@@ -1,9 +1,12 @@
 """Batch padding, sequential sharding, and block-diagonal CP context setup (mirror of
 ``nemo_automodel.components.distributed.blockdiag_cp.batch``).
 
-Thin adapters over :mod:`cpshard.blockdiag`. The one convention that differs: padded
-``position_ids`` are 0 here (NeMo Automodel's convention, also for mRoPE ``[3, B, S]``), where
-the top-level :func:`cpshard.make_cp_blockdiag_batch_and_ctx` keeps counting.
+Thin adapters over :mod:`cpshard.blockdiag`. The conventions that differ from the top-level
+:func:`cpshard.make_cp_blockdiag_batch_and_ctx`: padded ``position_ids`` are 0 here (NeMo
+Automodel's convention, also for mRoPE ``[3, B, S]``) where the top level keeps counting; labels
+are not shifted (NeMo's labels are targets already); the caller's batch is updated in place and
+keeps ``labels``, ``loss_mask``, ``padding_mask`` and ``_packed_seq_ids`` (the top level returns a
+new batch of model inputs and puts those in its ``targets`` side record).
 """
 
 from __future__ import annotations
@@ -40,17 +43,22 @@ def make_cp_blockdiag_batch_and_ctx(
 ) -> tuple[Callable[[], AbstractContextManager], dict[str, Any]]:
     """Sequentially shard a pre-embedded batch for block-diagonal CP.
 
-    :func:`cpshard.make_cp_blockdiag_batch_and_ctx` (pads to a multiple of the CP size, slices
-    every sequence-aligned tensor to this rank's contiguous chunk, drops ``attention_mask``, adds
-    ``padding_mask``, shards ``loss_mask``; ``batch`` is updated in place and returned), with
-    padded ``position_ids`` set to 0. ``tp_mesh`` and ``padding_token_id`` are accepted for
-    signature compatibility (``padding_token_id`` pads ``input_ids`` when the batch has them).
-    Returns ``(train_ctx, batch)``; entering ``train_ctx()`` activates the step's
-    per-document CP attention.
+    :func:`cpshard.make_cp_blockdiag_batch_and_ctx` with NeMo's conventions: labels are not
+    shifted (NeMo's are targets already), ``batch`` is updated in place and returned with
+    ``attention_mask`` dropped, ``padding_mask`` added, ``labels``, ``loss_mask`` (when given or
+    present) and ``_packed_seq_ids`` (when present) sharded and kept in it, and padded
+    ``position_ids`` set to 0. ``tp_mesh`` and ``padding_token_id`` are accepted for signature
+    compatibility (``padding_token_id`` pads ``input_ids`` when the batch has them). Returns
+    ``(train_ctx, batch)``; entering ``train_ctx()`` activates the step's per-document CP
+    attention.
     """
     ref = batch.get("inputs_embeds", batch.get("input_ids")) if isinstance(batch, dict) else None
     seq_len = ref.shape[1] if isinstance(ref, torch.Tensor) and ref.dim() >= 2 else None
-    train_ctx, out = _make_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id)
+    train_ctx, out = _make_batch_and_ctx(
+        cp_mesh, tp_mesh, batch, loss_mask, padding_token_id, shift_labels=False
+    )
+    packed = "_packed_seq_ids" if batch.get("_packed_seq_ids") is not None else None
+    out = out.with_targets(packed)
     pos = out.get("position_ids")
     if isinstance(pos, torch.Tensor) and seq_len is not None:
         local = pos.shape[-1]
@@ -58,4 +66,6 @@ def make_cp_blockdiag_batch_and_ctx(
         if first_pad < local:
             keep = torch.arange(local, device=pos.device) < first_pad
             out["position_ids"] = torch.where(keep, pos, torch.zeros_like(pos))
-    return train_ctx, out
+    batch.clear()
+    batch.update(out)
+    return train_ctx, batch

@@ -104,6 +104,21 @@ def _hook_shard_batch(hook: Callable[..., tuple]) -> Callable[..., tuple]:
     return shard_batch
 
 
+def _nemo_shaped(shard_batch: Callable[..., tuple]) -> Callable[..., tuple]:
+    """cpshard's built-in ``shard_batch`` with NeMo's batch: the side record's ``labels``,
+    ``loss_mask``, ``padding_mask`` and (when the batch has them) ``_packed_seq_ids`` as keys of
+    the sharded batch (labels are not shifted: NeMo's are targets already)."""
+
+    def nemo_shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
+        ctx, out, lay = shard_batch(
+            cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
+        )
+        packed = "_packed_seq_ids" if batch.get("_packed_seq_ids") is not None else None
+        return ctx, out.with_targets(packed), lay
+
+    return nemo_shard_batch
+
+
 class ContextParallelSharder:
     """CP backend description: how a batch is sharded and where local tokens live.
 
@@ -158,9 +173,9 @@ class ContextParallelSharder:
         if shard_batch is None:  # the built-in round-robin (head_tail) layout
             self._impl = _sharder.ContextParallelSharder(
                 cp, "head_tail", padding_token_id=padding_token_id, loss_mask=loss_mask,
-                extra_seq_buffers=extra_seq_buffers, tp_mesh=self._tp_mesh,
+                extra_seq_buffers=extra_seq_buffers, tp_mesh=self._tp_mesh, shift_labels=False,
             )
-            self.shard_batch = self._impl.shard_batch
+            self.shard_batch = _nemo_shaped(self._impl.shard_batch)
             self.local_token_global_indices = self._impl.local_token_global_indices
         else:
             self._impl = _sharder.ContextParallelSharder(
