@@ -490,10 +490,14 @@ class ContextParallelSharder:
         for key, t in (("labels", labels), ("loss_mask", mask)):
             if t is not None:
                 _tensor(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
-                if t.dim() != 2:
-                    raise _Problem(f"{key} must be [B, S], got shape {tuple(t.shape)}")
+                if tuple(t.shape) != (rows, seq_len):
+                    raise _Problem(f"{key} must be [B, S] = [{rows}, {seq_len}], got shape {tuple(t.shape)}")
+        try:
+            doc_ids, pad = read_documents(batch, rows, seq_len)
+        except DocumentError as exc:
+            raise _Problem(str(exc)) from None
         if self.shift_labels:
-            labels, mask = shift_targets(labels, mask)
+            labels, mask = shift_targets(labels, mask, doc_ids)
         if labels is not None:
             add("labels", labels, 1)
         if mask is not None:
@@ -516,10 +520,6 @@ class ContextParallelSharder:
                 )
             if pos.dtype.is_floating_point or pos.dtype == torch.bool:
                 raise _Problem(f"position_ids must hold integers, got {pos.dtype}", TypeError)
-        try:
-            doc_ids, pad = read_documents(batch, rows, seq_len)
-        except DocumentError as exc:
-            raise _Problem(str(exc)) from None
         if pos is None:
             pos = document_positions(doc_ids).to(ref_t.device)
         plan.positions = pos[None] if pos.dim() == 1 else pos

@@ -84,12 +84,20 @@ class ShardedBatch(dict):
 
 
 def shift_targets(
-    labels: torch.Tensor | None, loss_mask: torch.Tensor | None
+    labels: torch.Tensor | None, loss_mask: torch.Tensor | None, documents: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """``labels`` and ``loss_mask`` ``[B, S]`` shifted once along the sequence, as a causal LM's
-    loss does: position i gets position i + 1's value (-100 / 0 at the last position)."""
+    loss does: position i gets position i + 1's value, except where position i + 1 belongs to
+    another document or is padding (``documents`` ``[B, S]``, 0 = padding): a document's last
+    token has no target (-100 / 0), since its next token lies where its attention cannot see."""
+    ends = documents[:, 1:] != documents[:, :-1]
+    ends |= documents[:, :-1] == 0
 
     def shift(t: torch.Tensor | None, fill: int) -> torch.Tensor | None:
-        return None if t is None else F.pad(t[:, 1:], (0, 1), value=fill)
+        if t is None:
+            return None
+        out = F.pad(t[:, 1:], (0, 1), value=fill)
+        out[:, :-1].masked_fill_(ends.to(t.device), fill)
+        return out
 
     return shift(labels, IGNORE_INDEX), shift(loss_mask, 0)

@@ -4,8 +4,9 @@
 
 Spawns ``--world`` gloo ranks. Each builds the same tiny random Llama / Qwen3 (float64) and the
 same packed batch (several documents per row, interior and trailing padding), then runs one CP
-step: labels shifted once over the whole sequence and per-document ``position_ids`` (before
-sharding), :func:`cpshard.make_cp_blockdiag_batch_and_ctx`, the ``"cpshard"`` attention,
+step: :func:`cpshard.make_cp_blockdiag_batch_and_ctx` (which makes per-document
+``position_ids`` and shifts the labels once over the whole sequence before sharding), the
+``"cpshard"`` attention,
 :func:`cpshard.cp_cross_entropy` and :func:`cpshard.reduce_cp_gradients`. It prints the CP loss
 (summed over ranks) beside the single-process loss (every document run on its own) and the
 largest parameter-gradient difference.
@@ -71,33 +72,24 @@ def document_ids(rows: Sequence[Sequence[int]]) -> torch.Tensor:
 
 
 def shifted_labels(input_ids: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-    """Labels shifted ONCE over the whole sequence: the next token of the same document, else
-    ``-100`` (a document's last token, padding)."""
+    """The reference's targets, made independently of cpshard: the next token of the same
+    document, else ``-100`` (a document's last token, padding)."""
     labels = torch.full_like(input_ids, IGNORE)
     same = (doc[:, 1:] == doc[:, :-1]) & (doc[:, :-1] != 0)
     labels[:, :-1] = torch.where(same, input_ids[:, 1:], IGNORE)
     return labels
 
 
-def per_document_positions(doc: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` positions restarting at 0 in every document (0 on padding)."""
-    pos = torch.zeros_like(doc)
-    for b in range(doc.shape[0]):
-        for s, e in runs(doc[b]):
-            pos[b, s:e] = torch.arange(e - s)
-    return pos
-
-
 def packed_batch(rows: Sequence[Sequence[int]], vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A packed text batch: ``input_ids`` (pad id 0), per-document ``position_ids``, labels
-    shifted once, and the document ids as ``_packed_seq_ids``."""
+    """A packed text batch as a data pipeline makes it: ``input_ids`` (pad id 0), ``labels``
+    (unshifted, -100 on padding) and the document ids as ``_packed_seq_ids``. cpshard makes the
+    per-document ``position_ids`` and shifts the labels once when it shards the batch."""
     doc = document_ids(rows)
     g = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(1, vocab, doc.shape, generator=g) * (doc != 0)
     return {
         "input_ids": input_ids,
-        "position_ids": per_document_positions(doc),
-        "labels": shifted_labels(input_ids, doc),
+        "labels": torch.where(doc == 0, IGNORE, input_ids),
         "_packed_seq_ids": doc,
     }
 
@@ -119,10 +111,11 @@ def reference_loss(
 def text_documents(batch: dict[str, torch.Tensor]) -> list[tuple[dict[str, Any], torch.Tensor]]:
     """The documents of a packed text batch as separate model inputs."""
     out = []
+    targets = shifted_labels(batch["input_ids"], batch["_packed_seq_ids"])
     for b in range(batch["input_ids"].shape[0]):
         for s, e in runs(batch["_packed_seq_ids"][b]):
             inputs = {"input_ids": batch["input_ids"][b : b + 1, s:e]}
-            out.append((inputs, batch["labels"][b, s:e]))
+            out.append((inputs, targets[b, s:e]))
     return out
 
 
@@ -133,9 +126,9 @@ def cp_loss(
 ) -> torch.Tensor:
     """Shard ``batch`` for block-diagonal CP, run ``forward(local batch) -> logits`` under the
     CP attention and back-propagate this rank's share of the token-mean loss; returns it."""
-    train_ctx, local = cpshard.make_cp_blockdiag_batch_and_ctx(group, None, dict(batch))
+    train_ctx, local = cpshard.make_cp_blockdiag_batch_and_ctx(group, None, batch)
     with train_ctx():
-        loss = cpshard.cp_cross_entropy(forward(local), local["labels"], group)
+        loss = cpshard.cp_cross_entropy(forward(local), local.targets.labels, group)
         loss.backward()
     return loss.detach()
 

@@ -9,9 +9,10 @@ packed batch (documents with images, interior and trailing padding). The step:
    runs on this rank's frames only inside :func:`cpshard.cp_vision_group`, and every rank gets
    all image embeddings (``get_image_features`` is the model's own);
 2. the full sequence's ``inputs_embeds`` (image embeddings scattered in), its deepstack
-   features (as dense ``[B, S, D]`` tensors), per-document mRoPE ``position_ids`` ``[3, B, S]``
-   and labels shifted once are built BEFORE sharding: a shard of ``input_ids`` holds only part
-   of an image's tokens, so the model's own merge cannot run on it;
+   features (as dense ``[B, S, D]`` tensors) and per-document mRoPE ``position_ids``
+   ``[3, B, S]`` are built BEFORE sharding: a shard of ``input_ids`` holds only part of an
+   image's tokens, so the model's own merge cannot run on it (the labels stay unshifted:
+   cpshard shifts them once);
 3. :func:`cpshard.make_cp_blockdiag_batch_and_ctx` shards all of it (differentiably), the
    decoder runs on this rank's tokens with the ``"cpshard"`` attention, and
    :func:`cpshard.cp_cross_entropy` / :func:`cpshard.reduce_cp_gradients` finish the step.
@@ -34,6 +35,7 @@ import cpshard
 from cpshard.integrations import transformers as cp_transformers
 
 from cp_decoder import (
+    IGNORE,
     compare,
     cp_loss,
     document_ids,
@@ -93,7 +95,7 @@ def _document(spec: tuple[int, Any, int], g: torch.Generator) -> tuple[list[int]
 
 
 def vlm_batch(model: torch.nn.Module, rows: Sequence[Sequence[Any]] = ROWS, seed: int = 0) -> dict[str, Any]:
-    """A packed VLM batch: ``input_ids``, ``_packed_seq_ids``, labels shifted once, per-document
+    """A packed VLM batch: ``input_ids``, ``_packed_seq_ids``, unshifted labels, per-document
     mRoPE ``position_ids`` ``[3, B, S]`` (the model's ``get_rope_index`` on each document),
     ``mm_token_type_ids``, and ``pixel_values`` / ``image_grid_thw`` for all images in order."""
     g = torch.Generator().manual_seed(seed)
@@ -127,7 +129,7 @@ def vlm_batch(model: torch.nn.Module, rows: Sequence[Sequence[Any]] = ROWS, seed
     batch = {
         "input_ids": input_ids,
         "mm_token_type_ids": torch.tensor(type_rows),
-        "labels": shifted_labels(input_ids, doc),
+        "labels": torch.where(doc == 0, IGNORE, input_ids),  # unshifted: cpshard shifts once
         "_packed_seq_ids": doc,
         "pixel_values": torch.randn(rows_px, PATCH, generator=g, dtype=torch.float64),
         "image_grid_thw": grid_thw,
@@ -177,8 +179,9 @@ def _mrope_positions(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Ten
 
 def vlm_documents(batch: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Tensor]]:
     """The documents of a packed VLM batch as separate inputs of the unmodified model."""
+    targets = shifted_labels(batch["input_ids"], batch["_packed_seq_ids"])
     return [
-        (_doc_inputs(batch, b, s, e, images, pixels), batch["labels"][b, s:e])
+        (_doc_inputs(batch, b, s, e, images, pixels), targets[b, s:e])
         for b, s, e, images, pixels in _document_images(batch)
     ]
 

@@ -170,8 +170,14 @@ def _full_batch() -> dict[str, torch.Tensor]:
 
 
 def _shifted(labels: torch.Tensor) -> torch.Tensor:
-    """The single-process shift of the full sequence."""
-    return torch.cat([labels[:, 1:], torch.full((labels.shape[0], 1), -100)], dim=1)
+    """The single-process shift of the full sequence: the next token of the same document, else
+    -100 (a document's last token, padding)."""
+    out = torch.full_like(labels, -100)
+    for b in range(labels.shape[0]):
+        for i in range(labels.shape[1] - 1):
+            if PACKED[b, i] != 0 and PACKED[b, i + 1] == PACKED[b, i]:
+                out[b, i] = labels[b, i + 1]
+    return out
 
 
 def _shard_every_way(rank: int, world: int, fmt: str) -> list[dict]:

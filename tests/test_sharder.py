@@ -323,13 +323,17 @@ def _run_batches(rank: int, world: int) -> list[str]:
                 (batch["attention_mask"] == 0) | (batch["_packed_seq_ids"] == 0), 1, padded, True
             )
             docs = batch["_packed_seq_ids"] * batch["attention_mask"]
-            # labels and loss_mask are shifted once over the whole sequence before sharding
-            labels = torch.cat([batch["labels"][:, 1:], torch.full((B, 1), -100)], 1)
-            shifted_mask = torch.cat([loss_mask[:, 1:], torch.zeros(B, 1)], 1)
+            # labels and loss_mask are shifted once over the whole sequence before sharding; a
+            # token whose next token is in another document (or padding) has no target
+            same = (docs[:, 1:] == docs[:, :-1]) & (docs[:, :-1] != 0)
+            labels = torch.full_like(batch["labels"], -100)
+            labels[:, :-1] = torch.where(same, batch["labels"][:, 1:], -100)
+            shifted_mask = torch.zeros_like(loss_mask)
+            shifted_mask[:, :-1] = torch.where(same, loss_mask[:, 1:], 0.0)
             expected = {
                 "input_ids": _take(_pad(batch["input_ids"], 1, padded, -1), 1, mine),
                 "targets.labels": _take(_pad(labels, 1, padded, -100), 1, mine),
-                "targets.num_labelled": torch.tensor(B * (S - 1)),
+                "targets.num_labelled": (labels != -100).sum(),
                 "inputs_embeds": _take(
                     _pad(batch["inputs_embeds"].detach(), 1, padded, 0.0), 1, mine
                 ),

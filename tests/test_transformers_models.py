@@ -1,7 +1,7 @@
 """Real transformers models on cpshard (SPEC §3.5): tiny random configs, float64, gloo, W = 1..4.
 
-A CP step (labels shifted once and per-document positions before sharding, the block-diagonal
-batch, the ``"cpshard"`` attention, ``cp_cross_entropy``, ``reduce_cp_gradients``) must give
+A CP step (the block-diagonal batch making per-document positions and shifting the labels once
+before sharding, the ``"cpshard"`` attention, ``cp_cross_entropy``, ``reduce_cp_gradients``) must give
 the single-process loss and every parameter gradient, where the reference runs each document on
 its own through an ``"sdpa"`` copy of the model. The steps are the examples' own functions
 (``examples/cp_decoder.py``, ``examples/cp_vlm.py``), so the examples are tested too.

@@ -90,7 +90,7 @@ def make_cp_blockdiag_batch_and_ctx(
         return pad_sequence(key, value, dim, padded, padding_token_id).narrow(dim, start, local)
 
     if shift_labels:
-        labels, mask = shift_targets(labels, mask)
+        labels, mask = shift_targets(labels, mask, doc[:, :seq])
     positions = batch.get("position_ids")
     if positions is None:
         positions = document_positions(doc[:, :seq]).to(ref.device)
