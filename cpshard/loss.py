@@ -32,13 +32,16 @@ def cp_cross_entropy(
     labels: torch.Tensor,
     group: GroupLike,
     ignore_index: int = IGNORE_INDEX,
+    num_labelled: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Token-mean cross entropy over the CP group: this rank's summed loss over its labelled
     tokens divided by the number of labelled tokens on all ranks (one all-reduce of a count,
     no host sync). ``logits`` ``[..., V]`` and ``labels`` ``[...]`` are this rank's tokens,
     labels already shifted (``ignore_index`` where there is no target). The ranks' results add
     up to the single-process token-mean loss; their gradients follow the ``"split"`` rule of
-    :func:`reduce_cp_gradients`. With no labelled token anywhere the loss is 0 (not NaN)."""
+    :func:`reduce_cp_gradients`. With no labelled token anywhere the loss is 0 (not NaN).
+    ``num_labelled`` (the global count, e.g. a sharded batch's ``targets.num_labelled``) skips
+    the all-reduce."""
     what = "cpshard.cp_cross_entropy"
     g = resolve_group(group, what)
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
@@ -52,9 +55,12 @@ def cp_cross_entropy(
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
     local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
-    count = (flat_labels != ignore_index).sum().to(local_sum.dtype).reshape(1)
-    all_reduce_sum_([count], g)
-    return local_sum / count.clamp(min=1).squeeze(0)
+    if num_labelled is None:
+        count = (flat_labels != ignore_index).sum().to(local_sum.dtype)
+        all_reduce_sum_([count], g)
+    else:
+        count = torch.as_tensor(num_labelled, dtype=local_sum.dtype, device=local_sum.device)
+    return local_sum / count.clamp(min=1)
 
 
 def reduce_cp_gradients(

@@ -64,7 +64,10 @@ def _check(rank: int, world: int) -> list[str]:
             if rule == "split":
                 start = rank * length
                 local = _forward(model, ids[:, start : start + length], group, start, length)
-                loss = cp_cross_entropy(local, labels[:, start : start + length], group)
+                mine = labels[:, start : start + length]
+                # the count all-reduced here, or given on every rank (as batch.targets carry it)
+                given = count if kind == "ignored" else None
+                loss = cp_cross_entropy(local, mine, group, num_labelled=given)
                 total = loss.detach().clone()
                 dist.all_reduce(total)
             else:  # every rank computes the full loss from the gathered sequence
