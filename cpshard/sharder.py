@@ -38,7 +38,9 @@ from typing import Any, TypeVar
 import torch
 
 from cpshard import ops
+from cpshard.attention.state import layout_state
 from cpshard.batch_padding import pad_sequence, pad_value
+from cpshard.blockdiag.state import activated
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import agree, check_call, digest
 from cpshard.layout import (
@@ -424,7 +426,8 @@ class ContextParallelSharder:
         # One small all-gather: every rank raises if any rank's batch is bad, and ranks whose
         # batches (hence data-dependent partitions) differ are named instead of silently mixed.
         agree(g, what, problem, fields)
-        return contextlib.nullcontext, plan.apply(g.rank), plan.layout
+        state = layout_state(g, plan.layout, plan.doc_ids, plan.device)
+        return lambda: activated(state), plan.apply(g.rank), plan.layout
 
     def _plan_batch(
         self, batch: object, loss_mask, padding_token_id: int, world: int
@@ -501,9 +504,7 @@ class ContextParallelSharder:
 
         pad = self._padding(batch, rows, seq_len, ref_t.device)
         plan.padding = pad
-        doc_ids = None
-        if self.layout not in CLOSED_FORM_LAYOUTS:
-            doc_ids = self._document_ids(batch, rows, seq_len, pad)
+        doc_ids = self._document_ids(batch, rows, seq_len, pad)  # the layouts' and attention's
         try:
             plan.layout = make_layout(
                 self.layout, world, seq_len, doc_ids=doc_ids, num_chunks=self.num_chunks,
@@ -511,6 +512,7 @@ class ContextParallelSharder:
             )
         except (TypeError, ValueError) as exc:
             raise _Problem(str(exc)) from None
+        plan.doc_ids = pad_sequence("_packed_seq_ids", doc_ids, 1, plan.layout.padded_seq_len)
         return plan
 
     @staticmethod
@@ -875,6 +877,7 @@ class _BatchPlan:
         self.positions: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None
         self.layout: ShardLayout | None = None
+        self.doc_ids: torch.Tensor | None = None  # [B, P] host, 0 = padding
 
     def apply(self, rank: int) -> dict[str, Any]:
         lay = self.layout

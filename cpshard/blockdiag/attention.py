@@ -44,7 +44,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
-from cpshard.blockdiag.state import BlockDiagState, Packing, Segment, active_state, state_for
+from cpshard.blockdiag.state import AttentionState, Packing, Span, active_state, state_for
 from cpshard.comm.collectives import halo_exchange, halo_return
 from cpshard.consensus import check_call, digest, dtype_code
 from cpshard.transport import HALO, call_key
@@ -204,40 +204,28 @@ def part_kernel(q: torch.Tensor) -> PartKernel:
 # ------------------------------------------------------------------ the per-segment loop
 
 
-def _parts(s: Segment, origin: int) -> list[tuple[slice, bool]]:
-    """Key ranges (of the halo-extended keys) of a segment, and whether each is causal."""
-    split, end = s.begin - origin, s.begin + s.length - origin
-    square = (slice(split, end), True)
-    return (
-        [(slice(s.doc_start - origin, split), False), square] if s.begin > s.doc_start else [square]
-    )
+def _parts(s: Span) -> list[tuple[slice, bool]]:
+    """Key ranges (of the row's key buffer) of a span, and whether each is causal."""
+    square = (slice(s.split, s.split + s.n), True)
+    return [(slice(s.k, s.split), False), square] if s.split > s.k else [square]
 
 
 class _Loop:
-    """The per-segment loop: each segment's parts through the part kernel, merged by LSE."""
+    """The per-span loop: each span's parts through the part kernel, merged by LSE."""
 
-    def __init__(self, state: BlockDiagState, q: torch.Tensor) -> None:
+    def __init__(self, state: AttentionState, q: torch.Tensor) -> None:
         self.state, self.kern, self.heads = state, part_kernel(q), q.shape[1]
-        self.origin = state.start - state.halo  # global position of the first extended key
 
-    def _segments(self) -> Iterator[tuple[Segment, tuple[slice, ...]]]:
-        """Each segment and its query rows' index into ``[B, H, L, ...]``."""
-        start = self.state.start
-        for s in self.state.segments:
-            yield (
-                s,
-                (
-                    slice(s.row, s.row + 1),
-                    slice(None),
-                    slice(s.begin - start, s.begin - start + s.length),
-                ),
-            )
+    def _spans(self) -> Iterator[tuple[Span, tuple[slice, ...]]]:
+        """Each span and its query rows' index into ``[B, H, L, ...]``."""
+        for s in self.state.spans:
+            yield s, (slice(s.row, s.row + 1), slice(None), slice(s.q, s.q + s.n))
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
         k, v = _repeat(k, self.heads), _repeat(v, self.heads)
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q.dtype))
-        for s, rows in self._segments():
+        for s, rows in self._spans():
             qs = q[rows].contiguous()
             results = [
                 self.kern.forward(
@@ -247,7 +235,7 @@ class _Loop:
                     causal,
                     scale,
                 )
-                for keys, causal in _parts(s, self.origin)
+                for keys, causal in _parts(s)
             ]
             total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
             out[rows] = sum(
@@ -260,9 +248,9 @@ class _Loop:
         kv_heads = k.shape[1]
         k, v = _repeat(k, self.heads), _repeat(v, self.heads)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for s, rows in self._segments():
+        for s, rows in self._spans():
             g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
-            for keys, causal in _parts(s, self.origin):
+            for keys, causal in _parts(s):
                 at = (slice(s.row, s.row + 1), slice(None), keys)
                 dqs, dks, dvs = self.kern.backward(
                     g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale
@@ -286,9 +274,11 @@ def _unflat(flat: torch.Tensor, b: int) -> torch.Tensor:
     return flat.view(b, -1, *flat.shape[1:]).transpose(1, 2)
 
 
-def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, ...]`` zeros with ``packed`` at ``rows`` (distinct rows: deterministic, no atomics)."""
-    return packed.new_zeros(n, *packed.shape[1:]).index_copy(0, rows, packed)
+def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int, add: bool = False) -> torch.Tensor:
+    """``[n, ...]`` zeros with ``packed`` at ``rows``: copied (distinct rows: deterministic, no
+    atomics), or added where rows repeat (``add``)."""
+    out = packed.new_zeros(n, *packed.shape[1:])
+    return out.index_add(0, rows, packed) if add else out.index_copy(0, rows, packed)
 
 
 class _Varlen:
@@ -325,19 +315,19 @@ class _Varlen:
         dq, dk, dv = self.kern.backward(
             pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale
         )
-        ext = b * k.shape[2]  # a key row serves one segment: distinct rows, plain copies
+        ext = b * k.shape[2]  # copies where each key row serves one span (the contiguous split)
         dq = _scatter(p.q_rows, dq, b * length)
         return (
             _unflat(dq, b),
-            _unflat(_scatter(p.k_rows, dk, ext), b),
-            _unflat(_scatter(p.k_rows, dv, ext), b),
+            _unflat(_scatter(p.k_rows, dk, ext, p.shared_keys), b),
+            _unflat(_scatter(p.k_rows, dv, ext, p.shared_keys), b),
         )
 
 
-def _implementation(state: BlockDiagState, q: torch.Tensor, d_k: int, d_v: int) -> _Loop | _Varlen:
-    """One varlen launch where a kernel serves q (and the rank has segments), else the loop."""
+def _implementation(state: AttentionState, q: torch.Tensor, d_k: int, d_v: int) -> _Loop | _Varlen:
+    """One varlen launch where a kernel serves q (and the rank has spans), else the loop."""
     kern = varlen_kernel(q, d_k, d_v)
-    if kern is not None and state.segments:
+    if kern is not None and state.spans:
         return _Varlen(kern, state.packing_on(q.device))
     return _Loop(state, q)
 
@@ -469,7 +459,7 @@ blockdiag_attention.register_autograd(_blockdiag_attention_grad, setup_context=_
 
 
 def _problem(
-    state: BlockDiagState,
+    state: AttentionState,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -480,9 +470,9 @@ def _problem(
     """This rank's problem with the arguments, or None (shapes and the state's sizes only)."""
     problem = None
     if attn_mask is not None:
-        problem = "attn_mask must be None while block-diagonal CP attention is active"
+        problem = "attn_mask must be None while CP attention is active"
     elif dropout_p != 0.0:
-        problem = "dropout_p must be 0 while block-diagonal CP attention is active"
+        problem = "dropout_p must be 0 while CP attention is active"
     elif q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problem = "q, k, v must be [B, heads, L, D]"
     elif (
@@ -491,8 +481,8 @@ def _problem(
         or v.shape[2] != state.local_len
     ):
         problem = (
-            f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard has "
-            f"{state.local_len}"
+            f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard of "
+            f"the active {state.layout!r} layout has {state.local_len}"
         )
     elif q.shape[0] != state.batch_size:
         problem = f"q has batch {q.shape[0]} but the sharded batch has {state.batch_size}"
@@ -515,17 +505,40 @@ def _problem(
 
 
 def _fields(
-    state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    state: AttentionState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> Callable[[], dict[str, Sequence[int]]]:
-    """What every rank's call must agree on (checked mode only: it reads the step's halos)."""
+    """What every rank's call must agree on (checked mode only: it reads the step's plan)."""
     return lambda: {
+        "layout": digest([ord(c) for c in state.layout]),
         "dtype": [dtype_code(q.dtype)],
         "device type": [0 if q.device.type == "cpu" else 1],
         "q, k, v heads and dims": [q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]],
-        # ranks that differ here would block in the backward halo return
+        # ranks that differ here would block in the backward exchange
         "requires_grad": [int(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))],
-        "halos": digest(state.halos),
+        "exchange plan": digest(state.exchange_plan),
     }
+
+
+def attend(
+    state: AttentionState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+    enable_gqa: bool,
+    what: str,
+    problem: str | None = None,
+) -> torch.Tensor:
+    """Causal attention within documents under ``state``: the step's K/V exchange, then the
+    spans' attention. ``problem``: the caller's own finding about its arguments, reported like
+    the shape checks (locally, or on every rank in checked mode)."""
+    problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
+    check_call(state.group, what, problem, _fields(state, query, key, value))
+    kv = state.extend(torch.cat([key, value], dim=-1))
+    out, _ = blockdiag_attention(query, kv, state.key, key.shape[-1], scale)
+    return out
 
 
 def cp_blockdiag_sdpa(
@@ -538,9 +551,10 @@ def cp_blockdiag_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Drop-in for ``F.scaled_dot_product_attention``: plain SDPA when no block-diagonal state is
-    active; otherwise causal attention within each document across the CP group (``attn_mask``
-    must be None and ``dropout_p`` 0: the documents define the mask).
+    """Drop-in for ``F.scaled_dot_product_attention``: plain SDPA when no CP attention state is
+    active; otherwise causal attention within each document across the CP group, whatever
+    ``is_causal`` says (``attn_mask`` must be None and ``dropout_p`` 0: the documents define the
+    mask). :func:`cpshard.cp_attention` honours ``is_causal`` and ``window`` instead.
 
     Checks are local (shapes against the step's sizes) unless checked mode is on, which adds one
     consensus round so that bad input on one rank makes every rank raise."""
@@ -556,10 +570,4 @@ def cp_blockdiag_sdpa(
             scale=scale,
             enable_gqa=enable_gqa,
         )
-    problem = _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
-    check_call(state.group, _WHAT, problem, _fields(state, query, key, value))
-    kv = torch.cat([key, value], dim=-1)
-    if state.group.world > 1:
-        kv = blockdiag_halo(kv, state.key)
-    out, _ = blockdiag_attention(query, kv, state.key, key.shape[-1], scale)
-    return out
+    return attend(state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _WHAT)

@@ -75,6 +75,28 @@ class TorchTransport:
             # In place: this rank's slot is the input (NCCL reads it before writing others).
             dist.all_gather_into_tensor(out, out[offs[me] : offs[me + 1]], group=self.pg)
 
+    def all_to_all_v(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        send_sizes: Sequence[int],
+        recv_sizes: Sequence[int],
+        key: int | None = None,
+    ) -> None:
+        """``x`` holds the parts for every rank back to back (``send_sizes[r]`` elements for rank
+        r), ``out`` receives every rank's part for this one (``recv_sizes[r]`` from rank r): this
+        rank's own part is copied, the others go by batched point-to-point (no padding)."""
+        me = self.group.rank
+        so, ro = offsets(send_sizes), offsets(recv_sizes)
+        x = _flat(x)
+        out[ro[me] : ro[me + 1]].copy_(x[so[me] : so[me + 1]])
+        peers = [r for r in range(self.group.world) if r != me]
+        self.send_recv(
+            [(r, x[so[r] : so[r + 1]]) for r in peers if send_sizes[r]],
+            [(r, out[ro[r] : ro[r + 1]]) for r in peers if recv_sizes[r]],
+            key,
+        )
+
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         if self.is_gloo:
             self.reduce_scatter_v(out, full, [out.numel()] * self.group.world)

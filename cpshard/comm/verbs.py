@@ -22,6 +22,14 @@ class Transport(Protocol):
     def all_gather_v(
         self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int], key: int | None = None
     ) -> None: ...
+    def all_to_all_v(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        send_sizes: Sequence[int],
+        recv_sizes: Sequence[int],
+        key: int | None = None,
+    ) -> None: ...
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None: ...
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None: ...
     def send_recv(
