@@ -312,3 +312,16 @@ def test_all_to_all_v_and_its_reverse(pools) -> None:
             at = sum((p + 1) * (q + 1) for p in range(r))
             parts.append(torch.arange(at, at + (r + 1) * (q + 1), dtype=torch.float32))
         assert torch.equal(grad, torch.cat(parts))
+
+
+def test_attention_bench_section_quick_run(run_bench) -> None:
+    """``cpshard bench --ops attention``: every layout, both implementations, W = 2."""
+    proc, data = run_bench(*"--world 2 --ops attention --quick --repeats 1 --warmup 0 --iters 1".split())
+    assert "# attention:" in proc.stdout
+    rows = data["attention"]
+    assert [r["layout"] for r in rows] == list(LAYOUTS)
+    for r in rows:
+        assert r["ours_fwd_bwd_s"] > 0 and r["base_fwd_bwd_s"] > 0
+        assert r["ours_fwd_bwd_peak_bytes"] > 0 and r["base_fwd_bwd_peak_bytes"] > 0
+        assert 0 <= r["ours_kv_rows_received_max"] <= r["base_kv_rows_received"]
+        assert len(r["pairs_per_rank"]) == 2 and r["pairs_max_over_mean"] >= 1

@@ -82,19 +82,6 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
     if not torch.allclose(want, got, rtol=tol, atol=tol):
         raise AssertionError(f"rank {rank}: blockdiag S={seq_len}: output differs from the baseline")
 
-    def step(impl):
-        def run() -> None:
-            for t in (q, k, v):
-                t.grad = None
-            impl(q, k, v).backward(grad)
-
-        return run
-
-    runs = {"ours": step(ours), "base": step(base)}
-    cfg = rt.cfg
-    timings = time_steps(
-        rt, runs, warmup=cfg.warmup, repeats=cfg.repeats, iters=cfg.iters, target_s=cfg.target_s
-    )
     out = {
         "seq_len": seq_len,
         "world": world,
@@ -102,8 +89,29 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
         "kv_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
         "doc_len": doc_len,
-        "dtype": cfg.dtype,
+        "dtype": rt.cfg.dtype,
     }
+    return {**out, **fwd_bwd_figures(rt, {"ours": ours, "base": base}, (q, k, v), grad)}
+
+
+def fwd_bwd_figures(rt: Runtime, impls: dict, leaves: tuple[torch.Tensor, ...], grad: torch.Tensor) -> dict:
+    """Median fwd+bwd time (max over ranks), its repeats, CPU time and peak extra memory of each
+    ``impls[who](*leaves)`` back-propagating ``grad``, and the base/ours speedup."""
+
+    def step(impl):
+        def run() -> None:
+            for t in leaves:
+                t.grad = None
+            impl(*leaves).backward(grad)
+
+        return run
+
+    runs = {who: step(impl) for who, impl in impls.items()}
+    cfg = rt.cfg
+    timings = time_steps(
+        rt, runs, warmup=cfg.warmup, repeats=cfg.repeats, iters=cfg.iters, target_s=cfg.target_s
+    )
+    out = {}
     for who, fn in runs.items():
         out[f"{who}_fwd_bwd_s"] = timings[who].median_s
         out[f"{who}_fwd_bwd_repeats_s"] = list(timings[who].repeats_s)
