@@ -398,6 +398,20 @@ COMPILE_BATCHES = [
 ]  # different segments and halos
 
 
+def compare_compiled(
+    compiled, eager, ctx, qkv: tuple[torch.Tensor, ...], weight: torch.Tensor, name: str
+) -> None:
+    """Inside ``ctx()``, ``compiled(q, k, v)`` equals ``eager(q, k, v)``, forward and gradients."""
+    got = []
+    for fn in (compiled, eager):
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        with ctx():
+            out = fn(*leaves)
+        got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
+    for a, e in zip(*got, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager")
+
+
 def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[int]:
     """cp_blockdiag_sdpa compiled once (fullgraph, ``backend``) over batches with different
     documents: outputs and gradients equal eager; returns the compile counts."""
@@ -427,17 +441,9 @@ def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[i
                 torch.randn(b, h, local, D, dtype=torch.float64, generator=g) for h in (4, 2, 2)
             )
             weight = torch.randn(b, 4, local, D, dtype=torch.float64, generator=g)
-            got = []
-            for fn in (compiled, attend):
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                with ctx():
-                    out = fn(*leaves)
-                    halos.add(active_state().halos)
-                got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
-            for a, e in zip(*got, strict=True):
-                torch.testing.assert_close(
-                    a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager"
-                )
+            compare_compiled(compiled, attend, ctx, (q, k, v), weight, name)
+            with ctx():
+                halos.add(active_state().halos)
     assert world == 1 or len(halos) > 1, halos  # the batches differ in their halos too
     return [counter.frame_count, counter.op_count]
 

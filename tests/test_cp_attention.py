@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_blockdiag import D, _packing, _path, _reference
+from test_blockdiag import D, _packing, _path, _reference, compare_compiled
 
 from cpshard.blockdiag.state import active_state
 from cpshard.layout import LAYOUTS
@@ -167,7 +167,8 @@ def test_other_layouts_tokens_raise() -> None:
     doc = _packing("short_docs", 1, 24)
     ctx, _ = ContextParallelSharder(None, "stripe").shard({"input_ids": doc.clone()})
     q = torch.randn(1, 2, 23, D, dtype=torch.float64)
-    with ctx(), pytest.raises(ValueError, match="rank 0: .*23/23/23 tokens .* 'stripe' layout has 24"):
+    expect = "rank 0: .*23/23/23 tokens .* 'stripe' layout has 24"
+    with ctx(), pytest.raises(ValueError, match=expect):
         cp_attention(q, q, q)
     blockdiag, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": doc.clone()})
     with blockdiag(), pytest.raises(ValueError, match="'stripe' attention context .* 'contiguous'"):
@@ -242,15 +243,9 @@ def _compiled_vs_eager(rank: int, world: int, layout: str) -> list[int]:
         sharder = ContextParallelSharder(dist.group.WORLD, layout)
         ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
         q, k, v, w = (_sharded(sharder, t) for t in full)
-        got = []
-        for fn in (compiled, attend):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            with ctx():
-                out = fn(*leaves)
-                plans.add(active_state().exchange_plan)
-            got.append((out.detach(), *torch.autograd.grad((out * w).sum(), leaves)))
-        for a, e in zip(*got, strict=True):
-            torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager")
+        compare_compiled(compiled, attend, ctx, (q, k, v), w, name)
+        with ctx():
+            plans.add(active_state().exchange_plan)
     assert len(plans) == 2, plans  # the batches exchange different rows
     return [counter.frame_count, counter.op_count]
 
@@ -316,7 +311,8 @@ def test_all_to_all_v_and_its_reverse(pools) -> None:
 
 def test_attention_bench_section_quick_run(run_bench) -> None:
     """``cpshard bench --ops attention``: every layout, both implementations, W = 2."""
-    proc, data = run_bench(*"--world 2 --ops attention --quick --repeats 1 --warmup 0 --iters 1".split())
+    args = "--world 2 --ops attention --quick --repeats 1 --warmup 0 --iters 1"
+    proc, data = run_bench(*args.split())
     assert "# attention:" in proc.stdout
     rows = data["attention"]
     assert [r["layout"] for r in rows] == list(LAYOUTS)

@@ -4,9 +4,8 @@ when none is active."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from cpshard.blockdiag.attention import attend
+from cpshard.blockdiag.attention import attend, plain_sdpa
 from cpshard.blockdiag.state import AttentionState, active_state
 
 _WHAT = "cpshard.cp_attention"
@@ -80,13 +79,4 @@ def cp_attention(
         if attn_mask is not None or not is_causal:
             raise ValueError(f"{_WHAT}: window needs is_causal=True and no attn_mask")
         attn_mask, is_causal = _band(query, key, window), False
-    return F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )
+    return plain_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from cpshard.attention.state import LayoutState
+from cpshard.blockdiag.attention import register_exchange_autograd
 from cpshard.blockdiag.state import state_for
 from cpshard.comm.collectives import all_to_all_v
 from cpshard.transport import EXCHANGE, call_key
@@ -43,7 +44,11 @@ def _move(state: LayoutState, rows: torch.Tensor, send: list[int], recv: list[in
     # the same fingerprint on every rank and in both directions: the step's counts and the row
     key = call_key(EXCHANGE, rows.dtype, (width,), 0, True, False, state.exchange_plan)
     got = all_to_all_v(
-        rows.reshape(-1), state.group.name, [c * width for c in send], [c * width for c in recv], key
+        rows.reshape(-1),
+        state.group.name,
+        [c * width for c in send],
+        [c * width for c in recv],
+        key,
     )
     return got.view(-1, width)
 
@@ -80,17 +85,10 @@ def layout_exchange_return(grad: torch.Tensor, key: torch.Tensor, length: int) -
 
 
 @layout_exchange_return.register_fake
-def _layout_exchange_return_fake(grad: torch.Tensor, key: torch.Tensor, length: int) -> torch.Tensor:
+def _layout_exchange_return_fake(
+    grad: torch.Tensor, key: torch.Tensor, length: int
+) -> torch.Tensor:
     return grad.new_empty(grad.shape[0], grad.shape[1], length, grad.shape[3])
 
 
-def _keep(ctx, inputs, output) -> None:
-    kv, ctx.key = inputs
-    ctx.length = kv.shape[2]
-
-
-def _backward(ctx, grad: torch.Tensor):
-    return layout_exchange_return(grad, ctx.key, ctx.length), None
-
-
-layout_exchange.register_autograd(_backward, setup_context=_keep)
+register_exchange_autograd(layout_exchange, layout_exchange_return)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpshard.blockdiag.state import AttentionState, Span, pinned
+from cpshard.blockdiag.state import AttentionState, Span, cached_on, pinned
 from cpshard.comm import Group
 from cpshard.layout import ShardLayout
 
@@ -74,12 +74,7 @@ class LayoutState(AttentionState):
     def tables_on(self, device: torch.device) -> Tables:
         """The exchange tables on ``device``, copied there once per device and cached."""
         assert self.tables is not None
-        if device.type == "cpu":
-            return self.tables
-        found = self._tables_on.get(device)
-        if found is None:
-            found = self._tables_on[device] = self.tables.to(device)
-        return found
+        return cached_on(self._tables_on, device, self.tables)
 
     def extend(self, kv: torch.Tensor) -> torch.Tensor:
         from cpshard.attention.exchange import layout_exchange  # the ops module imports this one
@@ -109,7 +104,9 @@ def _runs(idx: torch.Tensor, doc: torch.Tensor, starts: torch.Tensor) -> tuple[t
     return row, q, n, st[row, q], idx[row, q]
 
 
-def _cover(shape: tuple[int, int], row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def _cover(
+    shape: tuple[int, int], row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> torch.Tensor:
     """``[B, P]`` bool: positions inside any range ``[lo[i], hi[i])`` of row ``row[i]``."""
     delta = torch.zeros(shape[0], shape[1] + 1, dtype=torch.int64)
     ones = torch.ones_like(row)
@@ -137,7 +134,8 @@ def layout_state(
     sends: list[torch.Tensor] = []
     recv_rows = spans = buffer_len = None
     for r in range(world):
-        row, q, n, ds, begin = _runs(layout.indices(r).to(torch.int64).expand(b, length), doc, starts)
+        idx = layout.indices(r).to(torch.int64).expand(b, length)
+        row, q, n, ds, begin = _runs(idx, doc, starts)
         reach = max(reach, int((begin + n - ds).max()) if n.numel() else 0)
         need = _cover((b, padded), row, ds, begin + n)
         width = int(need.sum(1).max()) if b else 0
@@ -150,11 +148,9 @@ def layout_state(
         if r == me:
             at = need.cumsum(1) - 1  # buffer row of every needed position
             recv_rows = pb * width + at[pb, pp]
+            k, split = at[row, ds], at[row, begin]
             spans = tuple(
-                Span(*v)
-                for v in zip(
-                    row.tolist(), q.tolist(), n.tolist(), at[row, ds].tolist(), at[row, begin].tolist()
-                )
+                Span(*v) for v in zip(*(t.tolist() for t in (row, q, n, k, split)), strict=True)
             )
             buffer_len = width
     tables = Tables(pinned(torch.cat(sends)), pinned(recv_rows))

@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from cpshard import ContextParallelSharder, cp_attention
-from cpshard.bench.baselines import ListAllGatherCat
-from cpshard.bench.blockdiag import HEAD_DIM, HEADS, KV_HEADS, fwd_bwd_figures
+from cpshard.bench.blockdiag import (
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    all_gather_baseline,
+    fwd_bwd_figures,
+    random_qkv,
+)
 from cpshard.bench.runtime import Runtime
 from cpshard.blockdiag.state import active_state
 from cpshard.layout import LAYOUTS
@@ -64,20 +69,8 @@ def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
     lay = sharder.shard_layout
     mine = lay.indices(rt.rank)
     keys = torch.cat([lay.indices(r) for r in range(rt.world)])  # the gathered keys' positions
-    gen = torch.Generator().manual_seed(99 + rt.rank)
-
-    def make(heads: int, grad: bool = True) -> torch.Tensor:
-        t = torch.randn(1, heads, mine.numel(), HEAD_DIM, generator=gen)
-        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_(grad)
-
-    q, k, v = make(HEADS), make(KV_HEADS), make(KV_HEADS)
-    grad = make(HEADS, grad=False)
-    mask = _dense_mask(doc, mine, keys).to(rt.device)
-
-    def base(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_full = ListAllGatherCat.apply(k, rt.pg, 2)
-        v_full = ListAllGatherCat.apply(v, rt.pg, 2)
-        return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, enable_gqa=True)
+    q, k, v, grad = random_qkv(rt, mine.numel())
+    base = all_gather_baseline(rt, _dense_mask(doc, mine, keys).to(rt.device))
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
@@ -86,7 +79,9 @@ def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
     want, got = base(q, k, v).detach(), ours(q, k, v).detach()
     tol = 1e-4 if rt.dtype in (torch.float32, torch.float64) else 3e-2
     if not torch.allclose(want, got, rtol=tol, atol=tol):
-        raise AssertionError(f"rank {rt.rank}: attention {layout}: output differs from the baseline")
+        raise AssertionError(
+            f"rank {rt.rank}: attention {layout}: output differs from the baseline"
+        )
     with ctx():
         state = active_state()
         pairs = _pairs(rt)
@@ -135,7 +130,8 @@ def render(rows: list[dict]) -> str:
     fmt = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
     for r in rows:
         out.append(
-            f" {r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} {r['base_fwd_bwd_s'] * 1e3:>9.1f} "
+            f" {r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
+            f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} "
             f"{r['speedup']:>8.2f} {fmt(r['ours_fwd_bwd_peak_bytes']):>12} "
             f"{fmt(r['base_fwd_bwd_peak_bytes']):>9} {r['ours_kv_rows_received_max']:>8} "
             f"{r['base_kv_rows_received']:>9} {r['pairs_max_over_mean']:>9.2f}"

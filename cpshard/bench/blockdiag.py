@@ -47,13 +47,26 @@ def _dense_mask(doc: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return (same & (pos[rows, None] >= pos[None, :]))[None, None]
 
 
-def _baseline(rt: Runtime, mask: torch.Tensor):
+def all_gather_baseline(rt: Runtime, mask: torch.Tensor):
+    """Attention over the all-gathered K/V (rank-major) with a dense ``mask`` ``[1, 1, L, S]``."""
+
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_full = ListAllGatherCat.apply(k, rt.pg, 2)
         v_full = ListAllGatherCat.apply(v, rt.pg, 2)
         return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, enable_gqa=True)
 
     return attend
+
+
+def random_qkv(rt: Runtime, local: int) -> tuple[torch.Tensor, ...]:
+    """This rank's q, k, v ``[1, heads, local, HEAD_DIM]`` (leaves) and an upstream gradient."""
+    gen = torch.Generator().manual_seed(99 + rt.rank)
+
+    def make(heads: int, grad: bool = True) -> torch.Tensor:
+        t = torch.randn(1, heads, local, HEAD_DIM, generator=gen)
+        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_(grad)
+
+    return make(HEADS), make(KV_HEADS), make(KV_HEADS), make(HEADS, grad=False)
 
 
 def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
@@ -63,15 +76,8 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
     doc = (torch.arange(seq_len) // doc_len + 1).view(1, seq_len)
     batch = {"inputs_embeds": torch.zeros(1, seq_len, 1), "_packed_seq_ids": doc}
     ctx, _ = make_cp_blockdiag_batch_and_ctx(rt.pg, None, batch)
-    gen = torch.Generator().manual_seed(99 + rank)
-
-    def make(heads: int, grad: bool = True) -> torch.Tensor:
-        t = torch.randn(1, heads, local, HEAD_DIM, generator=gen)
-        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_(grad)
-
-    q, k, v = make(HEADS), make(KV_HEADS), make(KV_HEADS)
-    grad = make(HEADS, grad=False)
-    base = _baseline(rt, _dense_mask(doc, rank * local, local).to(rt.device))
+    q, k, v, grad = random_qkv(rt, local)
+    base = all_gather_baseline(rt, _dense_mask(doc, rank * local, local).to(rt.device))
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
@@ -94,7 +100,9 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
     return {**out, **fwd_bwd_figures(rt, {"ours": ours, "base": base}, (q, k, v), grad)}
 
 
-def fwd_bwd_figures(rt: Runtime, impls: dict, leaves: tuple[torch.Tensor, ...], grad: torch.Tensor) -> dict:
+def fwd_bwd_figures(
+    rt: Runtime, impls: dict, leaves: tuple[torch.Tensor, ...], grad: torch.Tensor
+) -> dict:
     """Median fwd+bwd time (max over ranks), its repeats, CPU time and peak extra memory of each
     ``impls[who](*leaves)`` back-propagating ``grad``, and the base/ours speedup."""
 

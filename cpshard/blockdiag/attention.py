@@ -384,16 +384,21 @@ def _blockdiag_halo_return_fake(grad: torch.Tensor, key: torch.Tensor, length: i
     return grad.new_empty(grad.shape[0], grad.shape[1], length, grad.shape[3])
 
 
-def _keep_halo(ctx, inputs, output) -> None:
-    kv, ctx.key = inputs
-    ctx.length = kv.shape[2]
+def register_exchange_autograd(op, adjoint) -> None:
+    """The autograd of a K/V exchange op ``op(kv, key)`` of the step ``key``: its adjoint op
+    ``adjoint(grad, key, length)`` (``length``: the tokens of ``kv``)."""
+
+    def keep(ctx, inputs, output) -> None:
+        kv, ctx.key = inputs
+        ctx.length = kv.shape[2]
+
+    def backward(ctx, grad: torch.Tensor):
+        return adjoint(grad, ctx.key, ctx.length), None
+
+    op.register_autograd(backward, setup_context=keep)
 
 
-def _blockdiag_halo_backward(ctx, grad: torch.Tensor):
-    return blockdiag_halo_return(grad, ctx.key, ctx.length), None
-
-
-blockdiag_halo.register_autograd(_blockdiag_halo_backward, setup_context=_keep_halo)
+register_exchange_autograd(blockdiag_halo, blockdiag_halo_return)
 
 
 @torch.library.custom_op("cpshard::blockdiag_attention", mutates_args=())
@@ -560,14 +565,28 @@ def cp_blockdiag_sdpa(
     consensus round so that bad input on one rank makes every rank raise."""
     state = active_state()
     if state is None:
-        return F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
+        return plain_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return attend(state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _WHAT)
+
+
+def plain_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (what the CP attention functions do outside a context)."""
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )

@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -113,6 +114,20 @@ def pack(spans: Sequence[Span], local_len: int, key_len: int) -> Packing:
     )
 
 
+_Movable = TypeVar("_Movable")  # host metadata with a to(device)
+
+
+def cached_on(cache: dict, device: torch.device, host: _Movable) -> _Movable:
+    """``host`` (step metadata with a ``to(device)``) on ``device``: copied once per device
+    into ``cache``; the host copy itself on the CPU."""
+    if device.type == "cpu":
+        return host
+    found = cache.get(device)
+    if found is None:
+        found = cache[device] = host.to(device)
+    return found
+
+
 _keys = itertools.count()
 _registry: weakref.WeakValueDictionary[int, AttentionState] = weakref.WeakValueDictionary()
 
@@ -165,12 +180,7 @@ class AttentionState:
 
     def packing_on(self, device: torch.device) -> Packing:
         """The packing on ``device``, copied there once per device and cached."""
-        if device.type == "cpu":
-            return self.packing
-        found = self._on_device.get(device)
-        if found is None:
-            found = self._on_device[device] = self.packing.to(device)
-        return found
+        return cached_on(self._on_device, device, self.packing)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.comm.group import Group
-from cpshard.comm.verbs import offsets
+from cpshard.comm.verbs import all_to_all_parts
 
 _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, NcclTransport] = weakref.WeakKeyDictionary()
 
@@ -47,14 +47,8 @@ class NcclTransport:
         key: int | None = None,
     ) -> None:
         """Own part copied, the others in one grouped send/recv (``key`` is not swapped here)."""
-        so, ro = offsets(send_sizes), offsets(recv_sizes)
         x = x.contiguous().view(-1)
-        out[ro[self.rank] : ro[self.rank + 1]].copy_(x[so[self.rank] : so[self.rank + 1]])
-        peers = [r for r in range(len(send_sizes)) if r != self.rank]
-        self.send_recv(
-            [(r, x[so[r] : so[r + 1]]) for r in peers if send_sizes[r]],
-            [(r, out[ro[r] : ro[r + 1]]) for r in peers if recv_sizes[r]],
-        )
+        self.send_recv(*all_to_all_parts(self.rank, out, x, send_sizes, recv_sizes))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         self.comm.reduce_scatter(out, full.contiguous().view(-1))

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.comm.group import Group
-from cpshard.comm.verbs import offsets
+from cpshard.comm.verbs import all_to_all_parts, offsets
 from cpshard.hugepages import new_buffer
 
 
@@ -86,16 +86,8 @@ class TorchTransport:
         """``x`` holds the parts for every rank back to back (``send_sizes[r]`` elements for rank
         r), ``out`` receives every rank's part for this one (``recv_sizes[r]`` from rank r): this
         rank's own part is copied, the others go by batched point-to-point (no padding)."""
-        me = self.group.rank
-        so, ro = offsets(send_sizes), offsets(recv_sizes)
-        x = _flat(x)
-        out[ro[me] : ro[me + 1]].copy_(x[so[me] : so[me + 1]])
-        peers = [r for r in range(self.group.world) if r != me]
-        self.send_recv(
-            [(r, x[so[r] : so[r + 1]]) for r in peers if send_sizes[r]],
-            [(r, out[ro[r] : ro[r + 1]]) for r in peers if recv_sizes[r]],
-            key,
-        )
+        sends, recvs = all_to_all_parts(self.group.rank, out, _flat(x), send_sizes, recv_sizes)
+        self.send_recv(sends, recvs, key)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         if self.is_gloo:
