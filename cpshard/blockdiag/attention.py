@@ -1,24 +1,29 @@
-"""Causal attention within each document across the CP group.
+"""Causal attention within each document across the CP group, for any step state.
 
-Each rank receives, through the multi-hop halo, exactly the K/V rows before its first token that
-the document containing that token reaches back to (the max over batch rows), then attends per
-document segment: queries ``[begin, begin + n)`` over keys ``[doc_start, begin + n)`` (causal,
-aligned bottom-right: a segment's queries see its document's whole prefix). Pad rows attend to
-nothing and output zeros.
+A step state (:class:`cpshard.blockdiag.state.AttentionState`) says how this rank's K/V become
+its key buffer and which keys each run of its queries attends, as spans: queries
+``[q, q + n)`` of a batch row over the buffer's keys ``[k, split)`` (all visible: the document's
+part before the run) and ``[split, split + n)`` (causal: the run's own keys), i.e. the
+document's whole prefix, causal aligned bottom-right. Pad rows attend to nothing and output
+zeros. The block-diagonal state (``make_cp_blockdiag_batch_and_ctx``, contiguous shards)
+builds its buffer with the multi-hop halo: exactly the K/V rows before its first token that the
+document containing that token reaches back to (the max over batch rows); a sharder layout's
+state (:mod:`cpshard.attention`) with one all-to-all-v of the rows its runs reach.
 
-Two ``torch.library`` custom ops do the work, each with a fake kernel and a backward op, so that
-``torch.compile`` traces a call as two opaque nodes and never sees the step's segments:
+``torch.library`` custom ops do the work, each with a fake kernel and a backward op, so that
+``torch.compile`` traces a call as two opaque nodes and never sees the step's spans:
 
-* ``cpshard::blockdiag_halo(kv, key)``: K and V (concatenated on the last dim) with the halo in
-  front (the transport's ``halo_exchange``); its length is data (an unbacked size under
-  compile). Backward: ``cpshard::blockdiag_halo_return`` (the transport's ``halo_return``: each
-  halo row's gradient goes back to its owner), which an all-padding rank joins too.
+* the state's exchange, here ``cpshard::blockdiag_halo(kv, key)``: K and V (concatenated on the
+  last dim) with the halo in front (the transport's ``halo_exchange``); its length is data (an
+  unbacked size under compile). Backward: ``cpshard::blockdiag_halo_return`` (the transport's
+  ``halo_return``: each halo row's gradient goes back to its owner), which an all-padding rank
+  joins too.
 * ``cpshard::blockdiag_attention(q, kv_ext, key, d_k, scale)`` -> ``(out, lse)``. Backward:
   ``cpshard::blockdiag_attention_backward`` from the saved output and log-sum-exp.
 
 ``key`` is the step state's CPU scalar key (:func:`cpshard.blockdiag.state.state_for`): the
-segments, halos and varlen packing were computed once per step and moved to the device once, so
-a call reads no device data on the host and copies nothing host->device.
+spans, the exchange plan and the varlen packing were computed once per step and moved to the
+device once, so a call reads no device data on the host and copies nothing host->device.
 
 Kernels:
 
@@ -27,8 +32,8 @@ Kernels:
   ``_flash_attention_backward``, whose causal mask is aligned bottom-right), GQA in the kernel;
   no flash-attn package needed (flash-attn's ``flash_attn_varlen_func`` is an autograd function,
   which a custom op's explicit backward cannot call; torch ships the same FA2 kernels).
-* Otherwise a loop over segments: a segment whose document starts on an earlier rank splits
-  into a non-causal prefix part and a causal square part, merged by their log-sum-exp
+* Otherwise a loop over spans: a span whose document starts before the run splits into a
+  non-causal prefix part and a causal square part, merged by their log-sum-exp
   (flash-attention's decomposition), so no ``[L, S]`` mask is ever built. On CPU each part is
   torch's CPU flash kernel; on CUDA fp32/fp64 (no flash kernel takes them), and where the flash
   kernels do not fit (head dims, pre-sm80 GPUs), each part is an explicit matmul-softmax
@@ -384,7 +389,9 @@ def _blockdiag_halo_return_fake(grad: torch.Tensor, key: torch.Tensor, length: i
     return grad.new_empty(grad.shape[0], grad.shape[1], length, grad.shape[3])
 
 
-def register_exchange_autograd(op, adjoint) -> None:
+def register_exchange_autograd(
+    op: torch.library.CustomOpDef, adjoint: Callable[[T, T, int], T]
+) -> None:
     """The autograd of a K/V exchange op ``op(kv, key)`` of the step ``key``: its adjoint op
     ``adjoint(grad, key, length)`` (``length``: the tokens of ``kv``)."""
 

@@ -1,19 +1,22 @@
-"""The per-step block-diagonal CP attention state, its token-restored holder, and its registry.
+"""The per-step CP attention state, its token-restored holder, and its registry.
 
 The state is module-level because attention layers deep inside a model read it without a way to
-pass arguments; entering ``train_ctx()`` installs it and leaving restores whatever was there
-(nesting works).
+pass arguments; entering the step's context (``train_ctx()`` of
+``make_cp_blockdiag_batch_and_ctx``, or the one ``ContextParallelSharder.shard`` returns)
+installs it and leaving restores whatever was there (nesting works; a context of another layout
+inside an active one raises).
 
 Everything the attention needs from the step's documents is computed ONCE, on the host, when the
-state is built (``make_cp_blockdiag_batch_and_ctx``): the segments, the halos, and the varlen
-packing (row indices and ``cu_seqlens``). Device copies of the packing are made once per device
-(pinned host memory, non-blocking copies) and cached in the state, so no attention call reads
-device data on the host or copies host data to a device.
+state is built: the spans each query run attends, the K/V exchange's plan (the block-diagonal
+state's halos here; a layout's all-to-all-v tables in :mod:`cpshard.attention.state`), and the
+varlen packing (row indices and ``cu_seqlens``). Device copies are made once per device (pinned
+host memory, non-blocking copies) and cached in the state, so no attention call reads device
+data on the host or copies host data to a device.
 
 The attention custom ops find the state by its ``key``, a CPU int64 scalar tensor: a traced graph
-takes the key as a tensor input, so ``torch.compile`` does not specialise on a step's segment list
-(it is data, not a guard). The registry holds states weakly: a state lives as long as its
-``train_ctx`` (and so until the step's backward has run).
+takes the key as a tensor input, so ``torch.compile`` does not specialise on a step's spans (they
+are data, not a guard). The registry holds states weakly: a state lives as long as its context
+factory (and so until the step's backward has run).
 """
 
 from __future__ import annotations
