@@ -10,7 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_blockdiag import D, _packing, _path, _reference, compare_compiled
+from test_blockdiag import (
+    D,
+    _packing,
+    _path,
+    _recording_host_reads,
+    _reference,
+    compare_compiled,
+)
 
 from cpshard.blockdiag.state import active_state
 from cpshard.layout import LAYOUTS
@@ -321,3 +328,55 @@ def test_attention_bench_section_quick_run(run_bench) -> None:
         assert r["ours_fwd_bwd_peak_bytes"] > 0 and r["base_fwd_bwd_peak_bytes"] > 0
         assert 0 <= r["ours_kv_rows_received_max"] <= r["base_kv_rows_received"]
         assert len(r["pairs_per_rank"]) == 2 and r["pairs_max_over_mean"] >= 1
+
+
+def _host_reads(rank: int, world: int, path: str) -> list[str]:
+    """Host reads of tensor data inside cp_attention and its backward (after the step's setup)
+    under a per-row layout, and whether the kernel was handed the packing built at setup."""
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder, cp_attention
+
+    doc, q, k, v, _ = _batch("random", 2, 37, 4, 2)
+    sharder = ContextParallelSharder(dist.group.WORLD, "balanced")
+    ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    q, k, v = (_sharded(sharder, t).detach().requires_grad_() for t in (q, k, v))
+    reads: list[str] = []
+    with ctx():
+        state = active_state()
+    with _path(path) as kernel, _recording_host_reads(reads, state.key):
+        for _ in range(2):  # two layers
+            with ctx():
+                out = cp_attention(q, k, v, enable_gqa=True)
+            out.sum().backward()
+    if kernel is not None:
+        assert kernel.packings and all(p is state.packing for p in kernel.packings)
+    return reads
+
+
+@pytest.mark.parametrize("path", ["per_segment", "varlen"])
+def test_hot_path_reads_no_tensor_data_on_host(pools, path: str) -> None:
+    """The exchange and the attention, forward and backward, read no tensor data on the host
+    and rebuild no metadata (the step's tables and packing were built at shard time)."""
+    assert pools(2).run(_host_reads, path, timeout=120) == [[], []]
+
+
+def _scaled(rank: int, world: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder, cp_attention
+
+    doc, q, k, v, _ = _batch("random", 2, 37, 4, 2)
+    sharder = ContextParallelSharder(dist.group.WORLD, "stripe")
+    ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    with ctx():
+        out = cp_attention(*(_sharded(sharder, t) for t in (q, k, v)), scale=0.3, enable_gqa=True)
+    return sharder.gather_token_tensor(out.transpose(1, 2), 1, trim=True).transpose(1, 2)
+
+
+def test_scale(pools) -> None:
+    """``scale`` replaces 1/sqrt(D): the same as queries scaled by ``scale * sqrt(D)``."""
+    doc, q, k, v, _ = _batch("random", 2, 37, 4, 2)
+    want = _reference(q * 0.3 * D**0.5, k, v, doc)
+    for got in pools(2).run(_scaled, timeout=60):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
