@@ -56,9 +56,10 @@ def _packing(name: str, b: int, s: int) -> torch.Tensor:
 
 
 def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, causal: bool = True
 ) -> torch.Tensor:
-    """Dense block-diagonal causal attention on the full sequence (pads output zeros)."""
+    """Dense block-diagonal causal (or bidirectional) attention on the full sequence (pads
+    output zeros)."""
     s = q.shape[2]
     new_run = torch.ones_like(doc, dtype=torch.bool)
     new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
@@ -67,7 +68,7 @@ def _reference(
     mask = (
         (run[:, :, None] == run[:, None, :])
         & (doc[:, :, None] != 0)
-        & (pos[:, None] >= pos[None, :])
+        & ((pos[:, None] >= pos[None, :]) | (not causal))
     )
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -119,7 +120,7 @@ class _StandInVarlen:
     """torch's varlen flash contract (``aten._flash_attention_forward`` / ``_backward``) in plain
     PyTorch: packed ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA
     by head groups, the causal mask aligned bottom-right (a query sees every key of a longer
-    prefix), ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
+    prefix) or none, ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
     same statement (``torch.func``: autograd is off inside a custom op). It
     records every packing it is handed."""
 
@@ -147,6 +148,7 @@ class _StandInVarlen:
             vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
             n, m = qs.shape[1], ks.shape[1]
             visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+            visible |= not p.causal
             scores = (
                 qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
             ).masked_fill(~visible, float("-inf"))

@@ -51,7 +51,9 @@ def _sharded(sharder, t: torch.Tensor) -> torch.Tensor:
     return sharder.shard_token_tensor(t.transpose(1, 2), seq_dim=1, fill=0.0).transpose(1, 2)
 
 
-def _distributed(rank: int, world: int, layouts: list[str], path: str) -> list[tuple]:
+def _distributed(
+    rank: int, world: int, layouts: list[str], path: str, causal: bool = True
+) -> list[tuple]:
     """Per (layout, case): the gathered output and this rank's gradients of the full q/k/v."""
     import torch.distributed as dist
 
@@ -67,7 +69,9 @@ def _distributed(rank: int, world: int, layouts: list[str], path: str) -> list[t
                 ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
                 with ctx():
                     out = cp_attention(
-                        *(_sharded(sharder, t) for t in (q, k, v)), enable_gqa=heads != kv_heads
+                        *(_sharded(sharder, t) for t in (q, k, v)),
+                        is_causal=causal,
+                        enable_gqa=heads != kv_heads,
                     )
                     assert active_state().layout == layout
                 assert active_state() is None
@@ -77,15 +81,15 @@ def _distributed(rank: int, world: int, layouts: list[str], path: str) -> list[t
     return results
 
 
-def _check(got: list[list[tuple]], layouts: list[str], world: int) -> None:
+def _check(got: list[list[tuple]], layouts: list[str], world: int, causal: bool = True) -> None:
     at = 0
     for layout in layouts:
         for case in CASES:
             doc, q, k, v, w = _batch(*case)
             leaves = [t.requires_grad_() for t in (q, k, v)]
-            want = _reference(*leaves, doc)
+            want = _reference(*leaves, doc, causal)
             grads = torch.autograd.grad((want * w).sum(), leaves)
-            where = f"{layout} W={world} {case}"
+            where = f"{layout} W={world} {case} causal={causal}"
             for r in range(world):
                 torch.testing.assert_close(
                     got[r][at][0], want, rtol=0, atol=1e-12, msg=f"{where} output on rank {r}"
@@ -112,10 +116,19 @@ def test_kernel_paths_match_dense_reference(pools, path: str) -> None:
     _check(pools(3).run(_distributed, layouts, path, timeout=600), layouts, 3)
 
 
+@pytest.mark.parametrize("path", ["per_segment", "varlen", "math"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_bidirectional_within_documents(pools, world: int, path: str) -> None:
+    """``is_causal=False``: every query sees its whole document, every layout and kernel path."""
+    layouts = list(LAYOUTS)
+    got = pools(world).run(_distributed, layouts, path, False, timeout=600)
+    _check(got, layouts, world, causal=False)
+
+
 def _refusals(rank: int, world: int, kind: str) -> None:
     import torch.distributed as dist
 
-    from cpshard import ContextParallelSharder, cp_attention
+    from cpshard import ContextParallelSharder, cp_attention, make_cp_blockdiag_batch_and_ctx
 
     doc, q, k, v, _ = _batch("short_docs", 1, 24, 2, 2)  # documents of 3 tokens
     sharder = ContextParallelSharder(dist.group.WORLD, "stripe")
@@ -127,16 +140,27 @@ def _refusals(rank: int, world: int, kind: str) -> None:
             assert torch.equal(cp_attention(q, k, v, window=3), full)
         elif kind == "window":
             cp_attention(q, k, v, window=2)
-        else:
+        elif kind == "bidirectional_window":
+            cp_attention(q, k, v, is_causal=False, window=5)
+    if kind == "blockdiag_bidirectional":
+        blockdiag, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, {"input_ids": doc})
+        with blockdiag():
             cp_attention(q, k, v, is_causal=False)
 
 
-@pytest.mark.parametrize("kind", ["window", "bidirectional"])
+REFUSALS = {
+    "window": "window=2 is shorter",
+    "bidirectional_window": "window needs is_causal=True",
+    "blockdiag_bidirectional": "not supported by the block-diagonal context",
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSALS))
 def test_unsupported_window_and_bidirectional_raise_on_every_rank(pools, kind: str) -> None:
-    """Both refusals depend on the step alone, so every rank raises (default check mode)."""
+    """The refusals depend on the step alone, so every rank raises (default check mode)."""
     outcomes = pools(2).run_collect(_refusals, kind, timeout=60)
     assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
-    expect = "window=2 is shorter" if kind == "window" else "is_causal=False"
+    expect = REFUSALS[kind]
     assert all(expect in o.error_message for o in outcomes), outcomes
     assert all(f"rank {o.rank}" in o.error_message for o in outcomes), outcomes
 

@@ -21,15 +21,17 @@ def _window(window: object) -> int | None:
     return window
 
 
-def _refusal(state: AttentionState, is_causal: bool, window: int | None) -> str | None:
-    """Why CP attention cannot serve ``is_causal`` / ``window`` exactly on this step, or None.
-    Both depend on the step alone (``reach`` is the same on every rank), so every rank refuses."""
-    if not is_causal:
+def _refusal(state: AttentionState | None, window: int | None) -> str | None:
+    """Why CP attention cannot serve the call exactly on this step (``state``: the step's state
+    for the call's mask, None when it has none), or None. Both depend on the step alone
+    (``reach`` is the same on every rank), so every rank refuses."""
+    if state is None:
         return (
-            "is_causal=False (bidirectional attention within documents) is not supported by CP "
-            "attention; shard bidirectional (e.g. vision or encoder) layers with "
-            "maybe_distribute_visual or run them unsharded"
+            "is_causal=False (bidirectional attention within documents) is not supported by the "
+            "block-diagonal context; shard with ContextParallelSharder (any layout) instead"
         )
+    if window is not None and not state.causal:
+        return "window needs is_causal=True"
     if window is not None and window < state.reach:
         return (
             f"window={window} is shorter than the longest document prefix of this step "
@@ -62,18 +64,29 @@ def cp_attention(
     Inside a CP attention context (``ContextParallelSharder.shard``'s or
     ``make_cp_blockdiag_batch_and_ctx``'s): causal attention within each document over the whole
     sequence, whatever layout the ranks' tokens follow, exact forward and backward (``attn_mask``
-    must be None and ``dropout_p`` 0: the documents define the mask). ``window`` (keys a query
-    sees, itself included) is exact when no document prefix of the step is longer; otherwise,
-    and for ``is_causal=False``, it raises rather than attend differently. Checks are local
-    unless checked mode is on (then every rank raises).
+    must be None and ``dropout_p`` 0: the documents define the mask); ``is_causal=False``:
+    bidirectional within each document (sharder contexts; the block-diagonal one raises).
+    ``window`` (keys a query sees, itself included) is exact when no document prefix of the step
+    is longer; otherwise it raises rather than attend differently. Checks are local unless
+    checked mode is on (then every rank raises).
 
     Outside: ``F.scaled_dot_product_attention`` (with ``window``, a causal band mask)."""
     window = _window(window)
     state = active_state()
     if state is not None:
-        problem = _refusal(state, is_causal, window)
+        chosen = state if is_causal else state.bidirectional()
+        problem = _refusal(chosen, window)
         return attend(
-            state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _WHAT, problem
+            chosen or state,
+            query,
+            key,
+            value,
+            attn_mask,
+            dropout_p,
+            scale,
+            enable_gqa,
+            _WHAT,
+            problem,
         )
     if window is not None:
         if attn_mask is not None or not is_causal:

@@ -2,7 +2,8 @@
 them, and the spans each query run attends (host work, once per step).
 
 For every run of a rank's tokens (consecutive global positions inside one document, in a batch
-row) its queries attend the document's keys from the document start to the run's end. The rows
+row) its queries attend the document's keys from the document start to the run's end (or to the
+document's end: each step also has a bidirectional state). The rows
 a rank needs are the union of those ranges, per batch row; its key buffer holds exactly them, in
 global order, so each run's keys are one contiguous range of the buffer (a :class:`Span`). Every
 rank derives every rank's needs from the same document ids and layout, so the senders know what
@@ -42,6 +43,8 @@ class LayoutState(AttentionState):
     """The attention state of one step sharded by a :class:`~cpshard.layout.ShardLayout`."""
 
     layout: str = "contiguous"  # the layout's name
+    causal: bool = True  # runs see their document's prefix, else the whole document
+    twin: LayoutState | None = None  # the step's bidirectional state (of a causal one)
     buffer_len: int = 0  # rows per batch row of this rank's key buffer
     planned: tuple[Span, ...] = ()
     counts: tuple[tuple[int, ...], ...] = ()  # counts[r][q]: rows rank r receives from rank q
@@ -75,6 +78,9 @@ class LayoutState(AttentionState):
         """The exchange tables on ``device``, copied there once per device and cached."""
         assert self.tables is not None
         return cached_on(self._tables_on, device, self.tables)
+
+    def bidirectional(self) -> LayoutState | None:
+        return self.twin if self.causal else self
 
     def extend(self, kv: torch.Tensor) -> torch.Tensor:
         from cpshard.attention.exchange import layout_exchange  # the ops module imports this one
@@ -115,18 +121,16 @@ def _cover(
     return delta.cumsum(1)[:, : shape[1]] > 0
 
 
-def layout_state(
-    group: Group, layout: ShardLayout, doc_ids: torch.Tensor, device: torch.device | None = None
+def _plan(
+    group: Group, layout: ShardLayout, doc: torch.Tensor, causal: bool, twin: LayoutState | None
 ) -> LayoutState:
-    """The step's :class:`LayoutState` for this rank, from the batch's document ids ``[B, P]``
-    (padded length, host, 0 = padding; a document = a maximal run of one non-zero id). Every
-    rank passes the same ids and layout (the sharder agreed on them). ``device``: where the
-    step's tables go once (the batch's device)."""
-    doc = doc_ids.to("cpu", torch.int64)
+    """This rank's state: each run reaches its document's keys from the document start to the
+    run's end (``causal``) or to the document's end."""
     b, padded = doc.shape
     world, me = group.world, group.rank
     length = padded // world
     starts = document_starts(doc)
+    ends = padded - document_starts(doc.flip(1)).flip(1)  # one past each document's last token
     inv = layout.rank_major_inverse().to(torch.int64).expand(b, padded)
     owner, slot = inv // max(length, 1), inv % max(length, 1)
     rows = torch.arange(b)[:, None] * length
@@ -136,8 +140,9 @@ def layout_state(
     for r in range(world):
         idx = layout.indices(r).to(torch.int64).expand(b, length)
         row, q, n, ds, begin = _runs(idx, doc, starts)
-        reach = max(reach, int((begin + n - ds).max()) if n.numel() else 0)
-        need = _cover((b, padded), row, ds, begin + n)
+        end = begin + n if causal else ends[row, begin]
+        reach = max(reach, int((end - ds).max()) if n.numel() else 0)
+        need = _cover((b, padded), row, ds, end)
         width = int(need.sum(1).max()) if b else 0
         pb, pp = torch.nonzero(need, as_tuple=True)  # row-major: global order per row
         order = torch.sort(owner[pb, pp], stable=True).indices
@@ -148,24 +153,39 @@ def layout_state(
         if r == me:
             at = need.cumsum(1) - 1  # buffer row of every needed position
             recv_rows = pb * width + at[pb, pp]
-            k, split = at[row, ds], at[row, begin]
+            split = at[row, begin] if causal else at[row, end - 1] + 1
             spans = tuple(
-                Span(*v) for v in zip(*(t.tolist() for t in (row, q, n, k, split)), strict=True)
+                Span(*v)
+                for v in zip(*(t.tolist() for t in (row, q, n, at[row, ds], split)), strict=True)
             )
             buffer_len = width
-    tables = Tables(pinned(torch.cat(sends)), pinned(recv_rows))
-    state = LayoutState(
+    return LayoutState(
         group=group,
         local_len=length,
         batch_size=b,
         reach=reach,
         layout=layout.name,
+        causal=causal,
+        twin=twin,
         buffer_len=buffer_len,
         planned=spans,
         counts=tuple(counts),
-        tables=tables,
+        tables=Tables(pinned(torch.cat(sends)), pinned(recv_rows)),
     )
+
+
+def layout_state(
+    group: Group, layout: ShardLayout, doc_ids: torch.Tensor, device: torch.device | None = None
+) -> LayoutState:
+    """The step's :class:`LayoutState` for this rank (and its bidirectional twin), from the
+    batch's document ids ``[B, P]`` (padded length, host, 0 = padding; a document = a maximal run
+    of one non-zero id). Every rank passes the same ids and layout (the sharder agreed on them).
+    ``device``: where the step's tables go once (the batch's device)."""
+    doc = doc_ids.to("cpu", torch.int64)
+    both = _plan(group, layout, doc, False, None)
+    state = _plan(group, layout, doc, True, both)
     if device is not None:  # the attention's metadata on the batch's device, once per step
-        state.packing_on(device)
-        state.tables_on(device)
+        for s in (state, both):
+            s.packing_on(device)
+            s.tables_on(device)
     return state

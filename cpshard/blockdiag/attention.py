@@ -96,7 +96,7 @@ class TorchFlashVarlen:
 
     def forward(self, q: T, k: T, v: T, p: Packing, scale: float | None) -> Tensors:
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, False, scale=scale
+            q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, p.causal, False, scale=scale
         )
         return out, lse
 
@@ -117,7 +117,7 @@ class TorchFlashVarlen:
             p.max_q,
             p.max_k,
             0.0,
-            True,
+            p.causal,
             rng,
             unused,
             scale=scale,
@@ -209,8 +209,10 @@ def part_kernel(q: torch.Tensor) -> PartKernel:
 # ------------------------------------------------------------------ the per-segment loop
 
 
-def _parts(s: Span) -> list[tuple[slice, bool]]:
+def _parts(s: Span, causal: bool) -> list[tuple[slice, bool]]:
     """Key ranges (of the row's key buffer) of a span, and whether each is causal."""
+    if not causal:
+        return [(slice(s.k, s.split), False)]
     square = (slice(s.split, s.split + s.n), True)
     return [(slice(s.k, s.split), False), square] if s.split > s.k else [square]
 
@@ -240,7 +242,7 @@ class _Loop:
                     causal,
                     scale,
                 )
-                for keys, causal in _parts(s)
+                for keys, causal in _parts(s, self.state.causal)
             ]
             total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
             out[rows] = sum(
@@ -255,7 +257,7 @@ class _Loop:
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for s, rows in self._spans():
             g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
-            for keys, causal in _parts(s):
+            for keys, causal in _parts(s, self.state.causal):
                 at = (slice(s.row, s.row + 1), slice(None), keys)
                 dqs, dks, dvs = self.kern.backward(
                     g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale

@@ -47,8 +47,9 @@ class Segment:
 @dataclass(frozen=True)
 class Span:
     """A segment in the kernel's coordinates: local queries ``[q, q + n)`` of batch row ``row``
-    attend the keys ``[k, split)`` of the row's key buffer all visible and ``[split, split + n)``
-    causally (query ``q + i`` sees ``split .. split + i``), the keys of one document in order."""
+    attend the keys ``[k, split)`` of the row's key buffer all visible and, in a causal state,
+    ``[split, split + n)`` causally (query ``q + i`` sees ``split .. split + i``): the keys of
+    one document in order (a bidirectional state's spans end at ``split``)."""
 
     row: int
     q: int
@@ -70,6 +71,7 @@ class Packing:
     max_q: int
     max_k: int
     shared_keys: bool  # a key row serves several spans (its gradients must be added up)
+    causal: bool  # causal aligned bottom-right, else every key of a span visible
 
     def to(self, device: torch.device) -> Packing:
         """The same packing on ``device`` (non-blocking copies; the host tensors are pinned when
@@ -83,6 +85,7 @@ class Packing:
             self.max_q,
             self.max_k,
             self.shared_keys,
+            self.causal,
         )
 
 
@@ -103,17 +106,18 @@ def pinned(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() else t
 
 
-def pack(spans: Sequence[Span], local_len: int, key_len: int) -> Packing:
+def pack(spans: Sequence[Span], local_len: int, key_len: int, causal: bool) -> Packing:
     """The varlen packing of ``spans`` over ``[B * local_len]`` queries and ``[B * key_len]``
     keys (host tensors, pinned when CUDA is available)."""
     q_rows, cu_q = _runs([s.row * local_len + s.q for s in spans], [s.n for s in spans])
-    k_lens = [s.split + s.n - s.k for s in spans]
+    k_lens = [s.split + (s.n if causal else 0) - s.k for s in spans]
     k_rows, cu_k = _runs([s.row * key_len + s.k for s in spans], k_lens)
     return Packing(
         *map(pinned, (q_rows, k_rows, cu_q, cu_k)),
         max((s.n for s in spans), default=0),
         max(k_lens, default=0),
         k_rows.numel() != torch.unique(k_rows).numel(),
+        causal,
     )
 
 
@@ -154,12 +158,14 @@ class AttentionState:
     )
 
     layout = "contiguous"  # the layout whose shards the state serves
+    causal = True  # the spans' queries see their document's prefix, else all of it
 
     def __post_init__(self) -> None:
         spans = self._spans()
         key = next(_keys)
         object.__setattr__(self, "spans", spans)
-        object.__setattr__(self, "packing", pack(spans, self.local_len, self.key_len))
+        packing = pack(spans, self.local_len, self.key_len, self.causal)
+        object.__setattr__(self, "packing", packing)
         object.__setattr__(self, "key", torch.tensor(key, dtype=torch.int64))
         _registry[key] = self
 
@@ -184,6 +190,10 @@ class AttentionState:
     def packing_on(self, device: torch.device) -> Packing:
         """The packing on ``device``, copied there once per device and cached."""
         return cached_on(self._on_device, device, self.packing)
+
+    def bidirectional(self) -> AttentionState | None:
+        """The step's state for bidirectional attention within documents, if it has one."""
+        return None
 
 
 @dataclass(frozen=True)
