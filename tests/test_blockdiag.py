@@ -516,13 +516,20 @@ def _host_reads(rank: int, world: int, path: str) -> list[str]:
     q, k, v = (
         torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)
     )
+    return record_host_reads(ctx, cp_blockdiag_sdpa, (q, k, v), path)
+
+
+def record_host_reads(ctx, attend, qkv: tuple[torch.Tensor, ...], path: str) -> list[str]:
+    """The host reads of two layers of ``attend(q, k, v, enable_gqa=True)`` inside ``ctx()`` and
+    their backward, through the kernel ``path``; asserts that a varlen kernel is handed the
+    packing the step's state built."""
     reads: list[str] = []
     with ctx():
         state = active_state()
     with _path(path) as kernel, _recording_host_reads(reads, state.key):
         for _ in range(2):  # two layers
             with ctx():
-                out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+                out = attend(*qkv, enable_gqa=True)
             out.sum().backward()
     if kernel is not None:
         assert kernel.packings and all(p is state.packing for p in kernel.packings)

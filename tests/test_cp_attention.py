@@ -14,9 +14,9 @@ from test_blockdiag import (
     D,
     _packing,
     _path,
-    _recording_host_reads,
     _reference,
     compare_compiled,
+    record_host_reads,
 )
 
 from cpshard.blockdiag.state import active_state
@@ -364,18 +364,8 @@ def _host_reads(rank: int, world: int, path: str) -> list[str]:
     doc, q, k, v, _ = _batch("random", 2, 37, 4, 2)
     sharder = ContextParallelSharder(dist.group.WORLD, "balanced")
     ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
-    q, k, v = (_sharded(sharder, t).detach().requires_grad_() for t in (q, k, v))
-    reads: list[str] = []
-    with ctx():
-        state = active_state()
-    with _path(path) as kernel, _recording_host_reads(reads, state.key):
-        for _ in range(2):  # two layers
-            with ctx():
-                out = cp_attention(q, k, v, enable_gqa=True)
-            out.sum().backward()
-    if kernel is not None:
-        assert kernel.packings and all(p is state.packing for p in kernel.packings)
-    return reads
+    qkv = tuple(_sharded(sharder, t).detach().requires_grad_() for t in (q, k, v))
+    return record_host_reads(ctx, cp_attention, qkv, path)
 
 
 @pytest.mark.parametrize("path", ["per_segment", "varlen"])
