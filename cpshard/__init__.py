@@ -1,6 +1,7 @@
 """cpshard: context-parallel sharding building blocks for long-context LLM and VLM training."""
 
 from cpshard._build import BuildInfo, build_info
+from cpshard.attention import cp_attention
 from cpshard.blockdiag import cp_blockdiag_sdpa, document_ids, make_cp_blockdiag_batch_and_ctx
 from cpshard.consensus import check_mode, current_check_mode, raise_on_any_rank
 from cpshard.ops import (
@@ -52,6 +53,7 @@ __all__ = [
     "BuildInfo",
     "check_mode",
     "ContextParallelSharder",
+    "cp_attention",
     "cp_blockdiag_sdpa",
     "cp_cross_entropy",
     "current_check_mode",

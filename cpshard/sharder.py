@@ -41,7 +41,9 @@ from typing import Any, TypeVar
 import torch
 
 from cpshard import ops
+from cpshard.attention.state import layout_state
 from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, pad_value
+from cpshard.blockdiag.state import activated
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import agree, check_call, digest
 from cpshard.documents import DocumentError, document_positions, read_documents
@@ -437,7 +439,9 @@ class ContextParallelSharder:
         # batches (hence data-dependent partitions, or documents) differ are named instead of
         # silently mixed.
         agree(g, what, problem, fields)
-        return contextlib.nullcontext, plan.apply(g.rank), plan.layout
+        padded_docs = pad_sequence("_packed_seq_ids", plan.documents, 1, plan.layout.padded_seq_len)
+        state = layout_state(g, plan.layout, padded_docs, plan.device)
+        return lambda: activated(state), plan.apply(g.rank), plan.layout
 
     def _plan_batch(
         self, batch: object, loss_mask, padding_token_id: int, world: int

@@ -64,7 +64,7 @@ def _common_fields(x: torch.Tensor, dim: int, equal_shape: bool) -> dict[str, li
 
 
 # The kinds of call a fingerprint names (a gather and a halo exchange never match each other).
-GATHER, HALO = 1, 2
+GATHER, HALO, EXCHANGE = 1, 2, 3
 
 
 def call_key(

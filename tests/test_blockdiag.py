@@ -56,9 +56,10 @@ def _packing(name: str, b: int, s: int) -> torch.Tensor:
 
 
 def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, causal: bool = True
 ) -> torch.Tensor:
-    """Dense block-diagonal causal attention on the full sequence (pads output zeros)."""
+    """Dense block-diagonal causal (or bidirectional) attention on the full sequence (pads
+    output zeros)."""
     s = q.shape[2]
     new_run = torch.ones_like(doc, dtype=torch.bool)
     new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
@@ -67,7 +68,7 @@ def _reference(
     mask = (
         (run[:, :, None] == run[:, None, :])
         & (doc[:, :, None] != 0)
-        & (pos[:, None] >= pos[None, :])
+        & ((pos[:, None] >= pos[None, :]) | (not causal))
     )
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
@@ -119,7 +120,7 @@ class _StandInVarlen:
     """torch's varlen flash contract (``aten._flash_attention_forward`` / ``_backward``) in plain
     PyTorch: packed ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA
     by head groups, the causal mask aligned bottom-right (a query sees every key of a longer
-    prefix), ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
+    prefix) or none, ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
     same statement (``torch.func``: autograd is off inside a custom op). It
     records every packing it is handed."""
 
@@ -147,6 +148,7 @@ class _StandInVarlen:
             vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
             n, m = qs.shape[1], ks.shape[1]
             visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+            visible |= not p.causal
             scores = (
                 qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
             ).masked_fill(~visible, float("-inf"))
@@ -403,6 +405,20 @@ COMPILE_BATCHES = [
 ]  # different segments and halos
 
 
+def compare_compiled(
+    compiled, eager, ctx, qkv: tuple[torch.Tensor, ...], weight: torch.Tensor, name: str
+) -> None:
+    """Inside ``ctx()``, ``compiled(q, k, v)`` equals ``eager(q, k, v)``, forward and gradients."""
+    got = []
+    for fn in (compiled, eager):
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        with ctx():
+            out = fn(*leaves)
+        got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
+    for a, e in zip(*got, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager")
+
+
 def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[int]:
     """cp_blockdiag_sdpa compiled once (fullgraph, ``backend``) over batches with different
     documents: outputs and gradients equal eager; returns the compile counts."""
@@ -432,17 +448,9 @@ def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[i
                 torch.randn(b, h, local, D, dtype=torch.float64, generator=g) for h in (4, 2, 2)
             )
             weight = torch.randn(b, 4, local, D, dtype=torch.float64, generator=g)
-            got = []
-            for fn in (compiled, attend):
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                with ctx():
-                    out = fn(*leaves)
-                    halos.add(active_state().halos)
-                got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
-            for a, e in zip(*got, strict=True):
-                torch.testing.assert_close(
-                    a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager"
-                )
+            compare_compiled(compiled, attend, ctx, (q, k, v), weight, name)
+            with ctx():
+                halos.add(active_state().halos)
     assert world == 1 or len(halos) > 1, halos  # the batches differ in their halos too
     return [counter.frame_count, counter.op_count]
 
@@ -513,13 +521,20 @@ def _host_reads(rank: int, world: int, path: str) -> list[str]:
     q, k, v = (
         torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)
     )
+    return record_host_reads(ctx, cp_blockdiag_sdpa, (q, k, v), path)
+
+
+def record_host_reads(ctx, attend, qkv: tuple[torch.Tensor, ...], path: str) -> list[str]:
+    """The host reads of two layers of ``attend(q, k, v, enable_gqa=True)`` inside ``ctx()`` and
+    their backward, through the kernel ``path``; asserts that a varlen kernel is handed the
+    packing the step's state built."""
     reads: list[str] = []
     with ctx():
         state = active_state()
     with _path(path) as kernel, _recording_host_reads(reads, state.key):
         for _ in range(2):  # two layers
             with ctx():
-                out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+                out = attend(*qkv, enable_gqa=True)
             out.sum().backward()
     if kernel is not None:
         assert kernel.packings and all(p is state.packing for p in kernel.packings)

@@ -47,13 +47,26 @@ def _dense_mask(doc: torch.Tensor, start: int, length: int) -> torch.Tensor:
     return (same & (pos[rows, None] >= pos[None, :]))[None, None]
 
 
-def _baseline(rt: Runtime, mask: torch.Tensor):
+def all_gather_baseline(rt: Runtime, mask: torch.Tensor):
+    """Attention over the all-gathered K/V (rank-major) with a dense ``mask`` ``[1, 1, L, S]``."""
+
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_full = ListAllGatherCat.apply(k, rt.pg, 2)
         v_full = ListAllGatherCat.apply(v, rt.pg, 2)
         return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, enable_gqa=True)
 
     return attend
+
+
+def random_qkv(rt: Runtime, local: int) -> tuple[torch.Tensor, ...]:
+    """This rank's q, k, v ``[1, heads, local, HEAD_DIM]`` (leaves) and an upstream gradient."""
+    gen = torch.Generator().manual_seed(99 + rt.rank)
+
+    def make(heads: int, grad: bool = True) -> torch.Tensor:
+        t = torch.randn(1, heads, local, HEAD_DIM, generator=gen)
+        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_(grad)
+
+    return make(HEADS), make(KV_HEADS), make(KV_HEADS), make(HEADS, grad=False)
 
 
 def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
@@ -63,15 +76,8 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
     doc = (torch.arange(seq_len) // doc_len + 1).view(1, seq_len)
     batch = {"inputs_embeds": torch.zeros(1, seq_len, 1), "_packed_seq_ids": doc}
     ctx, _ = make_cp_blockdiag_batch_and_ctx(rt.pg, None, batch)
-    gen = torch.Generator().manual_seed(99 + rank)
-
-    def make(heads: int, grad: bool = True) -> torch.Tensor:
-        t = torch.randn(1, heads, local, HEAD_DIM, generator=gen)
-        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_(grad)
-
-    q, k, v = make(HEADS), make(KV_HEADS), make(KV_HEADS)
-    grad = make(HEADS, grad=False)
-    base = _baseline(rt, _dense_mask(doc, rank * local, local).to(rt.device))
+    q, k, v, grad = random_qkv(rt, local)
+    base = all_gather_baseline(rt, _dense_mask(doc, rank * local, local).to(rt.device))
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
@@ -82,19 +88,6 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
     if not torch.allclose(want, got, rtol=tol, atol=tol):
         raise AssertionError(f"rank {rank}: blockdiag S={seq_len}: output differs from the baseline")
 
-    def step(impl):
-        def run() -> None:
-            for t in (q, k, v):
-                t.grad = None
-            impl(q, k, v).backward(grad)
-
-        return run
-
-    runs = {"ours": step(ours), "base": step(base)}
-    cfg = rt.cfg
-    timings = time_steps(
-        rt, runs, warmup=cfg.warmup, repeats=cfg.repeats, iters=cfg.iters, target_s=cfg.target_s
-    )
     out = {
         "seq_len": seq_len,
         "world": world,
@@ -102,8 +95,31 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
         "kv_heads": KV_HEADS,
         "head_dim": HEAD_DIM,
         "doc_len": doc_len,
-        "dtype": cfg.dtype,
+        "dtype": rt.cfg.dtype,
     }
+    return {**out, **fwd_bwd_figures(rt, {"ours": ours, "base": base}, (q, k, v), grad)}
+
+
+def fwd_bwd_figures(
+    rt: Runtime, impls: dict, leaves: tuple[torch.Tensor, ...], grad: torch.Tensor
+) -> dict:
+    """Median fwd+bwd time (max over ranks), its repeats, CPU time and peak extra memory of each
+    ``impls[who](*leaves)`` back-propagating ``grad``, and the base/ours speedup."""
+
+    def step(impl):
+        def run() -> None:
+            for t in leaves:
+                t.grad = None
+            impl(*leaves).backward(grad)
+
+        return run
+
+    runs = {who: step(impl) for who, impl in impls.items()}
+    cfg = rt.cfg
+    timings = time_steps(
+        rt, runs, warmup=cfg.warmup, repeats=cfg.repeats, iters=cfg.iters, target_s=cfg.target_s
+    )
+    out = {}
     for who, fn in runs.items():
         out[f"{who}_fwd_bwd_s"] = timings[who].median_s
         out[f"{who}_fwd_bwd_repeats_s"] = list(timings[who].repeats_s)

@@ -21,6 +21,7 @@ SECTION_MODULES = {
     "vision": "cpshard.bench.vision",
     "layouts": "cpshard.bench.layouts",
     "blockdiag": "cpshard.bench.blockdiag",
+    "attention": "cpshard.bench.attention",
 }
 
 

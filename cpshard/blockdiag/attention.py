@@ -1,24 +1,29 @@
-"""Causal attention within each document across the CP group.
+"""Causal attention within each document across the CP group, for any step state.
 
-Each rank receives, through the multi-hop halo, exactly the K/V rows before its first token that
-the document containing that token reaches back to (the max over batch rows), then attends per
-document segment: queries ``[begin, begin + n)`` over keys ``[doc_start, begin + n)`` (causal,
-aligned bottom-right: a segment's queries see its document's whole prefix). Pad rows attend to
-nothing and output zeros.
+A step state (:class:`cpshard.blockdiag.state.AttentionState`) says how this rank's K/V become
+its key buffer and which keys each run of its queries attends, as spans: queries
+``[q, q + n)`` of a batch row over the buffer's keys ``[k, split)`` (all visible: the document's
+part before the run) and ``[split, split + n)`` (causal: the run's own keys), i.e. the
+document's whole prefix, causal aligned bottom-right. Pad rows attend to nothing and output
+zeros. The block-diagonal state (``make_cp_blockdiag_batch_and_ctx``, contiguous shards)
+builds its buffer with the multi-hop halo: exactly the K/V rows before its first token that the
+document containing that token reaches back to (the max over batch rows); a sharder layout's
+state (:mod:`cpshard.attention`) with one all-to-all-v of the rows its runs reach.
 
-Two ``torch.library`` custom ops do the work, each with a fake kernel and a backward op, so that
-``torch.compile`` traces a call as two opaque nodes and never sees the step's segments:
+``torch.library`` custom ops do the work, each with a fake kernel and a backward op, so that
+``torch.compile`` traces a call as two opaque nodes and never sees the step's spans:
 
-* ``cpshard::blockdiag_halo(kv, key)``: K and V (concatenated on the last dim) with the halo in
-  front (the transport's ``halo_exchange``); its length is data (an unbacked size under
-  compile). Backward: ``cpshard::blockdiag_halo_return`` (the transport's ``halo_return``: each
-  halo row's gradient goes back to its owner), which an all-padding rank joins too.
+* the state's exchange, here ``cpshard::blockdiag_halo(kv, key)``: K and V (concatenated on the
+  last dim) with the halo in front (the transport's ``halo_exchange``); its length is data (an
+  unbacked size under compile). Backward: ``cpshard::blockdiag_halo_return`` (the transport's
+  ``halo_return``: each halo row's gradient goes back to its owner), which an all-padding rank
+  joins too.
 * ``cpshard::blockdiag_attention(q, kv_ext, key, d_k, scale)`` -> ``(out, lse)``. Backward:
   ``cpshard::blockdiag_attention_backward`` from the saved output and log-sum-exp.
 
 ``key`` is the step state's CPU scalar key (:func:`cpshard.blockdiag.state.state_for`): the
-segments, halos and varlen packing were computed once per step and moved to the device once, so
-a call reads no device data on the host and copies nothing host->device.
+spans, the exchange plan and the varlen packing were computed once per step and moved to the
+device once, so a call reads no device data on the host and copies nothing host->device.
 
 Kernels:
 
@@ -27,8 +32,8 @@ Kernels:
   ``_flash_attention_backward``, whose causal mask is aligned bottom-right), GQA in the kernel;
   no flash-attn package needed (flash-attn's ``flash_attn_varlen_func`` is an autograd function,
   which a custom op's explicit backward cannot call; torch ships the same FA2 kernels).
-* Otherwise a loop over segments: a segment whose document starts on an earlier rank splits
-  into a non-causal prefix part and a causal square part, merged by their log-sum-exp
+* Otherwise a loop over spans: a span whose document starts before the run splits into a
+  non-causal prefix part and a causal square part, merged by their log-sum-exp
   (flash-attention's decomposition), so no ``[L, S]`` mask is ever built. On CPU each part is
   torch's CPU flash kernel; on CUDA fp32/fp64 (no flash kernel takes them), and where the flash
   kernels do not fit (head dims, pre-sm80 GPUs), each part is an explicit matmul-softmax
@@ -44,7 +49,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
-from cpshard.blockdiag.state import BlockDiagState, Packing, Segment, active_state, state_for
+from cpshard.blockdiag.state import AttentionState, Packing, Span, active_state, state_for
 from cpshard.comm.collectives import halo_exchange, halo_return
 from cpshard.consensus import check_call, digest, dtype_code
 from cpshard.transport import HALO, call_key
@@ -91,7 +96,7 @@ class TorchFlashVarlen:
 
     def forward(self, q: T, k: T, v: T, p: Packing, scale: float | None) -> Tensors:
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, False, scale=scale
+            q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, p.causal, False, scale=scale
         )
         return out, lse
 
@@ -112,7 +117,7 @@ class TorchFlashVarlen:
             p.max_q,
             p.max_k,
             0.0,
-            True,
+            p.causal,
             rng,
             unused,
             scale=scale,
@@ -204,40 +209,30 @@ def part_kernel(q: torch.Tensor) -> PartKernel:
 # ------------------------------------------------------------------ the per-segment loop
 
 
-def _parts(s: Segment, origin: int) -> list[tuple[slice, bool]]:
-    """Key ranges (of the halo-extended keys) of a segment, and whether each is causal."""
-    split, end = s.begin - origin, s.begin + s.length - origin
-    square = (slice(split, end), True)
-    return (
-        [(slice(s.doc_start - origin, split), False), square] if s.begin > s.doc_start else [square]
-    )
+def _parts(s: Span, causal: bool) -> list[tuple[slice, bool]]:
+    """Key ranges (of the row's key buffer) of a span, and whether each is causal."""
+    if not causal:
+        return [(slice(s.k, s.split), False)]
+    square = (slice(s.split, s.split + s.n), True)
+    return [(slice(s.k, s.split), False), square] if s.split > s.k else [square]
 
 
 class _Loop:
-    """The per-segment loop: each segment's parts through the part kernel, merged by LSE."""
+    """The per-span loop: each span's parts through the part kernel, merged by LSE."""
 
-    def __init__(self, state: BlockDiagState, q: torch.Tensor) -> None:
+    def __init__(self, state: AttentionState, q: torch.Tensor) -> None:
         self.state, self.kern, self.heads = state, part_kernel(q), q.shape[1]
-        self.origin = state.start - state.halo  # global position of the first extended key
 
-    def _segments(self) -> Iterator[tuple[Segment, tuple[slice, ...]]]:
-        """Each segment and its query rows' index into ``[B, H, L, ...]``."""
-        start = self.state.start
-        for s in self.state.segments:
-            yield (
-                s,
-                (
-                    slice(s.row, s.row + 1),
-                    slice(None),
-                    slice(s.begin - start, s.begin - start + s.length),
-                ),
-            )
+    def _spans(self) -> Iterator[tuple[Span, tuple[slice, ...]]]:
+        """Each span and its query rows' index into ``[B, H, L, ...]``."""
+        for s in self.state.spans:
+            yield s, (slice(s.row, s.row + 1), slice(None), slice(s.q, s.q + s.n))
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
         k, v = _repeat(k, self.heads), _repeat(v, self.heads)
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q.dtype))
-        for s, rows in self._segments():
+        for s, rows in self._spans():
             qs = q[rows].contiguous()
             results = [
                 self.kern.forward(
@@ -247,7 +242,7 @@ class _Loop:
                     causal,
                     scale,
                 )
-                for keys, causal in _parts(s, self.origin)
+                for keys, causal in _parts(s, self.state.causal)
             ]
             total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
             out[rows] = sum(
@@ -260,9 +255,9 @@ class _Loop:
         kv_heads = k.shape[1]
         k, v = _repeat(k, self.heads), _repeat(v, self.heads)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for s, rows in self._segments():
+        for s, rows in self._spans():
             g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
-            for keys, causal in _parts(s, self.origin):
+            for keys, causal in _parts(s, self.state.causal):
                 at = (slice(s.row, s.row + 1), slice(None), keys)
                 dqs, dks, dvs = self.kern.backward(
                     g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale
@@ -286,9 +281,11 @@ def _unflat(flat: torch.Tensor, b: int) -> torch.Tensor:
     return flat.view(b, -1, *flat.shape[1:]).transpose(1, 2)
 
 
-def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """``[n, ...]`` zeros with ``packed`` at ``rows`` (distinct rows: deterministic, no atomics)."""
-    return packed.new_zeros(n, *packed.shape[1:]).index_copy(0, rows, packed)
+def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int, add: bool = False) -> torch.Tensor:
+    """``[n, ...]`` zeros with ``packed`` at ``rows``: copied (distinct rows: deterministic, no
+    atomics), or added where rows repeat (``add``)."""
+    out = packed.new_zeros(n, *packed.shape[1:])
+    return out.index_add(0, rows, packed) if add else out.index_copy(0, rows, packed)
 
 
 class _Varlen:
@@ -325,19 +322,19 @@ class _Varlen:
         dq, dk, dv = self.kern.backward(
             pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale
         )
-        ext = b * k.shape[2]  # a key row serves one segment: distinct rows, plain copies
+        ext = b * k.shape[2]  # copies where each key row serves one span (the contiguous split)
         dq = _scatter(p.q_rows, dq, b * length)
         return (
             _unflat(dq, b),
-            _unflat(_scatter(p.k_rows, dk, ext), b),
-            _unflat(_scatter(p.k_rows, dv, ext), b),
+            _unflat(_scatter(p.k_rows, dk, ext, p.shared_keys), b),
+            _unflat(_scatter(p.k_rows, dv, ext, p.shared_keys), b),
         )
 
 
-def _implementation(state: BlockDiagState, q: torch.Tensor, d_k: int, d_v: int) -> _Loop | _Varlen:
-    """One varlen launch where a kernel serves q (and the rank has segments), else the loop."""
+def _implementation(state: AttentionState, q: torch.Tensor, d_k: int, d_v: int) -> _Loop | _Varlen:
+    """One varlen launch where a kernel serves q (and the rank has spans), else the loop."""
     kern = varlen_kernel(q, d_k, d_v)
-    if kern is not None and state.segments:
+    if kern is not None and state.spans:
         return _Varlen(kern, state.packing_on(q.device))
     return _Loop(state, q)
 
@@ -394,16 +391,23 @@ def _blockdiag_halo_return_fake(grad: torch.Tensor, key: torch.Tensor, length: i
     return grad.new_empty(grad.shape[0], grad.shape[1], length, grad.shape[3])
 
 
-def _keep_halo(ctx, inputs, output) -> None:
-    kv, ctx.key = inputs
-    ctx.length = kv.shape[2]
+def register_exchange_autograd(
+    op: torch.library.CustomOpDef, adjoint: Callable[[T, T, int], T]
+) -> None:
+    """The autograd of a K/V exchange op ``op(kv, key)`` of the step ``key``: its adjoint op
+    ``adjoint(grad, key, length)`` (``length``: the tokens of ``kv``)."""
+
+    def keep(ctx, inputs, output) -> None:
+        kv, ctx.key = inputs
+        ctx.length = kv.shape[2]
+
+    def backward(ctx, grad: torch.Tensor):
+        return adjoint(grad, ctx.key, ctx.length), None
+
+    op.register_autograd(backward, setup_context=keep)
 
 
-def _blockdiag_halo_backward(ctx, grad: torch.Tensor):
-    return blockdiag_halo_return(grad, ctx.key, ctx.length), None
-
-
-blockdiag_halo.register_autograd(_blockdiag_halo_backward, setup_context=_keep_halo)
+register_exchange_autograd(blockdiag_halo, blockdiag_halo_return)
 
 
 @torch.library.custom_op("cpshard::blockdiag_attention", mutates_args=())
@@ -469,7 +473,7 @@ blockdiag_attention.register_autograd(_blockdiag_attention_grad, setup_context=_
 
 
 def _problem(
-    state: BlockDiagState,
+    state: AttentionState,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -480,9 +484,9 @@ def _problem(
     """This rank's problem with the arguments, or None (shapes and the state's sizes only)."""
     problem = None
     if attn_mask is not None:
-        problem = "attn_mask must be None while block-diagonal CP attention is active"
+        problem = "attn_mask must be None while CP attention is active"
     elif dropout_p != 0.0:
-        problem = "dropout_p must be 0 while block-diagonal CP attention is active"
+        problem = "dropout_p must be 0 while CP attention is active"
     elif q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problem = "q, k, v must be [B, heads, L, D]"
     elif (
@@ -491,8 +495,8 @@ def _problem(
         or v.shape[2] != state.local_len
     ):
         problem = (
-            f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard has "
-            f"{state.local_len}"
+            f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard of "
+            f"the active {state.layout!r} layout has {state.local_len}"
         )
     elif q.shape[0] != state.batch_size:
         problem = f"q has batch {q.shape[0]} but the sharded batch has {state.batch_size}"
@@ -515,17 +519,40 @@ def _problem(
 
 
 def _fields(
-    state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    state: AttentionState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> Callable[[], dict[str, Sequence[int]]]:
-    """What every rank's call must agree on (checked mode only: it reads the step's halos)."""
+    """What every rank's call must agree on (checked mode only: it reads the step's plan)."""
     return lambda: {
+        "layout": digest([ord(c) for c in state.layout]),
         "dtype": [dtype_code(q.dtype)],
         "device type": [0 if q.device.type == "cpu" else 1],
         "q, k, v heads and dims": [q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]],
-        # ranks that differ here would block in the backward halo return
+        # ranks that differ here would block in the backward exchange
         "requires_grad": [int(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))],
-        "halos": digest(state.halos),
+        "exchange plan": digest(state.exchange_plan),
     }
+
+
+def attend(
+    state: AttentionState,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+    enable_gqa: bool,
+    what: str,
+    problem: str | None = None,
+) -> torch.Tensor:
+    """Causal attention within documents under ``state``: the step's K/V exchange, then the
+    spans' attention. ``problem``: the caller's own finding about its arguments, reported like
+    the shape checks (locally, or on every rank in checked mode)."""
+    problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
+    check_call(state.group, what, problem, _fields(state, query, key, value))
+    kv = state.extend(torch.cat([key, value], dim=-1))
+    out, _ = blockdiag_attention(query, kv, state.key, key.shape[-1], scale)
+    return out
 
 
 def cp_blockdiag_sdpa(
@@ -538,28 +565,37 @@ def cp_blockdiag_sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """Drop-in for ``F.scaled_dot_product_attention``: plain SDPA when no block-diagonal state is
-    active; otherwise causal attention within each document across the CP group (``attn_mask``
-    must be None and ``dropout_p`` 0: the documents define the mask).
+    """Drop-in for ``F.scaled_dot_product_attention``: plain SDPA when no CP attention state is
+    active; otherwise causal attention within each document across the CP group, whatever
+    ``is_causal`` says (``attn_mask`` must be None and ``dropout_p`` 0: the documents define the
+    mask). :func:`cpshard.cp_attention` honours ``is_causal`` and ``window`` instead.
 
     Checks are local (shapes against the step's sizes) unless checked mode is on, which adds one
     consensus round so that bad input on one rank makes every rank raise."""
     state = active_state()
     if state is None:
-        return F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=attn_mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        )
-    problem = _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
-    check_call(state.group, _WHAT, problem, _fields(state, query, key, value))
-    kv = torch.cat([key, value], dim=-1)
-    if state.group.world > 1:
-        kv = blockdiag_halo(kv, state.key)
-    out, _ = blockdiag_attention(query, kv, state.key, key.shape[-1], scale)
-    return out
+        return plain_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return attend(state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _WHAT)
+
+
+def plain_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (what the CP attention functions do outside a context)."""
+    return F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attn_mask,
+        dropout_p=dropout_p,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=enable_gqa,
+    )

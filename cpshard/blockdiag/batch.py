@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, ContextManager
 
 import torch
 
 from cpshard import ops
 from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, sequence_dim
-from cpshard.blockdiag.state import BlockDiagState, Segment, current
+from cpshard.blockdiag.state import BlockDiagState, Segment, activated
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import agree, digest
 from cpshard.documents import DocumentError, document_positions, read_documents
@@ -110,17 +109,10 @@ def make_cp_blockdiag_batch_and_ctx(
         start=start,
         local_len=local,
         batch_size=bsz,
+        reach=max((s.begin + s.length - s.doc_start for ss in segments for s in ss), default=0),
         halos=tuple(_halo(segments[r], r * local) for r in range(world)),
         segments=tuple(segments[rank]),
     )
     state.packing_on(ref.device)  # the attention's metadata on the batch's device, once per step
 
-    @contextmanager
-    def train_ctx() -> Iterator[None]:
-        token = current.set(state)
-        try:
-            yield
-        finally:
-            current.reset(token)
-
-    return train_ctx, ShardedBatch(out, targets)
+    return lambda: activated(state), ShardedBatch(out, targets)

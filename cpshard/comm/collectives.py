@@ -11,6 +11,10 @@ allocations, flat for the gathers so that callers view them in their own layout 
   to back in rank order; backward: ``reduce_scatter_v`` of the gradient.
 * ``cpshard::reduce_scatter_v(full, group, sizes, key)`` -> this rank's ``sizes[rank]`` elements
   of the sum over ranks; backward: ``all_gather_v`` of the gradient.
+* ``cpshard::all_to_all_v(x, group, send_sizes, recv_sizes, key)`` -> the parts every rank
+  sent this one (``recv_sizes[r]`` elements from rank r) back to back in rank order, from ``x``
+  holding this rank's ``send_sizes[r]`` elements for each rank r; backward: the reverse
+  exchange (sizes swapped).
 * ``cpshard::halo_exchange(x, group, halos, left_padding, dim, key)`` -> ``x`` with the preceding
   ``min(r*L, halos[r])`` tokens (from as many ranks as they span) and ``left_padding`` zeros in
   front along ``dim``; backward: ``cpshard::halo_return``, each halo row's gradient sent back to
@@ -88,6 +92,46 @@ def _reduce_scatter_v_backward(ctx, grad: torch.Tensor):
 
 all_gather_v.register_autograd(_all_gather_v_backward, setup_context=_keep_group_and_sizes)
 reduce_scatter_v.register_autograd(_reduce_scatter_v_backward, setup_context=_keep_group_and_sizes)
+
+
+# ------------------------------------------------------------------ all-to-all-v
+
+
+@torch.library.custom_op("cpshard::all_to_all_v", mutates_args=())
+def all_to_all_v(
+    x: torch.Tensor,
+    group_name: str,
+    send_sizes: Sequence[int],
+    recv_sizes: Sequence[int],
+    key: int,
+) -> torch.Tensor:
+    """``x`` flat, ``send_sizes[r]`` elements for rank r back to back -> the ``recv_sizes[r]``
+    elements every rank r sent this one, back to back in rank order."""
+    group = group_from_name(group_name)
+    out = new_buffer(x, sum(recv_sizes))
+    with nvtx_range("cpshard.all_to_all_v", x):
+        transport_for(group, x).all_to_all_v(out, x, send_sizes, recv_sizes, key)
+    return out
+
+
+@all_to_all_v.register_fake
+def _all_to_all_v_fake(
+    x: torch.Tensor, group_name: str, send_sizes: Sequence[int], recv_sizes: Sequence[int], key: int
+) -> torch.Tensor:
+    return x.new_empty(sum(recv_sizes))
+
+
+def _keep_all_to_all_args(ctx, inputs, output) -> None:
+    x, ctx.group_name, ctx.send_sizes, ctx.recv_sizes, ctx.key = inputs
+    ctx.shape = x.shape
+
+
+def _all_to_all_v_backward(ctx, grad: torch.Tensor):
+    back = all_to_all_v(grad, ctx.group_name, ctx.recv_sizes, ctx.send_sizes, ctx.key)
+    return back.view(ctx.shape), None, None, None, None
+
+
+all_to_all_v.register_autograd(_all_to_all_v_backward, setup_context=_keep_all_to_all_args)
 
 
 # ------------------------------------------------------------------ halo exchange

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.comm.group import Group
+from cpshard.comm.verbs import all_to_all_parts
 
 _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, NcclTransport] = weakref.WeakKeyDictionary()
 
@@ -36,6 +37,18 @@ class NcclTransport:
 
     def all_gather_v(self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int]) -> None:
         self.comm.all_gather_v(out, local.contiguous().view(-1), list(sizes))
+
+    def all_to_all_v(
+        self,
+        out: torch.Tensor,
+        x: torch.Tensor,
+        send_sizes: Sequence[int],
+        recv_sizes: Sequence[int],
+        key: int | None = None,
+    ) -> None:
+        """Own part copied, the others in one grouped send/recv (``key`` is not swapped here)."""
+        x = x.contiguous().view(-1)
+        self.send_recv(*all_to_all_parts(self.rank, out, x, send_sizes, recv_sizes))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         self.comm.reduce_scatter(out, full.contiguous().view(-1))

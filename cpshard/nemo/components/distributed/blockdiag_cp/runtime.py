@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from cpshard.blockdiag import cp_blockdiag_sdpa as _cp_blockdiag_sdpa
-from cpshard.blockdiag.state import BlockDiagState, active_state
+from cpshard.blockdiag.state import AttentionState, active_state
 
 __all__ = ["cp_blockdiag_sdpa"]
 
@@ -32,11 +32,11 @@ def cp_blockdiag_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     return torch.where(real, out, rows.to(out.dtype))
 
 
-def _document_rows(state: BlockDiagState, device: torch.device) -> torch.Tensor | None:
+def _document_rows(state: AttentionState, device: torch.device) -> torch.Tensor | None:
     """``[B, 1, L, 1]`` bool: the local rows inside a document (None when every row is)."""
     real = torch.zeros(state.batch_size, state.local_len, dtype=torch.bool)
-    for seg in state.segments:
-        real[seg.row, seg.begin - state.start: seg.begin - state.start + seg.length] = True
+    for span in state.spans:
+        real[span.row, span.q: span.q + span.n] = True
     if bool(real.all()):
         return None
     return real.to(device)[:, None, :, None]

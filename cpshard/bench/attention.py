@@ -1,0 +1,139 @@
+"""CP attention for every layout: :func:`cpshard.cp_attention` inside each sharder layout's
+context next to the straightforward way.
+
+The baseline all-gathers the full K and V (list all-gather + cat, backward reduce-scatter),
+builds this rank's dense per-document causal mask ``[L, S]`` over the gathered (rank-major)
+keys and calls SDPA. cpshard receives only the K/V rows its queries reach (one all-to-all-v)
+and attends per run of its tokens. One batch row of S = 16384 tokens (``--quick``: 512) in
+documents of 256-768 tokens (~512 on average; ``--quick``: 16-48), 8 query / 2 KV heads, head
+dim 64, one step forward + backward per layout. Per-rank compute is the number of (query, key)
+pairs a rank's queries attend: its max over ranks divided by the mean shows the layout's
+balance.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cpshard import ContextParallelSharder, cp_attention
+from cpshard.bench.blockdiag import (
+    HEAD_DIM,
+    HEADS,
+    KV_HEADS,
+    all_gather_baseline,
+    fwd_bwd_figures,
+    random_qkv,
+)
+from cpshard.bench.runtime import Runtime
+from cpshard.blockdiag.state import active_state
+from cpshard.layout import LAYOUTS
+
+SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
+DOC_LENS, QUICK_DOC_LENS = (256, 769), (16, 49)
+
+
+def steps(rt: Runtime) -> int:
+    return len(LAYOUTS)
+
+
+def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
+    """``[1, S]`` document ids of random lengths in ``[lens[0], lens[1])`` (fixed seed), the last
+    one cut at S: the same batch on every rank and in every run."""
+    g = torch.Generator().manual_seed(5)
+    sizes = torch.randint(*lens, (seq_len // lens[0] + 1,), generator=g)
+    return torch.repeat_interleave(torch.arange(1, sizes.numel() + 1), sizes)[:seq_len].view(1, -1)
+
+
+def _dense_mask(doc: torch.Tensor, mine: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, L, S]``: query position ``mine[i]`` attends key position ``keys[j]`` (True)."""
+    d = doc[0]
+    same = (d[mine, None] == d[None, keys]) & (d[mine, None] != 0)
+    return (same & (keys[None, :] <= mine[:, None]))[None, None]
+
+
+def _pairs(rt: Runtime) -> list[int]:
+    """(query, key) pairs every rank's spans attend, from the active state (host)."""
+    spans = active_state().spans
+    mine = sum(s.n * (s.split - s.k) + s.n * (s.n + 1) // 2 for s in spans)
+    every = torch.zeros(rt.world, dtype=torch.int64)
+    every[rt.rank] = mine
+    dist.all_reduce(every, group=rt.pg)
+    return every.tolist()
+
+
+def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
+    """fwd+bwd time, peak extra memory, K/V rows received and per-rank compute of one layout."""
+    sharder = ContextParallelSharder(rt.pg, layout)
+    ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    lay = sharder.shard_layout
+    mine = lay.indices(rt.rank)
+    keys = torch.cat([lay.indices(r) for r in range(rt.world)])  # the gathered keys' positions
+    q, k, v, grad = random_qkv(rt, mine.numel())
+    base = all_gather_baseline(rt, _dense_mask(doc, mine, keys).to(rt.device))
+
+    def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        with ctx():
+            return cp_attention(q, k, v, enable_gqa=True)
+
+    want, got = base(q, k, v).detach(), ours(q, k, v).detach()
+    tol = 1e-4 if rt.dtype in (torch.float32, torch.float64) else 3e-2
+    if not torch.allclose(want, got, rtol=tol, atol=tol):
+        raise AssertionError(
+            f"rank {rt.rank}: attention {layout}: output differs from the baseline"
+        )
+    with ctx():
+        state = active_state()
+        pairs = _pairs(rt)
+    received = sum(state.recv_counts) - state.recv_counts[rt.rank]
+    traffic = torch.tensor([received], dtype=torch.int64)
+    dist.all_reduce(traffic, op=dist.ReduceOp.MAX, group=rt.pg)
+    out = {
+        "layout": layout,
+        "seq_len": doc.shape[1],
+        "world": rt.world,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "documents": int(doc.max()),
+        "dtype": rt.cfg.dtype,
+        "ours_kv_rows_received_max": int(traffic),
+        "base_kv_rows_received": mine.numel() * (rt.world - 1),
+        "pairs_per_rank": pairs,
+        "pairs_max_over_mean": max(pairs) * len(pairs) / max(1, sum(pairs)),
+    }
+    return {**out, **fwd_bwd_figures(rt, {"ours": ours, "base": base}, (q, k, v), grad)}
+
+
+def run(rt: Runtime) -> list[dict]:
+    """Every layout on the whole group, one batch."""
+    quick = rt.cfg.quick
+    doc = documents(QUICK_SEQ_LEN if quick else SEQ_LEN, QUICK_DOC_LENS if quick else DOC_LENS)
+    rows = []
+    for layout in LAYOUTS:
+        rt.progress(f"attention {layout} S={doc.shape[1]}")
+        rows.append(run_case(rt, layout, doc))
+    return rows
+
+
+def render(rows: list[dict]) -> str:
+    head = rows[0] if rows else {"world": 0, "seq_len": 0, "documents": 0}
+    out = [
+        "# attention: cp_attention fwd+bwd in each layout's context (needed-only K/V rows, one",
+        "#   all-to-all-v)  vs  full K/V all-gather + dense per-document causal mask + SDPA;",
+        f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, {HEADS} "
+        f"query / {KV_HEADS} KV heads, head dim {HEAD_DIM}; median ms (max over ranks), peak",
+        "#   extra MiB, K/V rows received (max over ranks), attended pairs max/mean over ranks",
+        f"#{'layout':>22} {'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'cpshard MiB':>12} "
+        f"{'base MiB':>9} {'kv rows':>8} {'base rows':>9} {'max/mean':>9}",
+    ]
+    fmt = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
+    for r in rows:
+        out.append(
+            f" {r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
+            f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} "
+            f"{r['speedup']:>8.2f} {fmt(r['ours_fwd_bwd_peak_bytes']):>12} "
+            f"{fmt(r['base_fwd_bwd_peak_bytes']):>9} {r['ours_kv_rows_received_max']:>8} "
+            f"{r['base_kv_rows_received']:>9} {r['pairs_max_over_mean']:>9.2f}"
+        )
+    return "\n".join(out)
