@@ -1,6 +1,6 @@
 """A complete context-parallel training step of a tiny transformers decoder, on CPU.
 
-    python examples/cp_decoder.py [--world 2] [--arch llama|qwen3]
+    python examples/cp_decoder.py [--world 2] [--arch llama|qwen3] [--layout blockdiag|head_tail|...]
 
 Spawns ``--world`` gloo ranks. Each builds the same tiny random Llama / Qwen3 (float64) and the
 same packed batch (several documents per row, interior and trailing padding), then runs one CP
@@ -123,10 +123,15 @@ def cp_loss(
     group: dist.ProcessGroup,
     batch: dict[str, torch.Tensor],
     forward: Callable[[dict[str, torch.Tensor]], torch.Tensor],
+    layout: str = "blockdiag",
 ) -> torch.Tensor:
-    """Shard ``batch`` for block-diagonal CP, run ``forward(local batch) -> logits`` under the
-    CP attention and back-propagate this rank's share of the token-mean loss; returns it."""
-    train_ctx, local = cpshard.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+    """Shard ``batch`` (``layout``: ``"blockdiag"`` for the block-diagonal batch, else a
+    :class:`cpshard.ContextParallelSharder` layout), run ``forward(local batch) -> logits`` under
+    the CP attention and back-propagate this rank's share of the token-mean loss; returns it."""
+    if layout == "blockdiag":
+        train_ctx, local = cpshard.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+    else:
+        train_ctx, local = cpshard.ContextParallelSharder(group, layout).shard(batch)
     with train_ctx():
         loss = cpshard.cp_cross_entropy(forward(local), local.targets.labels, group)
         loss.backward()
@@ -153,8 +158,9 @@ def compare(
 
 
 def decoder_step(rank: int, world: int, arch: str, rows: Sequence[Sequence[int]] = ROWS,
-                 seed: int = 0) -> tuple[float, float, float]:
-    """One CP step of the tiny decoder on this rank, and the single-process reference."""
+                 seed: int = 0, layout: str = "blockdiag") -> tuple[float, float, float]:
+    """One CP step of the tiny decoder on this rank (sharded as ``layout``), and the
+    single-process reference."""
     group = dist.group.WORLD
     model = tiny_decoder(arch, seed)
     reference = copy.deepcopy(model)
@@ -164,7 +170,7 @@ def decoder_step(rank: int, world: int, arch: str, rows: Sequence[Sequence[int]]
     def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
 
-    cp = cp_loss(group, batch, forward)
+    cp = cp_loss(group, batch, forward, layout)
     ref = reference_loss(reference, text_documents(batch))
     ref.backward()
     return compare(model, reference, cp, ref, group)
@@ -184,8 +190,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--arch", choices=("llama", "qwen3"), default="llama")
+    parser.add_argument(
+        "--layout", choices=("blockdiag", *cpshard.LAYOUTS), default="blockdiag",
+        help="the block-diagonal batch, or a ContextParallelSharder layout",
+    )
     args = parser.parse_args()
-    run_example(decoder_step, args.world, args.arch, args.arch)
+    run_example(decoder_step, args.world, f"{args.arch} {args.layout}", args.arch, ROWS, 0, args.layout)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,21 @@ def _decoder_cases(rank: int, world: int) -> dict[str, tuple[float, float, float
     }
 
 
+# Every ContextParallelSharder layout: a Llama-style case with B = 2 and a Qwen3-style one
+# with B = 1 (several documents, interior and trailing padding).
+LAYOUT_CASES = [DECODER_CASES[1], DECODER_CASES[2]]
+
+
+def _layout_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
+    from cpshard import LAYOUTS
+
+    return {
+        f"{layout} {arch} B={len(rows)}": cp_decoder.decoder_step(rank, world, arch, rows, seed, layout)
+        for layout in LAYOUTS
+        for seed, (arch, rows) in enumerate(LAYOUT_CASES)
+    }
+
+
 def _vlm_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
     return {
         name: cp_vlm.vlm_step(rank, world, rows, seed)
@@ -72,6 +87,11 @@ def _check(results: list[dict[str, tuple[float, float, float]]], tol: float) -> 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_decoders_match_single_process(pools, world):
     _check(pools(world).run(_decoder_cases, timeout=300), TOL)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_sharder_layout_matches_single_process(pools, world):
+    _check(pools(world).run(_layout_cases, timeout=600), TOL)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
@@ -119,7 +139,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
 
 def test_unsupported_attention_refused_on_every_rank(pool2):
-    expected = {"sliding window": "sliding_window=4", "bidirectional": "is_causal=False", "softcap": "softcap"}
+    expected = {"sliding window": "window=4", "bidirectional": "is_causal=False", "softcap": "softcap"}
     for rank, outcome in enumerate(pool2.run(_refusals, timeout=120)):
         for name, fragment in expected.items():
             assert fragment in outcome[name] and f"rank {rank}" in outcome[name], (rank, name, outcome[name])

@@ -2,8 +2,8 @@
 
 * :func:`register` adds the attention implementation ``"cpshard"``: select it with
   ``model.set_attn_implementation("cpshard")``. While a CP attention state is active (inside the
-  ``train_ctx()`` of :func:`cpshard.make_cp_blockdiag_batch_and_ctx`) every attention layer runs
-  the CP attention over the sharded sequence; otherwise it is exactly transformers' ``"sdpa"``
+  context of ``ContextParallelSharder.shard`` or of :func:`cpshard.make_cp_blockdiag_batch_and_ctx`)
+  every attention layer runs :func:`cpshard.cp_attention` over the sharded sequence; otherwise it is exactly transformers' ``"sdpa"``
   (its masks included), so the same model also runs outside CP.
 * :func:`wrap_vision_tower` makes a VLM's vision tower (``model.visual``, ``model.model.visual``)
   run through :func:`cpshard.maybe_distribute_visual`: inside a vision group scope each rank
@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from cpshard.blockdiag import active_state, cp_blockdiag_sdpa
+from cpshard.attention.api import cp_attention
+from cpshard.blockdiag import active_state
 from cpshard.blockdiag.state import current
 from cpshard.vision import maybe_distribute_visual
 
@@ -36,8 +37,8 @@ _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
 
 # ------------------------------------------------------------------ the CP attention in use
-# The one place that knows which CP attention serves the model: the block-diagonal attention
-# (contiguous shards, causal within documents) for now.
+# The one place that knows which CP attention serves the model: cpshard.cp_attention, which
+# serves whichever state is active (a sharder layout's or the block-diagonal batch's).
 
 
 def _cp_active() -> bool:
@@ -60,28 +61,18 @@ def _cp_attention(
     scale: float | None,
     sliding_window: int | None,
 ) -> torch.Tensor:
-    """The active CP attention, ``[B, H, L, D]`` in and out. The block-diagonal attention is
-    causal within documents with no window: anything else is refused here, never ignored."""
-    if not is_causal:
-        raise ValueError(
-            f"{_WHAT}: rank {_cp_rank()}: is_causal=False (bidirectional attention) is not "
-            "supported by the block-diagonal CP attention; run this module outside the CP step"
-        )
-    if sliding_window is not None:
-        raise ValueError(
-            f"{_WHAT}: rank {_cp_rank()}: sliding_window={sliding_window} is not supported by the "
-            "block-diagonal CP attention (it attends to the whole document prefix); use a model "
-            "config without sliding-window layers"
-        )
-    return cp_blockdiag_sdpa(
+    """The active CP attention, ``[B, H, L, D]`` in and out: causal (or bidirectional) within
+    documents, with the module's sliding window; what it cannot do exactly, it refuses."""
+    return cp_attention(
         query,
         key,
         value,
         attn_mask=attn_mask,
         dropout_p=dropout_p,
-        is_causal=True,
+        is_causal=is_causal,
         scale=scale,
         enable_gqa=query.shape[1] != key.shape[1],
+        window=sliding_window,
     )
 
 
