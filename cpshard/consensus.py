@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -82,8 +83,21 @@ _CAPACITY = 64
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    """A small integer that names dtype identically on every rank."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + hash(str(dtype)) % 1000
+    """A small integer that names dtype identically on every rank (and in every process)."""
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000
+
+
+_FNV_PRIME = 1099511628211
+_MASK = (1 << 64) - 1
+
+
+def fingerprint(values: Sequence[int]) -> int:
+    """A 63-bit FNV-1a style fingerprint of a sequence of ints, equal in every process for equal
+    values (plain integer arithmetic, so ``torch.compile`` folds it into a constant)."""
+    h = 14695981039346656037
+    for v in values:
+        h = ((h ^ (int(v) & _MASK)) * _FNV_PRIME) & _MASK
+    return h >> 1
 
 
 def digest(values: Sequence[int] | torch.Tensor | None) -> list[int]:

@@ -7,14 +7,17 @@ a call as one opaque node, forward and backward, with no graph break. Each op is
 transfer and nothing else (no consensus, no host read of tensor data); outputs are fresh
 allocations, flat for the gathers so that callers view them in their own layout for free.
 
-* ``cpshard::all_gather_v(local, group, sizes)`` -> every rank's ``sizes[r]`` elements back to
-  back in rank order; backward: ``reduce_scatter_v`` of the gradient.
-* ``cpshard::reduce_scatter_v(full, group, sizes)`` -> this rank's ``sizes[rank]`` elements of
-  the sum over ranks; backward: ``all_gather_v`` of the gradient.
-* ``cpshard::halo_exchange(x, group, halos, left_padding, dim)`` -> ``x`` with the preceding
+* ``cpshard::all_gather_v(local, group, sizes, key)`` -> every rank's ``sizes[r]`` elements back
+  to back in rank order; backward: ``reduce_scatter_v`` of the gradient.
+* ``cpshard::reduce_scatter_v(full, group, sizes, key)`` -> this rank's ``sizes[rank]`` elements
+  of the sum over ranks; backward: ``all_gather_v`` of the gradient.
+* ``cpshard::halo_exchange(x, group, halos, left_padding, dim, key)`` -> ``x`` with the preceding
   ``min(r*L, halos[r])`` tokens (from as many ranks as they span) and ``left_padding`` zeros in
   front along ``dim``; backward: ``cpshard::halo_return``, each halo row's gradient sent back to
   its owner and added there.
+
+``key`` is the caller's fingerprint of the arguments every rank must agree on; backends that can
+swap it within the transfer itself check it (:meth:`cpshard.comm.TorchTransport.send_recv`).
 """
 
 from __future__ import annotations
@@ -33,26 +36,26 @@ from cpshard.hugepages import new_buffer
 
 
 @torch.library.custom_op("cpshard::all_gather_v", mutates_args=())
-def all_gather_v(local: torch.Tensor, group_name: str, sizes: Sequence[int]) -> torch.Tensor:
+def all_gather_v(local: torch.Tensor, group_name: str, sizes: Sequence[int], key: int) -> torch.Tensor:
     """Every rank's flat part (``sizes[r]`` elements) back to back in rank order."""
     group = group_from_name(group_name)
     out = new_buffer(local, sum(sizes))
     comm = transport_for(group, local)
     with nvtx_range("cpshard.all_gather_v", local):
         if all(s == sizes[0] for s in sizes):
-            comm.all_gather(out, local.contiguous().view(-1))
+            comm.all_gather(out, local.contiguous().view(-1), key)
         else:
-            comm.all_gather_v(out, local.contiguous().view(-1), sizes)
+            comm.all_gather_v(out, local.contiguous().view(-1), sizes, key)
     return out
 
 
 @all_gather_v.register_fake
-def _all_gather_v_fake(local: torch.Tensor, group_name: str, sizes: Sequence[int]) -> torch.Tensor:
+def _all_gather_v_fake(local: torch.Tensor, group_name: str, sizes: Sequence[int], key: int) -> torch.Tensor:
     return local.new_empty(sum(sizes))
 
 
 @torch.library.custom_op("cpshard::reduce_scatter_v", mutates_args=())
-def reduce_scatter_v(full: torch.Tensor, group_name: str, sizes: Sequence[int]) -> torch.Tensor:
+def reduce_scatter_v(full: torch.Tensor, group_name: str, sizes: Sequence[int], key: int) -> torch.Tensor:
     """This rank's part (``sizes[rank]`` elements) of the sum over ranks of ``full``."""
     group = group_from_name(group_name)
     out = new_buffer(full, sizes[group.rank])
@@ -66,21 +69,21 @@ def reduce_scatter_v(full: torch.Tensor, group_name: str, sizes: Sequence[int]) 
 
 
 @reduce_scatter_v.register_fake
-def _reduce_scatter_v_fake(full: torch.Tensor, group_name: str, sizes: Sequence[int]) -> torch.Tensor:
+def _reduce_scatter_v_fake(full: torch.Tensor, group_name: str, sizes: Sequence[int], key: int) -> torch.Tensor:
     return full.new_empty(sizes[group_from_name(group_name).rank])
 
 
 def _keep_group_and_sizes(ctx, inputs, output) -> None:
-    first, ctx.group_name, ctx.sizes = inputs
+    first, ctx.group_name, ctx.sizes, ctx.key = inputs
     ctx.shape = first.shape
 
 
 def _all_gather_v_backward(ctx, grad: torch.Tensor):
-    return reduce_scatter_v(grad, ctx.group_name, ctx.sizes).view(ctx.shape), None, None
+    return reduce_scatter_v(grad, ctx.group_name, ctx.sizes, ctx.key).view(ctx.shape), None, None, None
 
 
 def _reduce_scatter_v_backward(ctx, grad: torch.Tensor):
-    return all_gather_v(grad, ctx.group_name, ctx.sizes).view(ctx.shape), None, None
+    return all_gather_v(grad, ctx.group_name, ctx.sizes, ctx.key).view(ctx.shape), None, None, None
 
 
 all_gather_v.register_autograd(_all_gather_v_backward, setup_context=_keep_group_and_sizes)
@@ -135,7 +138,7 @@ def _halo_len(group_name: str, halos: Sequence[int], length: int) -> int:
 
 @torch.library.custom_op("cpshard::halo_exchange", mutates_args=())
 def halo_exchange(
-    x: torch.Tensor, group_name: str, halos: Sequence[int], left_padding: int, dim: int
+    x: torch.Tensor, group_name: str, halos: Sequence[int], left_padding: int, dim: int, key: int
 ) -> torch.Tensor:
     """``[left_padding zeros, halo rows from the preceding ranks, x]`` along ``dim``."""
     group = group_from_name(group_name)
@@ -155,7 +158,7 @@ def halo_exchange(
             copies.append((slot, buf))
     sends = [(r, x.narrow(dim, lo, hi - lo)) for r, lo, hi in plan.sends]
     with nvtx_range("cpshard.halo_exchange", x):
-        transport_for(group, x).send_recv(sends, recvs)
+        transport_for(group, x).send_recv(sends, recvs, key)
     for slot, buf in copies:
         slot.copy_(buf)
     return out
@@ -163,7 +166,7 @@ def halo_exchange(
 
 @halo_exchange.register_fake
 def _halo_exchange_fake(
-    x: torch.Tensor, group_name: str, halos: Sequence[int], left_padding: int, dim: int
+    x: torch.Tensor, group_name: str, halos: Sequence[int], left_padding: int, dim: int, key: int
 ) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = left_padding + _halo_len(group_name, halos, x.shape[dim]) + x.shape[dim]
@@ -172,7 +175,7 @@ def _halo_exchange_fake(
 
 @torch.library.custom_op("cpshard::halo_return", mutates_args=())
 def halo_return(
-    grad: torch.Tensor, group_name: str, halos: Sequence[int], left_padding: int, dim: int
+    grad: torch.Tensor, group_name: str, halos: Sequence[int], left_padding: int, dim: int, key: int
 ) -> torch.Tensor:
     """Adjoint of :func:`halo_exchange`: the gradient of ``x``, each halo row's gradient added
     by the rank that owns the row."""
@@ -184,7 +187,7 @@ def halo_return(
     sends = [(q, grad.narrow(dim, lp + at, hi - lo)) for q, lo, hi, at in plan.recvs]
     recvs = [(r, grad.new_empty(grad_x.narrow(dim, lo, hi - lo).shape)) for r, lo, hi in plan.sends]
     with nvtx_range("cpshard.halo_return", grad):
-        transport_for(group, grad).send_recv(sends, recvs)
+        transport_for(group, grad).send_recv(sends, recvs, key)
     for (_, lo, hi), (_, buf) in zip(plan.sends, recvs):
         grad_x.narrow(dim, lo, hi - lo).add_(buf)
     return grad_x
@@ -199,7 +202,7 @@ def _shard_len(rank: int, extended: int, halos: Sequence[int]) -> int:
 
 @halo_return.register_fake
 def _halo_return_fake(
-    grad: torch.Tensor, group_name: str, halos: Sequence[int], left_padding: int, dim: int
+    grad: torch.Tensor, group_name: str, halos: Sequence[int], left_padding: int, dim: int, key: int
 ) -> torch.Tensor:
     rank = group_from_name(group_name).rank
     shape = list(grad.shape)
@@ -208,15 +211,17 @@ def _halo_return_fake(
 
 
 def _keep_halo_args(ctx, inputs, output) -> None:
-    _, ctx.group_name, ctx.halos, ctx.left_padding, ctx.dim = inputs
+    _, ctx.group_name, ctx.halos, ctx.left_padding, ctx.dim, ctx.key = inputs
 
 
 def _halo_exchange_backward(ctx, grad: torch.Tensor):
-    return halo_return(grad, ctx.group_name, ctx.halos, ctx.left_padding, ctx.dim), None, None, None, None
+    args = (ctx.group_name, ctx.halos, ctx.left_padding, ctx.dim, ctx.key)
+    return halo_return(grad, *args), None, None, None, None, None
 
 
 def _halo_return_backward(ctx, grad: torch.Tensor):
-    return halo_exchange(grad, ctx.group_name, ctx.halos, ctx.left_padding, ctx.dim), None, None, None, None
+    args = (ctx.group_name, ctx.halos, ctx.left_padding, ctx.dim, ctx.key)
+    return halo_exchange(grad, *args), None, None, None, None, None
 
 
 halo_exchange.register_autograd(_halo_exchange_backward, setup_context=_keep_halo_args)

@@ -22,6 +22,10 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 # pipelined point-to-point rounds through two buffers of at most half of it.
 A2A_STAGING_BYTES = 16 << 20
 
+# The point-to-point tag of the call fingerprints swapped beside the data (data uses tag 0, the
+# pipelined reduce-scatter its round numbers).
+KEY_TAG = 1 << 20
+
 
 class TorchTransport:
     """The verbs on ``torch.distributed``.
@@ -51,13 +55,12 @@ class TorchTransport:
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.pg, rank)
 
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None:
-        if self.is_gloo:
-            self.all_gather_v(out, local, [local.numel()] * self.group.world)
-        else:
-            dist.all_gather_single(out, _flat(local), group=self.pg)
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, key: int | None = None) -> None:
+        self.all_gather_v(out, local, [local.numel()] * self.group.world, key)
 
-    def all_gather_v(self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int]) -> None:
+    def all_gather_v(
+        self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int], key: int | None = None
+    ) -> None:
         offs = offsets(sizes)
         me = self.group.rank
         out[offs[me] : offs[me + 1]].copy_(_flat(local))
@@ -66,16 +69,17 @@ class TorchTransport:
             self.send_recv(
                 [(r, out[offs[me] : offs[me + 1]]) for r in peers if sizes[me]],
                 [(r, out[offs[r] : offs[r + 1]]) for r in peers if sizes[r]],
+                key,
             )
         else:
             # In place: this rank's slot is the input (NCCL reads it before writing others).
-            dist.all_gather_single(out, out[offs[me] : offs[me + 1]], group=self.pg)
+            dist.all_gather_into_tensor(out, out[offs[me] : offs[me + 1]], group=self.pg)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         if self.is_gloo:
             self.reduce_scatter_v(out, full, [out.numel()] * self.group.world)
         else:
-            dist.reduce_scatter_single(out, _flat(full), group=self.pg)
+            dist.reduce_scatter_tensor(out, _flat(full), group=self.pg)
 
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None:
         full = _flat(full)
@@ -146,13 +150,50 @@ class TorchTransport:
                     work.wait()
 
     def send_recv(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        key: int | None = None,
     ) -> None:
-        ops = [dist.P2POp(dist.isend, _flat(t), self._peer(r), self.pg) for r, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._peer(r), self.pg) for r, t in recvs]
+        """Batched point-to-point. With a ``key`` on gloo, every peer pair also swaps its key in
+        the same batch and a key that differs raises (see :meth:`_check_keys`)."""
         for r, t in recvs:
             if not t.is_contiguous():
                 raise RuntimeError(f"send_recv: receive buffer from rank {r} must be contiguous")
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        headers = key is not None and self.is_gloo and self.group.world > 1
+        ops, keys = [], None
+        if headers:
+            peers = [r for r in range(self.group.world) if r != self.group.rank]
+            mine = torch.tensor([key], dtype=torch.int64)
+            keys = torch.full((self.group.world,), key, dtype=torch.int64)
+            ops += [dist.P2POp(dist.isend, mine, self._peer(r), self.pg, tag=KEY_TAG) for r in peers]
+            ops += [dist.P2POp(dist.irecv, keys[r : r + 1], self._peer(r), self.pg, tag=KEY_TAG) for r in peers]
+        n_keys = len(ops)
+        ops += [dist.P2POp(dist.isend, _flat(t), self._peer(r), self.pg) for r, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._peer(r), self.pg) for r, t in recvs]
+        if not ops:
+            return
+        works = dist.batch_isend_irecv(ops)
+        for work in works[:n_keys]:
+            work.wait()
+        if keys is not None:
+            self._check_keys(keys, key)
+        for work in works[n_keys:]:
+            work.wait()
+
+    def _check_keys(self, keys: torch.Tensor, key: int) -> None:
+        """Raise if a peer's call fingerprint differs from this rank's.
+
+        The key is a fingerprint of the arguments every rank must agree on (dtype, shape, token
+        dim, counts or halo sizes); it rides in the data's own batch, so the default (unchecked)
+        mode still turns a cross-rank mismatch into an error on every rank of the exchange instead
+        of a silently wrong result, without a separate consensus round."""
+        odd = [r for r, k in enumerate(keys.tolist()) if k != key]
+        if odd:
+            raise ValueError(
+                f"cpshard transport: rank {self.group.rank}: "
+                + ("rank " if len(odd) == 1 else "ranks ")
+                + ", ".join(map(str, odd))
+                + " called this transfer with different arguments (dtype, shape, token dim, counts "
+                "or halo sizes); run with CPSHARD_CHECKS=call to name the difference"
+            )

@@ -14,15 +14,21 @@ class Transport(Protocol):
     ``sizes[r]`` is rank r's number of elements; ``out``/``full`` hold every rank's part back to
     back in rank order (exact offsets, no padding). Every verb issues its data transfer and
     nothing else: argument agreement across ranks is the caller's (per step, or per call in
-    checked mode).
+    checked mode). ``key`` is a fingerprint of the caller's arguments: a backend that can swap
+    it within the data's own transfer (gloo) raises when a peer's differs; others ignore it.
     """
 
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None: ...
-    def all_gather_v(self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int]) -> None: ...
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, key: int | None = None) -> None: ...
+    def all_gather_v(
+        self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int], key: int | None = None
+    ) -> None: ...
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None: ...
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None: ...
     def send_recv(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        key: int | None = None,
     ) -> None: ...
 
 

@@ -1,0 +1,140 @@
+"""The validation model of the per-call transport (SPEC §3, issue: hot path fit for GPUs).
+
+* Default mode: a steady-state ``gather_sequence`` / ``gather_ragged`` / ``gather_halo`` call
+  issues exactly its data transfer (one batched point-to-point on gloo) and its backward exactly
+  the dual transfer; checked mode (``cpshard.check_mode("call")``) adds exactly one round.
+* Default mode, bad input on one rank: never a silent wrong answer. The bad rank raises its local
+  problem at once; a cross-rank mismatch that no local check sees is caught by the fingerprint
+  that rides with the data (every rank of the exchange raises), or fails in the transfer itself
+  (the peers' timeout, or gloo's own size check aborting the receiving process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cpshard import check_mode, gather_halo, gather_ragged, gather_sequence
+from cpshard.testing import RankPool
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_transport_errors import CASES, _call  # noqa: E402
+
+F64 = torch.float64
+# Every collective and point-to-point entry of torch.distributed a transport could use
+# (isend/irecv stay unwrapped: P2POp checks their identity; they are counted through
+# batch_isend_irecv, the only way the transport posts them).
+_ENTRIES = (
+    "batch_isend_irecv", "all_to_all_single", "all_gather_into_tensor", "all_gather",
+    "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce",
+    "broadcast", "broadcast_object_list", "all_gather_object", "send", "recv", "barrier",
+    "reduce_scatter", "gather", "scatter", "all_to_all",
+)
+
+
+@contextlib.contextmanager
+def _counting() -> Iterator[Counter]:
+    """Count calls of every torch.distributed entry in ``_ENTRIES`` inside the block."""
+    seen: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in _ENTRIES if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            seen[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _calls(rank: int, world: int) -> dict[str, dict[str, dict[str, int]]]:
+    """Collective counts of each function's forward and backward, in both modes."""
+    g = dist.group.WORLD
+    counts = [2 + r for r in range(world)]
+    functions = {
+        "gather_sequence": lambda x: gather_sequence(x, g, seq_dim=1),
+        "gather_ragged": lambda x: gather_ragged(x, g, counts, dim=1),
+        "gather_halo": lambda x: gather_halo(x, g, 3, seq_dim=1),
+    }
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for mode in ("step", "call"):
+        for name, fn in functions.items():
+            n = counts[rank] if name == "gather_ragged" else 4
+            x = torch.randn(2, n, 3, dtype=F64, requires_grad=True)
+            with check_mode(mode):
+                fn(x).sum().backward()  # warm-up: the steady state is what is counted
+                with _counting() as fwd:
+                    y = fn(x)
+                with _counting() as bwd:
+                    y.sum().backward()
+            out[f"{name} {mode}"] = {"forward": dict(fwd), "backward": dict(bwd)}
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_steady_state_call_issues_only_its_transfer(pools, world):
+    for rank_counts in pools(world).run(_calls, timeout=120):
+        for name in ("gather_sequence", "gather_ragged", "gather_halo"):
+            default = rank_counts[f"{name} step"]
+            checked = rank_counts[f"{name} call"]
+            assert default["forward"] == {"batch_isend_irecv": 1}, (name, default)
+            backward = "batch_isend_irecv" if name == "gather_halo" else "all_to_all_single"
+            assert default["backward"] == {backward: 1}, (name, default)
+            # checked mode: one consensus round (an all-to-all on the host channel) more
+            assert checked["forward"] == {"batch_isend_irecv": 1, "all_to_all_single": 1}, (name, checked)
+            assert checked["backward"] == default["backward"], (name, checked)
+
+
+PG_TIMEOUT = 3.0
+
+
+@pytest.fixture(scope="module")
+def short_pool2():
+    with RankPool(2, pg_timeout=PG_TIMEOUT, grace=PG_TIMEOUT + 10) as pool:
+        yield pool
+
+
+# Cases whose bad rank sees its own problem locally (the rest are cross-rank mismatches).
+_LOCAL = {
+    "ragged_wrong_count", "ragged_counts_too_long", "ragged_counts_too_short",
+    "ragged_counts_negative", "ragged_counts_tensor", "ragged_dim_out_of_range",
+    "ragged_not_tensor", "seq_dim_out_of_range", "seq_not_tensor", "meta_requires_grad",
+    "halo_negative", "halo_list_wrong_length", "halo_not_int", "halo_negative_padding",
+    "halo_dim_out_of_range", "halo_not_tensor",
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_default_mode_bad_input_never_silent(short_pool2, case):
+    short_pool2.start()
+    bad = 1
+    outcomes = short_pool2.run_collect(_call, case, bad, "step", timeout=PG_TIMEOUT + 20)
+    for o in outcomes:
+        assert not o.ok, f"rank {o.rank} returned {o.value!r}: a silent answer to bad input"
+        assert not o.timed_out, f"rank {o.rank} hung past the group's timeout:\n{o.traceback}"
+    own = outcomes[bad]
+    if case in _LOCAL:
+        assert own.error_type in ("ValueError", "TypeError"), (own.error_type, own.error_message)
+        assert f"rank {bad}" in own.error_message, own.error_message
+    for o in outcomes:
+        # a ValueError from a check or the fingerprint, the peers' timeout / read error, or
+        # gloo's size check aborting the receiving process
+        assert o.error_type in ("ValueError", "TypeError", "RuntimeError", "DistBackendError", "WorkerDied"), (
+            o.rank, o.error_type, o.error_message
+        )
+        if o.error_type == "ValueError" and "cpshard transport" in o.error_message:
+            assert f"rank {1 - o.rank} called this transfer with different arguments" in o.error_message
