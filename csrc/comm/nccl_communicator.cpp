@@ -299,6 +299,14 @@ void NcclCommunicator::check_tensor(const at::Tensor& t, const char* what, const
   TORCH_CHECK(t.is_contiguous(), what, ": ", arg, " must be contiguous");
 }
 
+void NcclCommunicator::check_pair(const at::Tensor& out, const at::Tensor& other,
+                                  const char* what, const char* arg) const {
+  check_tensor(out, what, "out");
+  check_tensor(other, what, arg);
+  TORCH_CHECK(out.scalar_type() == other.scalar_type(), what, ": out is ", out.scalar_type(),
+              " but ", arg, " is ", other.scalar_type());
+}
+
 void NcclCommunicator::check_sizes(const std::vector<int64_t>& sizes, const char* what) const {
   TORCH_CHECK(static_cast<int64_t>(sizes.size()) == world_, what, ": sizes has ", sizes.size(),
               " entries for a world of ", world_);
@@ -309,10 +317,7 @@ void NcclCommunicator::check_sizes(const std::vector<int64_t>& sizes, const char
 
 void NcclCommunicator::all_gather(const at::Tensor& out, const at::Tensor& local) {
   constexpr const char* what = "NcclCommunicator.all_gather";
-  check_tensor(out, what, "out");
-  check_tensor(local, what, "local");
-  TORCH_CHECK(out.scalar_type() == local.scalar_type(), what, ": out is ", out.scalar_type(),
-              " but local is ", local.scalar_type());
+  check_pair(out, local, what, "local");
   const int64_t expected = checked_mul(local.numel(), world_, what);
   TORCH_CHECK(out.numel() == expected, what, ": out has ", out.numel(),
               " elements, expected world * local = ", expected);
@@ -327,11 +332,8 @@ void NcclCommunicator::all_gather(const at::Tensor& out, const at::Tensor& local
 void NcclCommunicator::all_gather_v(const at::Tensor& out, const at::Tensor& local,
                                     std::vector<int64_t> sizes) {
   constexpr const char* what = "NcclCommunicator.all_gather_v";
-  check_tensor(out, what, "out");
-  check_tensor(local, what, "local");
+  check_pair(out, local, what, "local");
   check_sizes(sizes, what);
-  TORCH_CHECK(out.scalar_type() == local.scalar_type(), what, ": out is ", out.scalar_type(),
-              " but local is ", local.scalar_type());
   TORCH_CHECK(local.numel() == sizes[rank_], what, ": local has ", local.numel(),
               " elements but sizes[", rank_, "] = ", sizes[rank_]);
   const int64_t total = total_of(sizes, what);
@@ -357,10 +359,7 @@ void NcclCommunicator::all_gather_v(const at::Tensor& out, const at::Tensor& loc
 
 void NcclCommunicator::reduce_scatter(const at::Tensor& out, const at::Tensor& full) {
   constexpr const char* what = "NcclCommunicator.reduce_scatter";
-  check_tensor(out, what, "out");
-  check_tensor(full, what, "full");
-  TORCH_CHECK(out.scalar_type() == full.scalar_type(), what, ": out is ", out.scalar_type(),
-              " but full is ", full.scalar_type());
+  check_pair(out, full, what, "full");
   const ReduceType type = reduce_type(out.scalar_type(), what);
   const int64_t expected = checked_mul(out.numel(), world_, what);
   TORCH_CHECK(full.numel() == expected, what, ": full has ", full.numel(),
@@ -378,11 +377,8 @@ void NcclCommunicator::reduce_scatter(const at::Tensor& out, const at::Tensor& f
 void NcclCommunicator::reduce_scatter_v(const at::Tensor& out, const at::Tensor& full,
                                         std::vector<int64_t> sizes) {
   constexpr const char* what = "NcclCommunicator.reduce_scatter_v";
-  check_tensor(out, what, "out");
-  check_tensor(full, what, "full");
+  check_pair(out, full, what, "full");
   check_sizes(sizes, what);
-  TORCH_CHECK(out.scalar_type() == full.scalar_type(), what, ": out is ", out.scalar_type(),
-              " but full is ", full.scalar_type());
   const ReduceType type = reduce_type(out.scalar_type(), what);
   TORCH_CHECK(out.numel() == sizes[rank_], what, ": out has ", out.numel(), " elements but sizes[",
               rank_, "] = ", sizes[rank_]);

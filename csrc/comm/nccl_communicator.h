@@ -89,6 +89,9 @@ class NcclCommunicator : public torch::CustomClassHolder {
   using Clock = std::chrono::steady_clock;
 
   void check_tensor(const at::Tensor& t, const char* what, const char* arg) const;
+  // out and `other` (named `arg`) both pass check_tensor and share one dtype.
+  void check_pair(const at::Tensor& out, const at::Tensor& other, const char* what,
+                  const char* arg) const;
   void check_sizes(const std::vector<int64_t>& sizes, const char* what) const;
   void watch();
   // With mu_ held: drops the events of finished calls; true when none is left.
