@@ -83,7 +83,11 @@ def run_rank(rank: int, world: int, store_path: str) -> None:
         if rank == 0:
             print(f"communicator: bootstrap={comm.bootstrap}, NCCL {nccl.version()}", flush=True)
         check("transport verbs", rank, lambda: verbs(comm, rank, world, device))
-        check("gather_sequence / gather_ragged / gather_halo", rank, lambda: transport(pg, rank, world, device))
+        check(
+            "gather_sequence / gather_ragged / gather_halo",
+            rank,
+            lambda: transport(pg, rank, world, device),
+        )
         check("cp_blockdiag_sdpa layer", rank, lambda: blockdiag_layer(pg, rank, world, device))
         assert comm.error() == "", comm.error()
     finally:
@@ -120,13 +124,17 @@ def verbs(comm: object, rank: int, world: int, device: torch.device) -> None:
         torch.cuda.current_stream(device).wait_stream(side)
     base = torch.arange(n, dtype=torch.float32)
     assert torch.equal(outs["all_gather"].cpu(), torch.cat([base + 100 * r for r in range(world)]))
-    want_v = torch.cat([torch.arange(sizes[r], dtype=torch.float32) + 100 * r for r in range(world)])
+    want_v = torch.cat(
+        [torch.arange(sizes[r], dtype=torch.float32) + 100 * r for r in range(world)]
+    )
     assert torch.equal(outs["all_gather_v"].cpu(), want_v)
     scale = world * (world + 1) / 2  # sum over ranks of (rank + 1)
     full_cpu = torch.arange(offs[-1], dtype=torch.float32)
     want_rs = torch.arange(rank * n, (rank + 1) * n, dtype=torch.float32) * scale
     assert torch.allclose(outs["reduce_scatter"].cpu(), want_rs)
-    assert torch.allclose(outs["reduce_scatter_v"].cpu(), full_cpu[offs[rank] : offs[rank + 1]] * scale)
+    assert torch.allclose(
+        outs["reduce_scatter_v"].cpu(), full_cpu[offs[rank] : offs[rank + 1]] * scale
+    )
     if world > 1:
         assert torch.equal(outs["recv"].cpu(), base + 100 * ((rank - 1) % world))
 
@@ -149,10 +157,17 @@ def transport(pg: dist.ProcessGroup, rank: int, world: int, device: torch.device
 def blockdiag_layer(pg: dist.ProcessGroup, rank: int, world: int, device: torch.device) -> None:
     bsz, seq, heads, dim = 2, 8 * world, 2, 16
     doc = torch.tensor([[1] * (3 * world) + [2] * (5 * world), [3] * (seq - 2) + [0, 0]])
-    batch = {"input_ids": torch.ones(bsz, seq, dtype=torch.int64, device=device), "_packed_seq_ids": doc}
-    train_ctx, batch = cpshard.make_cp_blockdiag_batch_and_ctx(pg, None, batch)  # per step: may sync
+    batch = {
+        "input_ids": torch.ones(bsz, seq, dtype=torch.int64, device=device),
+        "_packed_seq_ids": doc,
+    }
+    train_ctx, batch = cpshard.make_cp_blockdiag_batch_and_ctx(
+        pg, None, batch
+    )  # per step: may sync
     local = batch["input_ids"].shape[1]
-    q, k, v = (torch.randn(bsz, heads, local, dim, device=device, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(bsz, heads, local, dim, device=device, requires_grad=True) for _ in range(3)
+    )
     with train_ctx():
         cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)  # warm-up: first-call set-up may sync
         with no_sync():
@@ -163,7 +178,9 @@ def blockdiag_layer(pg: dist.ProcessGroup, rank: int, world: int, device: torch.
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--world", type=int, default=1, help="ranks, one GPU each (default 1)")
     args = p.parse_args(argv)
     reason = skip_reason(args.world)
@@ -175,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.world == 1:
             run_rank(0, 1, store)
         else:
-            mp.start_processes(run_rank, args=(args.world, store), nprocs=args.world, start_method="spawn")
+            mp.start_processes(
+                run_rank, args=(args.world, store), nprocs=args.world, start_method="spawn"
+            )
     print(f"all steady-state checks passed at world size {args.world}")
     return 0
 

@@ -40,9 +40,10 @@ import torch.distributed as dist
 
 # the checkout this script belongs to, unless PYTHONPATH / an install provides cpshard first
 sys.path.append(str(Path(__file__).resolve().parent.parent))
+from kernels import timeit  # noqa: E402  (benchmarks/kernels.py, beside this script)
+
 import cpshard  # noqa: E402
 from cpshard.comm import Group, Transport, resolve_group, transport_for  # noqa: E402
-from kernels import timeit  # noqa: E402  (benchmarks/kernels.py, beside this script)
 
 # Every verb at world size 1, as (native transport, out, x) -> None and (process group, out, x)
 # -> None for torch.distributed's collective doing the same job; each leaves a copy of x in out.
@@ -134,7 +135,9 @@ def run(group: Group, args: argparse.Namespace) -> list[Row]:
     """Time every verb at every size through both transports, printing a line per pair."""
     native = transport_for(group, torch.empty(0, device="cuda"))
     if type(native).__name__ != "NcclTransport":
-        raise RuntimeError(f"transport_for picked {type(native).__name__}, not the native NCCL communicator")
+        raise RuntimeError(
+            f"transport_for picked {type(native).__name__}, not the native NCCL communicator"
+        )
     rows: list[Row] = []
     for kib in args.sizes_kib:
         n = (kib << 10) // torch.empty(0, dtype=args.dtype).element_size()

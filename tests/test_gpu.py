@@ -53,13 +53,22 @@ def test_cuda_kernels_match_cpu(dtype: torch.dtype) -> None:
         assert torch.equal(back.cpu(), x)
     w = x[:, :10].reshape(2, 2, 5, 5).transpose(0, 1).contiguous()
     assert torch.equal(ops.interleave_sequence(w.cuda(), 1).cpu(), ops.interleave_sequence(w, 1))
-    assert torch.equal(ops.deinterleave_sequence(x[:, :10].cuda(), 2, 1).cpu(), ops.deinterleave_sequence(x[:, :10], 2, 1))
-    assert torch.equal(ops.index_gather(x.cuda(), idx.cuda(), 1, fill=0).cpu(), ops.index_gather(x, idx, 1, fill=0))
+    assert torch.equal(
+        ops.deinterleave_sequence(x[:, :10].cuda(), 2, 1).cpu(),
+        ops.deinterleave_sequence(x[:, :10], 2, 1),
+    )
+    assert torch.equal(
+        ops.index_gather(x.cuda(), idx.cuda(), 1, fill=0).cpu(), ops.index_gather(x, idx, 1, fill=0)
+    )
     if dtype != torch.bool:
         g = torch.randn(2, 5, 5).to(dtype)
         want = ops.index_scatter_add(g, idx, 1, 11)
         got = ops.index_scatter_add(g.cuda(), idx.cuda(), 1, 11).cpu()
-        assert torch.equal(got, want) if not dtype.is_floating_point else torch.allclose(got.float(), want.float(), atol=1e-2)
+        assert (
+            torch.equal(got, want)
+            if not dtype.is_floating_point
+            else torch.allclose(got.float(), want.float(), atol=1e-2)
+        )
 
 
 @needs_gpu
@@ -114,7 +123,7 @@ def test_cuda_document_segments_match_cpu() -> None:
     for start, end in [(0, 10), (1, 6), (4, 9), (3, 3)]:
         want = ops.document_segments(doc, start, end)
         got = ops.document_segments(doc.cuda(), start, end)
-        for a, b in zip(want, got):
+        for a, b in zip(want, got, strict=True):
             assert torch.equal(a, b.cpu())
 
 
@@ -158,7 +167,9 @@ def nccl_world1():
         pytest.skip("needs a GPU and cpshard's NCCL build")
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        dist.init_process_group(
+            "nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0)
+        )
         try:
             yield dist.group.WORLD
         finally:
@@ -276,9 +287,14 @@ def _two_rank_worker(rank: int, store_path: str, bootstrap: str) -> None:
         full = torch.arange(8.0, device=device) * (rank + 1)
         part = torch.empty(sizes[rank], device=device)
         comm.reduce_scatter_v(part, full, sizes)
-        assert part.tolist() == (torch.arange(8.0) * 3)[[0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7]].tolist()
+        assert (
+            part.tolist()
+            == (torch.arange(8.0) * 3)[[0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7]].tolist()
+        )
         recv = torch.empty(4, device=device)
-        comm.send_recv([(1 - rank, torch.full((4,), float(rank), device=device))], [(1 - rank, recv)])
+        comm.send_recv(
+            [(1 - rank, torch.full((4,), float(rank), device=device))], [(1 - rank, recv)]
+        )
         assert recv.tolist() == [float(1 - rank)] * 4
         equal = torch.empty(4, device=device)
         comm.all_gather(equal, torch.full((2,), float(rank), device=device))
@@ -296,5 +312,8 @@ def test_native_nccl_verbs_at_world_2(bootstrap: str) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(
-            _two_rank_worker, args=(os.path.join(tmp, "store"), bootstrap), nprocs=2, start_method="spawn"
+            _two_rank_worker,
+            args=(os.path.join(tmp, "store"), bootstrap),
+            nprocs=2,
+            start_method="spawn",
         )

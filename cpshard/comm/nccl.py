@@ -133,7 +133,9 @@ def _timeout_s(backend: object) -> float:
     """The process group's timeout in seconds (torch's NCCL default when it has none)."""
     timeout = getattr(getattr(backend, "options", None), "_timeout", None)
     if not isinstance(timeout, timedelta):
-        timeout = getattr(dist.distributed_c10d, "default_pg_nccl_timeout", None) or timedelta(minutes=10)
+        timeout = getattr(dist.distributed_c10d, "default_pg_nccl_timeout", None) or timedelta(
+            minutes=10
+        )
     return timeout.total_seconds()
 
 
@@ -161,7 +163,9 @@ def _create(group: Group, device: torch.device, mode: str) -> NcclTransport:
     # Splitting is collective over the parent: every rank splits, or none does.
     if mode == "split" and bool(all_gather_small(torch.tensor([int(can_split)]), group).all()):
         empty = torch.empty(0, dtype=torch.uint8)
-        return NcclTransport(native(parent, empty, group.rank, group.world, index, timeout), "split")
+        return NcclTransport(
+            native(parent, empty, group.rank, group.world, index, timeout), "split"
+        )
     hg = host_group(group)
     uid = unique_id() if group.rank == 0 else torch.empty(UNIQUE_ID_BYTES, dtype=torch.uint8)
     dist.broadcast(uid, src=dist.get_global_rank(hg, 0), group=hg)

@@ -123,7 +123,9 @@ class NcclCommunicator::Call {
   // `t` is used on this call's stream: the caching allocator must not hand its memory out again
   // until the transfer is done there (a no-op when that is the stream t was allocated on).
   void use(const at::Tensor& t) const {
-    if (t.numel() > 0) c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
+    if (t.numel() > 0) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
+    }
   }
   cudaStream_t stream() const { return stream_.stream(); }
   ncclComm_t comm() const { return c_.comm_; }
@@ -276,7 +278,8 @@ bool NcclCommunicator::reap_locked() {
 
 void NcclCommunicator::abort_locked(const std::string& reason) {
   error_ = reason;
-  std::fprintf(stderr, "cpshard NCCL (rank %lld of %lld, cuda:%lld): %s; aborting the communicator\n",
+  std::fprintf(stderr,
+               "cpshard NCCL (rank %lld of %lld, cuda:%lld): %s; aborting the communicator\n",
                static_cast<long long>(rank_), static_cast<long long>(world_),
                static_cast<long long>(device_), reason.c_str());
   (void)ncclCommAbort(comm_);
