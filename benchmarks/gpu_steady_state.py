@@ -25,7 +25,7 @@ import argparse
 import os
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -52,7 +52,7 @@ def skip_reason(world: int) -> str | None:
 
 
 @contextmanager
-def no_sync() -> object:
+def no_sync() -> Iterator[None]:
     """Raise on any device->host sync inside (and on the stream's pending errors after)."""
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -161,20 +161,22 @@ def blockdiag_layer(pg: dist.ProcessGroup, rank: int, world: int, device: torch.
         "input_ids": torch.ones(bsz, seq, dtype=torch.int64, device=device),
         "_packed_seq_ids": doc,
     }
-    train_ctx, batch = cpshard.make_cp_blockdiag_batch_and_ctx(
-        pg, None, batch
-    )  # per step: may sync
+    # The per-step set-up may sync; the layer, every call of every step, must not.
+    train_ctx, batch = cpshard.make_cp_blockdiag_batch_and_ctx(pg, None, batch)
     local = batch["input_ids"].shape[1]
-    q, k, v = (
-        torch.randn(bsz, heads, local, dim, device=device, requires_grad=True) for _ in range(3)
-    )
-    with train_ctx():
-        cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)  # warm-up: first-call set-up may sync
-        with no_sync():
-            out = cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)
-            out.sum().backward()
-    assert out.shape == q.shape and torch.isfinite(out).all()
-    assert q.grad is not None and torch.isfinite(q.grad).all()
+    # float32: the per-segment path; bfloat16: the one-launch varlen path where available.
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v = (
+            torch.randn(bsz, heads, local, dim, device=device, dtype=dtype, requires_grad=True)
+            for _ in range(3)
+        )
+        with train_ctx():
+            cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)  # warm-up (kernel selection)
+            with no_sync():
+                out = cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)
+                out.sum().backward()
+        assert out.shape == q.shape and torch.isfinite(out).all(), dtype
+        assert q.grad is not None and torch.isfinite(q.grad).all(), dtype
 
 
 def main(argv: list[str] | None = None) -> int:

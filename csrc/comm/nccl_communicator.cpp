@@ -244,6 +244,10 @@ void NcclCommunicator::close() {
 
 void NcclCommunicator::watch() {
   (void)cudaSetDevice(static_cast<int>(device_));  // for the event queries
+  // Relaxed: this thread's event queries must not invalidate a CUDA graph another thread is
+  // capturing in global mode (the default of torch.cuda.graph).
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
   std::unique_lock<std::mutex> lock(mu_);
   while (!closed_ && comm_ != nullptr) {
     wake_.wait_for(lock, kPollInterval);
