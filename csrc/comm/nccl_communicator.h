@@ -6,8 +6,8 @@
 //   * split: ncclCommSplit of torch's own communicator for the group (its ncclComm_t address,
 //     ProcessGroupNCCL._comm_ptr()). No unique id to exchange; the child shares the parent's
 //     buffers, channels and proxy thread when the parent allows sharing (NCCL takes that choice
-//     from the parent's config.splitShare) and is ordered behind torch's kernels either way
-//     (see nccl.py);
+//     from the parent's config.splitShare; nccl.py explains the ordering against torch's own
+//     collectives);
 //   * unique id: ncclCommInitRankConfig from an id that rank 0 made with unique_id() and shared
 //     over a host-side channel.
 // Either way the communicator is ours: we poll it, abort it and end it; torch's is never touched
