@@ -158,6 +158,29 @@ def test_nccl_communicator_checks_before_nccl() -> None:
     assert not native.parent_matches(0, 0, 1, 0)
 
 
+@needs_nccl_build
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the path up to the GPU, on a machine without"
+)
+def test_bootstrap_reaches_the_native_constructor_without_a_gpu() -> None:
+    """On a one-rank gloo group (no NCCL without a GPU) the transport's own bootstrap runs for
+    real (torch's communicator looked for, the unique id made and shared over the host channel)
+    up to the native constructor, which refuses the missing device before anything reaches
+    NCCL."""
+    from cpshard.comm import nccl
+
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        try:
+            group = resolve_group(dist.group.WORLD, "test")
+            for mode in nccl.BOOTSTRAPS:
+                with pytest.raises(RuntimeError, match="device 0 is not a visible CUDA device"):
+                    nccl.communicator(group, torch.device("cuda", 0), bootstrap=mode)
+        finally:
+            dist.destroy_process_group()
+
+
 # ---------------------------------------------------------------- NCCL at world size 1
 
 
