@@ -71,6 +71,8 @@ def _made(
         assert nccl.communicator(group, torch.device("cuda", rank)) is comm  # cached per group
         with pytest.raises(ValueError, match="one device per rank and group"):
             nccl.communicator(group, torch.device("cuda", rank + 1))
+        with pytest.raises(ValueError, match="indexed CUDA device, got cuda"):
+            nccl.communicator(group, torch.device("cuda"))  # never the current device
         native = comm.comm
         assert (native.rank, native.world, native.index) == (rank, world, rank)
         assert comm.device == torch.device("cuda", rank)

@@ -41,6 +41,7 @@ host-side gloo channel (:func:`cpshard.comm.host.host_group`), never over a CUDA
 from __future__ import annotations
 
 import os
+import warnings
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -146,9 +147,13 @@ def _torch_comm(backend: object, device: torch.device) -> int:
         return 0  # an older torch, or a wrapped backend (TORCH_DISTRIBUTED_DEBUG=DETAIL)
     if tuple(torch.cuda.nccl.version()) != version():
         return 0  # torch's NCCL is not the library we link: its handles mean nothing to ours
-    with torch.cuda.device(device):
-        backend.eager_connect_single_device(device)
-        return int(backend._comm_ptr() or 0)
+    try:
+        with torch.cuda.device(device):
+            backend.eager_connect_single_device(device)
+            return int(backend._comm_ptr() or 0)
+    except RuntimeError as e:  # this rank then votes for the unique id: no rank is left waiting
+        warnings.warn(f"cpshard NCCL: cannot split from torch's communicator ({e})", stacklevel=3)
+        return 0
 
 
 def _create(group: Group, device: torch.device, mode: str) -> NcclTransport:
@@ -176,6 +181,8 @@ def communicator(group: Group, device: torch.device, bootstrap: str | None = Non
     """The communicator of ``group``'s process group on ``device``, created collectively on first
     use (``bootstrap`` overrides ``CPSHARD_NCCL_BOOTSTRAP`` for that creation)."""
     assert group.pg is not None
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"cpshard NCCL: device must be an indexed CUDA device, got {device}")
     found = _cache.get(group.pg)
     if found is None:
         mode = bootstrap_mode() if bootstrap is None else bootstrap
