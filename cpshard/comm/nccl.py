@@ -3,7 +3,9 @@
 One ``torch.classes.cpshard.NcclCommunicator`` per process group, created collectively on the
 first transfer, on the device of the tensors moved (never the current device), and ended by
 :func:`close`, when the process group is garbage collected, or at interpreter exit (a
-``weakref.finalize``): never by a destructor that could wait on peers at exit.
+``weakref.finalize``), never left to garbage collection at exit. Ending it lets the calls in
+flight finish (for at most the group's timeout, and not past an error), then destroys it, or
+aborts it when something failed.
 
 **Bootstrap: split from torch's communicator** (``CPSHARD_NCCL_BOOTSTRAP=split``, the default).
 Every rank asks torch for its own ``ncclComm_t`` of the group on that device
@@ -29,7 +31,7 @@ not yet), the ranks agree over the host-side channel that all of them have it, a
   issue both in the same order (the collective contract);
 * abort: with shared resources the child also shares the parent's abort flag, so the child is
   aborted only when something already failed (an asynchronous error, the timeout, or calls
-  still in flight at teardown); a quiescent child is destroyed.
+  still unfinished when the timeout ends the teardown's wait); a quiescent child is destroyed.
 
 **Fallback: a unique id** (``CPSHARD_NCCL_BOOTSTRAP=unique_id``, or automatically when any rank
 cannot split: a torch without ``_comm_ptr``, a wrapped backend under

@@ -214,32 +214,37 @@ std::string NcclCommunicator::error() {
 }
 
 void NcclCommunicator::close() {
-  bool first = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!closed_) {
-      first = closed_ = true;
-      if (comm_ != nullptr) {
-        ncclResult_t async = ncclSuccess;
-        const bool healthy = ncclCommGetAsyncError(comm_, &async) == ncclSuccess &&
-                             async == ncclSuccess;
-        // Destroy only a quiescent communicator (it then has nothing to wait for); anything
-        // still in flight at teardown is cancelled rather than waited on.
-        const ncclResult_t status = healthy && reap_locked() ? ncclCommDestroy(comm_)
-                                                             : ncclCommAbort(comm_);
-        if (status != ncclSuccess) {
-          std::fprintf(stderr, "cpshard NCCL: ending the communicator failed: %s\n",
-                       ncclGetErrorString(status));
-        }
-        comm_ = nullptr;
-      }
-      release_events_locked();
-    }
-  }
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return;
+  closed_ = true;  // later calls raise; the watchdog stops
   wake_.notify_all();
-  if (first && watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) {
-    watchdog_.join();
+  // Calls in flight may finish first (an abort of a split child would also stop torch's
+  // communicator when they share resources), for at most the group's timeout or until an error.
+  const auto deadline = Clock::now() + timeout_;
+  while (comm_ != nullptr && healthy_locked() && !reap_locked() && Clock::now() < deadline) {
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lock.lock();
   }
+  if (comm_ != nullptr) {
+    // Destroying a quiescent communicator waits for nothing; anything else is aborted.
+    const bool quiescent = healthy_locked() && reap_locked();
+    const ncclResult_t status = quiescent ? ncclCommDestroy(comm_) : ncclCommAbort(comm_);
+    if (status != ncclSuccess) {
+      std::fprintf(stderr, "cpshard NCCL: ending the communicator failed: %s\n",
+                   ncclGetErrorString(status));
+    }
+    comm_ = nullptr;
+  }
+  release_events_locked();
+  lock.unlock();
+  if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
+}
+
+bool NcclCommunicator::healthy_locked() {
+  ncclResult_t async = ncclSuccess;
+  return ncclCommGetAsyncError(comm_, &async) == ncclSuccess &&
+         (async == ncclSuccess || async == ncclInProgress);
 }
 
 void NcclCommunicator::watch() {
@@ -252,9 +257,9 @@ void NcclCommunicator::watch() {
   while (!closed_ && comm_ != nullptr) {
     wake_.wait_for(lock, kPollInterval);
     if (closed_ || comm_ == nullptr) break;
-    ncclResult_t async = ncclSuccess;
-    const ncclResult_t polled = ncclCommGetAsyncError(comm_, &async);
-    if (polled != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+    if (!healthy_locked()) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t polled = ncclCommGetAsyncError(comm_, &async);
       abort_locked(std::string("asynchronous NCCL error: ") +
                    ncclGetErrorString(polled != ncclSuccess ? polled : async) + ". " +
                    ncclGetLastError(comm_));

@@ -47,7 +47,8 @@ class NcclCommunicator : public torch::CustomClassHolder {
   // process group's timeout, after which an unfinished call aborts the communicator.
   NcclCommunicator(int64_t parent, const at::Tensor& unique_id, int64_t rank, int64_t world,
                    int64_t device, double timeout_s);
-  // Ends the communicator like close(): never waits on peers.
+  // Ends the communicator like close() if that was not called (cpshard/comm/nccl.py always
+  // calls it, with the process group's end or at exit, never leaving it to garbage collection).
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -65,9 +66,11 @@ class NcclCommunicator : public torch::CustomClassHolder {
   int64_t device() const { return device_; }
   // Why the communicator was aborted, or "" while it is usable.
   std::string error();
-  // Ends the communicator now: destroyed when every call has finished and no error occurred,
-  // else aborted (a split child shares its parent's abort flag, so an abort also stops torch's
-  // communicator: only done when something already went wrong). Idempotent; later calls raise.
+  // Ends the communicator: waits for the calls in flight (at most the timeout, and not past an
+  // error), then destroys it when they all finished without error, else aborts it (a split
+  // child shares its parent's abort flag when they share resources, so an abort also stops
+  // torch's communicator: only done when something already went wrong). Idempotent; later
+  // calls raise.
   void close();
 
   // out[world * n] <- every rank's local[n]; in place when local is this rank's slot of out.
@@ -96,6 +99,8 @@ class NcclCommunicator : public torch::CustomClassHolder {
   void watch();
   // With mu_ held: drops the events of finished calls; true when none is left.
   bool reap_locked();
+  // With mu_ held (comm_ set): no asynchronous error so far.
+  bool healthy_locked();
   // With mu_ held: aborts the communicator for `reason` (kept for later calls).
   void abort_locked(const std::string& reason);
   void release_events_locked();
