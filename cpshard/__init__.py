@@ -13,6 +13,7 @@ from cpshard.ops import (
     pack_ragged,
     unpack_ragged,
 )
+from cpshard.loss import cp_cross_entropy, reduce_cp_gradients
 from cpshard.layout import (
     LAYOUT_ALIASES,
     LAYOUTS,
@@ -50,6 +51,7 @@ __all__ = [
     "check_mode",
     "ContextParallelSharder",
     "cp_blockdiag_sdpa",
+    "cp_cross_entropy",
     "current_check_mode",
     "cp_vision_frame_sharding_active",
     "cp_vision_group",
@@ -80,6 +82,7 @@ __all__ = [
     "plan_vision_frames",
     "raise_on_any_rank",
     "rank_major_inverse",
+    "reduce_cp_gradients",
     "reset_cp_vision_group",
     "resolve_cost_alpha",
     "set_cp_vision_group",

@@ -23,8 +23,9 @@ reduce-scatter.
 Padding follows :mod:`cpshard.batch_padding` (the conventions every sharder shares).
 
 This module never calls ``torch.distributed``: ranks come from :func:`cpshard.comm.resolve_group`,
-communication from :mod:`cpshard.transport`, and every check that can fail on some ranks only
-and precedes a collective goes through :func:`cpshard.consensus.agree`, so every rank raises.
+communication from :mod:`cpshard.transport`. ``shard`` (once per step) checks across ranks with
+:func:`cpshard.consensus.agree`, so every rank raises; the per-call token verbs check locally,
+across ranks only in checked mode (:func:`cpshard.consensus.check_call`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from cpshard import ops
 from cpshard.batch_padding import pad_sequence, pad_value
 from cpshard.comm import GroupLike, resolve_group
-from cpshard.consensus import agree, digest
+from cpshard.consensus import agree, check_call, digest
 from cpshard.layout import (
     CLOSED_FORM_LAYOUTS,
     ShardLayout,
@@ -654,11 +655,11 @@ class ContextParallelSharder:
         except _Problem as p:
             problem = str(p)
         if problem is not None:
-            # Every transport call below opens with exactly one consensus exchange
-            # (cpshard.consensus.agree, a fixed-size all-gather); a rank whose checks failed joins
-            # that exchange here with its failure flag, so every rank raises and none blocks. A
-            # rank that passed spends no extra round trip on this call's own checks.
-            agree(self._group, what, problem)
+            # A per-call function: the problem raises here alone by default; in checked mode
+            # every transport call below opens with exactly one consensus round, which a rank
+            # whose checks failed joins here with its failure flag, so every rank raises and none
+            # blocks. A rank that passed spends no extra round on this call's own checks.
+            check_call(self._group, what, problem)
         t, d = tensor, plan.dim
         fill_value = fill if fill is not None else 0
         if plan.counts is not None:  # ranks hold different counts: all-gather-v, rank order

@@ -11,13 +11,17 @@ from cpshard.bench.cli import main, parse_config
 from cpshard.bench.config import BenchConfig
 
 
-def test_tiny_run_writes_json(run_bench):
+def test_tiny_run_writes_json_and_plot(run_bench, tmp_path):
+    png = tmp_path / "figures.png"
     proc, data = run_bench(
         *"--world 2 --ops ragged,halo --sizes 64 --repeats 2 --warmup 1 --iters 2".split(),
         "--hidden",
         "256",
+        "--plot",
+        str(png),
         timeout=180,
     )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # matplotlib comes with the test environment
     assert "[2/2]" in proc.stderr  # the progress line
     assert "# ragged:" in proc.stdout and "# halo:" in proc.stdout and "speedup" in proc.stdout
     assert data["machine"]["world"] == 2 and data["machine"]["backend"] == "gloo"
@@ -91,10 +95,11 @@ def test_parser_accepts_and_normalises():
     assert parse_config(["--ops", "all"]).ops == BenchConfig().ops
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed"
-)
-def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys):
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else find_spec(name, *a)
+    )
     with pytest.raises(SystemExit) as info:
         parse_config(["--plot", str(tmp_path / "a.png")])
     assert info.value.code == 2

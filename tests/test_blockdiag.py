@@ -8,11 +8,17 @@ the full sequence. Every rank's output and the float64 gradients of q, k, v and 
 
 from __future__ import annotations
 
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cpshard.blockdiag import document_ids
+from cpshard.blockdiag.attention import part_kernel as _PART_KERNEL
 from cpshard.blockdiag.attention import varlen_kernel as _VARLEN_KERNEL
 from cpshard.blockdiag.state import active_state
 
@@ -49,14 +55,20 @@ def _packing(name: str, b: int, s: int) -> torch.Tensor:
     return doc
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor
+) -> torch.Tensor:
     """Dense block-diagonal causal attention on the full sequence (pads output zeros)."""
     s = q.shape[2]
     new_run = torch.ones_like(doc, dtype=torch.bool)
     new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
     run = torch.cumsum(new_run.long(), dim=1)
     pos = torch.arange(s)
-    mask = (run[:, :, None] == run[:, None, :]) & (doc[:, :, None] != 0) & (pos[:, None] >= pos[None, :])
+    mask = (
+        (run[:, :, None] == run[:, None, :])
+        & (doc[:, :, None] != 0)
+        & (pos[:, None] >= pos[None, :])
+    )
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
@@ -84,7 +96,9 @@ class _Proj(torch.nn.Module):
 def _inputs(b: int, s: int, hidden: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     emb = torch.randn(b, s, hidden, dtype=torch.float64, generator=g)
-    upstream = torch.randn(b, 4, s + 4, D, dtype=torch.float64, generator=g)  # covers W <= 4 padding
+    upstream = torch.randn(
+        b, 4, s + 4, D, dtype=torch.float64, generator=g
+    )  # covers W <= 4 padding
     return emb, upstream
 
 
@@ -101,58 +115,88 @@ CASES = [
 ]
 
 
-def _reference_varlen(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_q: torch.Tensor,
-    cu_k: torch.Tensor,
-    max_q: int,
-    max_k: int,
-    dropout_p: float = 0.0,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-) -> torch.Tensor:
-    """flash-attn's ``flash_attn_varlen_func`` contract in plain PyTorch: packed
-    ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA by head groups,
-    the causal mask aligned bottom-right (a query sees every key of a longer prefix)."""
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and causal and dropout_p == 0.0
-    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
-    outs = []
-    for i in range(len(cu_q) - 1):
-        qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
-        rep = q.shape[1] // k.shape[1]
-        ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
-        vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
-        n, m = qs.shape[1], ks.shape[1]
-        scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-        visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
-        scores = (qs @ ks.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
-        outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
-    return torch.cat(outs)
+class _StandInVarlen:
+    """torch's varlen flash contract (``aten._flash_attention_forward`` / ``_backward``) in plain
+    PyTorch: packed ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA
+    by head groups, the causal mask aligned bottom-right (a query sees every key of a longer
+    prefix), ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
+    same statement (``torch.func``: autograd is off inside a custom op). It
+    records every packing it is handed."""
+
+    def __init__(self) -> None:
+        self.packings: list = []
+        self.calls = {"forward": 0, "backward": 0}
+
+    def _attend(self, q, k, v, p, scale):
+        cu_q, cu_k = p.cu_q, p.cu_k
+        assert (
+            cu_q.dtype == cu_k.dtype == torch.int32
+            and isinstance(p.max_q, int)
+            and isinstance(p.max_k, int)
+        )
+        assert p.max_q == int((cu_q[1:] - cu_q[:-1]).max()) and p.max_k == int(
+            (cu_k[1:] - cu_k[:-1]).max()
+        )
+        assert q.shape[0] == int(cu_q[-1]) and k.shape[0] == v.shape[0] == int(cu_k[-1])
+        self.packings.append(p)
+        outs, lses = [], []
+        for i in range(len(cu_q) - 1):
+            qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+            rep = q.shape[1] // k.shape[1]
+            ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+            vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+            n, m = qs.shape[1], ks.shape[1]
+            visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+            scores = (
+                qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+            ).masked_fill(~visible, float("-inf"))
+            outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
+            wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse
+            lses.append(torch.logsumexp(scores.to(wide), dim=-1))
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def forward(self, q, k, v, p, scale):
+        self.calls["forward"] += 1
+        return self._attend(q, k, v, p, scale)
+
+    def backward(self, grad, q, k, v, out, lse, p, scale):
+        self.calls["backward"] += 1
+        (again, again_lse), vjp = torch.func.vjp(lambda *t: self._attend(*t, p, scale), q, k, v)
+        torch.testing.assert_close(again, out, rtol=0, atol=0)
+        torch.testing.assert_close(again_lse, lse, rtol=0, atol=0)
+        return vjp((grad, torch.zeros_like(lse)))
+
+
+PATHS = ["per_segment", "varlen", "math"]
+
+
+@contextmanager
+def _path(name: str) -> Iterator[_StandInVarlen | None]:
+    """Route cp_blockdiag_sdpa's kernels on CPU: the CPU flash loop (``per_segment``), the
+    one-launch varlen path of CUDA fp16/bf16 with :class:`_StandInVarlen` as its kernel
+    (``varlen``), or the loop with the explicit part kernel of CUDA fp32/fp64 (``math``)."""
+    from cpshard.blockdiag import attention
+
+    kernel = _StandInVarlen() if name == "varlen" else None
+    try:
+        if kernel is not None:
+            attention.varlen_kernel = lambda q, d_k, d_v: kernel
+        if name == "math":
+            attention.part_kernel = lambda q: attention.MathPart()
+        yield kernel
+    finally:
+        attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL
 
 
 def _distributed(
-    rank: int, world: int, cases: list[tuple], varlen: bool = False
+    rank: int, world: int, cases: list[tuple], path: str = "per_segment"
 ) -> list[tuple[torch.Tensor, ...]]:
-    """Per case: this rank's output, and the gradients of its embeds shard and the projections.
-    ``varlen``: through the one-call varlen path (the CUDA flash-attn route), with the kernel
-    replaced by :func:`_reference_varlen` so that its packing runs on CPU."""
-    from cpshard.blockdiag import attention
-
-    calls = []
-
-    def kernel(*args, **kwargs) -> torch.Tensor:
-        calls.append(1)
-        return _reference_varlen(*args, **kwargs)
-
-    try:
-        if varlen:
-            attention.varlen_kernel = lambda q: kernel
+    """Per case: this rank's output, and the gradients of its embeds shard and the projections,
+    through the kernel ``path`` (see :func:`_path`)."""
+    with _path(path) as kernel:
         results = _distributed_cases(rank, world, cases)
-    finally:
-        attention.varlen_kernel = _VARLEN_KERNEL
-    assert not varlen or len(calls) >= len(cases) - 1, f"varlen path taken {len(calls)} times"
+    if kernel is not None:  # one forward and one backward launch per call with segments
+        assert kernel.calls["forward"] == kernel.calls["backward"] >= len(cases) - 1, kernel.calls
     return results
 
 
@@ -177,7 +221,9 @@ def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[
         weight = upstream[:, :heads, rank * local : (rank + 1) * local]
         (out * weight).sum().backward()
         # an all-padding rank's q projection takes no part in its output: no gradient there
-        grads = [emb.grad] + [torch.zeros_like(p) if p.grad is None else p.grad for p in proj.parameters()]
+        grads = [emb.grad] + [
+            torch.zeros_like(p) if p.grad is None else p.grad for p in proj.parameters()
+        ]
         results.append((out.detach(), batch["padding_mask"], *grads))
     return results
 
@@ -196,21 +242,25 @@ def _single(cases: list[tuple], world: int) -> list[tuple[torch.Tensor, ...]]:
     return results
 
 
-@pytest.mark.parametrize("varlen", [False, True], ids=["per_segment", "varlen"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_matches_dense_reference(pools, world: int, varlen: bool) -> None:
-    got = pools(world).run(_distributed, CASES, varlen, timeout=180)
+def test_matches_dense_reference(pools, world: int, path: str) -> None:
+    got = pools(world).run(_distributed, CASES, path, timeout=180)
     want = _single(CASES, world)
     for i, case in enumerate(CASES):
         s = case[2]
         out = torch.cat([got[r][i][0] for r in range(world)], dim=2)
-        torch.testing.assert_close(out[:, :, :s], want[i][0], rtol=0, atol=1e-12, msg=f"{case} output")
+        torch.testing.assert_close(
+            out[:, :, :s], want[i][0], rtol=0, atol=1e-12, msg=f"{case} output"
+        )
         assert torch.all(out[:, :, s:] == 0), case
         pad = torch.cat([got[r][i][1] for r in range(world)], dim=1)
         assert torch.equal(pad[:, :s], want[i][1]) and bool(pad[:, s:].all()), case
         for j, name in enumerate(["inputs_embeds", "q.weight", "q.bias", "kv.weight", "kv.bias"]):
             total = sum(got[r][i][2 + j] for r in range(world))  # each rank holds a partial grad
-            torch.testing.assert_close(total, want[i][2 + j], rtol=0, atol=1e-10, msg=f"{case} grad {name}")
+            torch.testing.assert_close(
+                total, want[i][2 + j], rtol=0, atol=1e-10, msg=f"{case} grad {name}"
+            )
 
 
 def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
@@ -219,7 +269,9 @@ def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
 
     doc = _packing("interior_pad", 1, 30)
     q, k, v = (torch.randn(1, 2, 30, D, dtype=torch.float64) for _ in range(3))
-    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": torch.zeros(1, 30, 4), "_packed_seq_ids": doc})
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"inputs_embeds": torch.zeros(1, 30, 4), "_packed_seq_ids": doc}
+    )
     with ctx():
         out = cp_blockdiag_sdpa(q, k, v)
     assert torch.all(out[:, :, doc[0] == 0] == 0)
@@ -230,9 +282,16 @@ def test_plain_sdpa_when_inactive_and_nesting_restores() -> None:
     from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     q, k, v = (torch.randn(2, 2, 6, D) for _ in range(3))
-    torch.testing.assert_close(cp_blockdiag_sdpa(q, k, v, is_causal=True), F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    outer, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(2, 6, dtype=torch.long)})
-    inner, _ = make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": torch.ones(2, 4, dtype=torch.long)})
+    torch.testing.assert_close(
+        cp_blockdiag_sdpa(q, k, v, is_causal=True),
+        F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    )
+    outer, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": torch.ones(2, 6, dtype=torch.long)}
+    )
+    inner, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": torch.ones(2, 4, dtype=torch.long)}
+    )
     with outer():
         first = active_state()
         with inner():
@@ -251,7 +310,9 @@ def test_batch_sharding_conventions(pools) -> None:
         assert torch.equal(batch["input_ids"], ids[:, sl])
         assert torch.equal(batch["labels"], labels[:, sl])
         assert torch.equal(batch["position_ids"], pos[:, sl])
-        assert torch.equal(batch["loss_mask"], torch.cat([torch.ones(1, 7), torch.zeros(1, 2)], 1)[:, sl])
+        assert torch.equal(
+            batch["loss_mask"], torch.cat([torch.ones(1, 7), torch.zeros(1, 2)], 1)[:, sl]
+        )
         assert torch.equal(batch["padding_mask"], (torch.arange(9) >= 7).view(1, 9)[:, sl])
         assert "attention_mask" not in batch
         assert batch["pixel_values"].shape == (4, 3)  # not sequence-aligned: untouched
@@ -269,7 +330,9 @@ def _shard_batch(rank: int, world: int) -> dict:
         "attention_mask": torch.ones(1, 7, dtype=torch.long),
         "pixel_values": torch.zeros(4, 3),
     }
-    _, out = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch, loss_mask=torch.ones(1, 7), padding_token_id=5)
+    _, out = make_cp_blockdiag_batch_and_ctx(
+        dist.group.WORLD, None, batch, loss_mask=torch.ones(1, 7), padding_token_id=5
+    )
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
 
 
@@ -283,7 +346,9 @@ def test_document_ids_priority() -> None:
             block[row, 0, at : at + n, at : at + n] = torch.tril(torch.ones(n, n, dtype=torch.bool))
             at += n
     flat = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
-    assert torch.equal(document_ids({"_packed_seq_ids": packed, "attention_mask": flat}, s, "cpu", b), packed)
+    assert torch.equal(
+        document_ids({"_packed_seq_ids": packed, "attention_mask": flat}, s, "cpu", b), packed
+    )
     from_block = document_ids({"attention_mask": block}, s, "cpu", b)
     assert torch.equal(from_block, torch.tensor([[1, 1, 2, 2, 0, 0], [1, 1, 1, 2, 2, 2]]))
     additive = torch.where(block, 0.0, torch.finfo(torch.float32).min)
@@ -297,10 +362,14 @@ def test_document_ids_priority() -> None:
 def _bad_rank(rank: int, world: int, kind: str) -> None:
     import torch.distributed as dist
 
+    from cpshard import check_mode
     from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     s = 12 if not (kind == "seq_len" and rank == 1) else 13
-    batch = {"inputs_embeds": torch.zeros(1, s, 4), "_packed_seq_ids": torch.ones(1, s, dtype=torch.long)}
+    batch = {
+        "inputs_embeds": torch.zeros(1, s, 4),
+        "_packed_seq_ids": torch.ones(1, s, dtype=torch.long),
+    }
     if kind == "doc_ids" and rank == 1:
         batch["_packed_seq_ids"][0, 0] = 2
     if kind == "no_embeds" and rank == 1:
@@ -310,7 +379,7 @@ def _bad_rank(rank: int, world: int, kind: str) -> None:
     q = torch.zeros(1, 2, local if not (kind == "q_len" and rank == 1) else local + 1, D)
     mask = torch.ones(1, 1) if kind == "mask" and rank == 1 else None
     v = q[:, :1] if kind == "kv" and rank == 1 else q  # k and v head counts differ on one rank
-    with ctx():
+    with ctx(), check_mode("call"):  # per-call consensus: the checked mode
         cp_blockdiag_sdpa(q, q, v, attn_mask=mask)
 
 
@@ -319,3 +388,320 @@ def test_bad_input_on_one_rank_raises_everywhere(pools, kind: str) -> None:
     outcomes = pools(3).run_collect(_bad_rank, kind, timeout=30)
     assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
     assert all("rank 1" in o.error_message for o in outcomes), [o.error_message for o in outcomes]
+
+
+COMPILE_BATCHES = [
+    "short_docs",
+    "one_doc",
+    "interior_pad",
+    "random",
+]  # different segments and halos
+
+
+def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[int]:
+    """cp_blockdiag_sdpa compiled once (fullgraph, ``backend``) over batches with different
+    documents: outputs and gradients equal eager; returns the compile counts."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend(backend)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return cp_blockdiag_sdpa(q, k, v, enable_gqa=True) * 2
+
+    compiled = torch.compile(attend, backend=counter, fullgraph=True)
+    b, s, local = 2, 24, 24 // world
+    halos = set()
+    with _path(path):
+        for name in COMPILE_BATCHES:
+            doc = _packing(name, b, s)
+            ctx, _ = make_cp_blockdiag_batch_and_ctx(
+                dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+            )
+            g = torch.Generator().manual_seed(len(name))
+            q, k, v = (
+                torch.randn(b, h, local, D, dtype=torch.float64, generator=g) for h in (4, 2, 2)
+            )
+            weight = torch.randn(b, 4, local, D, dtype=torch.float64, generator=g)
+            got = []
+            for fn in (compiled, attend):
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                with ctx():
+                    out = fn(*leaves)
+                    halos.add(active_state().halos)
+                got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
+            for a, e in zip(*got, strict=True):
+                torch.testing.assert_close(
+                    a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager"
+                )
+    assert world == 1 or len(halos) > 1, halos  # the batches differ in their halos too
+    return [counter.frame_count, counter.op_count]
+
+
+@pytest.mark.parametrize(
+    "path, backend",
+    [("per_segment", "aot_eager"), ("varlen", "aot_eager"), ("per_segment", "inductor")],
+)
+def test_compiled_does_not_recompile_per_batch(pools, path: str, backend: str) -> None:
+    """The segments and halos are data behind the step's key, not guards: one compile."""
+    counts = pools(2).run(_compiled_vs_eager, path, backend, timeout=400)
+    assert all(frames == 1 for frames, _ in counts), counts
+
+
+_HOST_READS = ["item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"]
+
+
+@contextmanager
+def _recording_host_reads(reads: list[str], allowed: torch.Tensor) -> Iterator[None]:
+    """Record every host read of tensor data (``.item()``, ``.tolist()``, ``.cpu()``, ``int()``,
+    ``bool()``, ...) and every tensor built from host data (``torch.tensor``) made by library
+    code (the nearest caller outside torch is cpshard); reads of ``allowed`` (the step's CPU
+    key) and reads on behalf of this test module (the kernel stand-in) are not recorded."""
+    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
+    built = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+
+    def spy(name: str, real, check_self: bool):
+        def call(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            by_library = (
+                frame is not None and f"{os.sep}cpshard{os.sep}" in frame.f_code.co_filename
+            )
+            if by_library and not (check_self and args[0] is allowed):
+                reads.append(f"{name} from {frame.f_code.co_filename}:{frame.f_lineno}")
+            return real(*args, **kwargs)
+
+        return call
+
+    try:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, spy(name, real, True))
+        for name, real in built.items():
+            setattr(torch, name, spy(name, real, False))
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, real)
+        for name, real in built.items():
+            setattr(torch, name, real)
+
+
+def _host_reads(rank: int, world: int, path: str) -> list[str]:
+    """Host reads of tensor data inside cp_blockdiag_sdpa and its backward (after the step's
+    setup), and whether the kernel was handed the packing built at setup."""
+    import torch.distributed as dist
+
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    doc = _packing("random", 2, 37)
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(
+        dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    local = batch["input_ids"].shape[1]
+    q, k, v = (
+        torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)
+    )
+    reads: list[str] = []
+    with ctx():
+        state = active_state()
+    with _path(path) as kernel, _recording_host_reads(reads, state.key):
+        for _ in range(2):  # two layers
+            with ctx():
+                out = cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
+            out.sum().backward()
+    if kernel is not None:
+        assert kernel.packings and all(p is state.packing for p in kernel.packings)
+    return reads
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_hot_path_reads_no_tensor_data_on_host(pools, path: str) -> None:
+    """Forward and backward read no tensor data on the host (no device sync on CUDA) and
+    rebuild no metadata: the varlen kernel gets the packing computed once at the step's setup."""
+    reads = pools(2).run(_host_reads, path, timeout=120)
+    assert reads == [[], []], reads
+
+
+def test_packing_is_built_once_and_cached_per_device() -> None:
+    """The step's packing (host) is moved to a device once and reused by every later call;
+    it lists exactly the non-pad query rows, and each segment's keys from its document start."""
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+
+    doc = _packing("interior_pad", 2, 30)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    with ctx():
+        state = active_state()
+    p = state.packing
+    assert torch.equal(p.q_rows, torch.nonzero(doc.view(-1)).view(-1))
+    for i, s in enumerate(state.segments):
+        keys = p.k_rows[p.cu_k[i] : p.cu_k[i + 1]]
+        assert torch.equal(keys, s.row * 30 + torch.arange(s.doc_start, s.begin + s.length))
+    meta = torch.device("meta")
+    on_meta = state.packing_on(meta)
+    assert on_meta is state.packing_on(meta) and on_meta.q_rows.device == meta
+    assert state.packing_on(torch.device("cpu")) is p
+
+
+def _rounds_and_transfers(rank: int, world: int) -> dict[str, list[int]]:
+    """Per check mode, for one cp_blockdiag_sdpa call forward + backward: the consensus rounds
+    (host channel) and the halo transfers (exchange, return) it issued."""
+    import torch.distributed as dist
+
+    from cpshard import check_mode, consensus
+    from cpshard.blockdiag import attention, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    counts = {"rounds": 0, "exchange": 0, "return": 0}
+
+    def counting(name: str, real):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    real = consensus.all_gather_small, attention.halo_exchange, attention.halo_return
+    consensus.all_gather_small = counting("rounds", real[0])
+    attention.halo_exchange, attention.halo_return = (
+        counting("exchange", real[1]),
+        counting("return", real[2]),
+    )
+    try:
+        doc = _packing("pad_rank", 1, 40)
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(
+            dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+        )
+        local = 40 // world
+        got = {}
+        for mode in ("step", "call"):
+            counts.update(dict.fromkeys(counts, 0))
+            q = torch.randn(1, 2, local, D, dtype=torch.float64, requires_grad=True)
+            with check_mode(mode), ctx():
+                out = cp_blockdiag_sdpa(q, q, q)
+            out.sum().backward()
+            got[mode] = [counts["rounds"], counts["exchange"], counts["return"]]
+    finally:
+        consensus.all_gather_small = real[0]
+        attention.halo_exchange, attention.halo_return = real[1:]
+    return got
+
+
+def test_default_mode_issues_only_the_halo_transfers(pools) -> None:
+    """By default a call (forward + backward) issues its halo exchange and return and nothing
+    else, on every rank (an all-padding one included); checked mode adds one consensus round."""
+    for got in pools(4).run(_rounds_and_transfers, timeout=60):
+        assert got == {"step": [0, 1, 1], "call": [1, 1, 1]}, got
+
+
+def test_opcheck_attention_ops() -> None:
+    """The attention custom ops pass torch.library.opcheck (schema, fake kernel, autograd)."""
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard.blockdiag.attention import blockdiag_attention, blockdiag_attention_backward
+
+    doc = _packing("interior_pad", 2, 30)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    with ctx():
+        key = active_state().key
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 30, D, dtype=torch.float64, generator=g, requires_grad=True)
+    kv = torch.randn(2, 2, 30, 2 * D, dtype=torch.float64, generator=g, requires_grad=True)
+    torch.library.opcheck(blockdiag_attention, (q, kv, key, D, None))
+    out, lse = (t.detach() for t in blockdiag_attention(q, kv, key, D, 0.5))
+    grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
+    args = (grad, q.detach(), kv.detach(), out, lse, key, D, 0.5)
+    torch.library.opcheck(blockdiag_attention_backward, args)
+
+
+def _opcheck_halo_ops(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard.blockdiag.attention import blockdiag_halo, blockdiag_halo_return
+
+    doc = _packing("random", 1, 37)
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(
+        dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    with ctx():
+        state = active_state()
+    assert max(state.halos) > 0  # a rank receives rows
+    local = batch["input_ids"].shape[1]
+    kv = torch.randn(1, 2, local, 2 * D, dtype=torch.float64, requires_grad=True)
+    torch.library.opcheck(blockdiag_halo, (kv, state.key))
+    grad = torch.randn(1, 2, state.halo + local, 2 * D, dtype=torch.float64)
+    torch.library.opcheck(blockdiag_halo_return, (grad, state.key, local))
+
+
+def test_opcheck_halo_ops(pools) -> None:
+    """The halo custom ops pass torch.library.opcheck on every rank (same calls everywhere)."""
+    pools(2).run(_opcheck_halo_ops, timeout=120)
+
+
+def test_padding_mask_and_document_ids_on_the_batch_device() -> None:
+    """Host-made padding_mask and host-given document ids follow the batch to its device (meta
+    here), and so does the attention's packing."""
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+
+    doc = torch.tensor([[1, 1, 2, 2, 0]])
+    embeds = torch.zeros(1, 5, 3, device="meta")
+    ctx, batch = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"inputs_embeds": embeds, "_packed_seq_ids": doc}
+    )
+    assert {key: t.device.type for key, t in batch.items()} == dict.fromkeys(batch, "meta")
+    with ctx():
+        assert torch.device("meta") in active_state()._on_device
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_bf16_on_every_path(path: str) -> None:
+    """bf16 through each kernel path (the dtype of the GPU one-launch path) stays within bf16
+    rounding of the float64 reference, forward and backward; outputs and gradients keep bf16."""
+    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+
+    doc = _packing("random", 2, 37)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, h, 37, D, dtype=torch.float64, generator=g) for h in (4, 2, 2))
+    wide = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _reference(*wide, doc)
+    want_grads = torch.autograd.grad(want.sum(), wide)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    with _path(path), ctx():
+        got = cp_blockdiag_sdpa(*low, enable_gqa=True)
+    got_grads = torch.autograd.grad(got.float().sum(), low)
+    assert got.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in got_grads)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=3e-2)
+    for a, e in zip(got_grads, want_grads, strict=True):  # gradients of magnitude up to ~10
+        torch.testing.assert_close(a.double(), e, rtol=0, atol=1e-1)
+
+
+def test_torch_flash_varlen_calls_match_the_aten_kernels() -> None:
+    """The one-launch CUDA path with torch's real varlen flash ops, run on meta tensors (their
+    meta kernels check the arguments and give the shapes): GQA bf16 forward and backward."""
+    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard.blockdiag.attention import TorchFlashVarlen, _Varlen
+
+    doc = _packing("random", 2, 37)
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(
+        None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    with ctx():
+        packing = active_state().packing_on(torch.device("meta"))
+    impl = _Varlen(TorchFlashVarlen(), packing)
+    q = torch.empty(2, 4, 37, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, 37, 64, dtype=torch.bfloat16, device="meta")
+    out, lse = impl.forward(q, k, k, None)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == q.shape[:3] and lse.dtype == torch.float32
+    grads = impl.backward(torch.empty_like(out), q, k, k, out, lse, 0.125)
+    assert [t.shape for t in grads] == [q.shape, k.shape, k.shape]

@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard.comm import torch_backend as comm
+from cpshard import check_mode, comm
 from cpshard.layout import ShardLayout, make_layout
 from cpshard.sharder import ContextParallelSharder
 
@@ -592,6 +592,12 @@ def _expect(bad: list[str], tag: str, fn, exc: type[Exception], *needles: str) -
 
 
 def _run_errors(rank: int, world: int) -> list[str]:
+    """Bad input in checked mode: every rank raises (the per-call gathers check across ranks)."""
+    with check_mode("call"):
+        return _errors(rank, world)
+
+
+def _errors(rank: int, world: int) -> list[str]:
     g = dist.group.WORLD
     bad: list[str] = []
     last = world - 1

@@ -53,3 +53,32 @@ def _compiled_equals_eager(rank: int, world: int) -> list[str]:
 def test_compiled_transport_equals_eager(pools, world):
     for problems in pools(world).run(_compiled_equals_eager, timeout=600):
         assert problems == []
+
+
+def _opcheck_verbs(rank: int, world: int) -> list[str]:
+    """``torch.library.opcheck`` (schema, fake kernel, autograd registration, AOT dispatch) on
+    every transport op; every rank runs the same checks, so the collectives inside match."""
+    name = dist.group.WORLD.group_name
+    sizes = [3 * (r + 1) for r in range(world)]
+    halos = [min(2, r) for r in range(world)]
+    ops = torch.ops.cpshard
+    cases = {
+        "all_gather_v": (ops.all_gather_v.default, (torch.randn(sizes[rank], dtype=F64, requires_grad=True), name, sizes, 5)),
+        "reduce_scatter_v": (ops.reduce_scatter_v.default, (torch.randn(sum(sizes), dtype=F64, requires_grad=True), name, sizes, 5)),
+        "halo_exchange": (ops.halo_exchange.default, (torch.randn(2, 3, 2, dtype=F64, requires_grad=True), name, halos, 1, 1, 7)),
+        "halo_return": (
+            ops.halo_return.default,
+            (torch.randn(2, 1 + min(rank * 3, halos[rank]) + 3, 2, dtype=F64, requires_grad=True), name, halos, 1, 1, 7),
+        ),
+    }
+    problems = []
+    for label, (op, args) in cases.items():
+        result = torch.library.opcheck(op, args)
+        problems += [f"{label}: {k}: {v}" for k, v in result.items() if v != "SUCCESS"]
+    return problems
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_transport_ops_pass_opcheck(pools, world):
+    for problems in pools(world).run(_opcheck_verbs, timeout=300):
+        assert problems == []

@@ -138,3 +138,40 @@ def test_default_mode_bad_input_never_silent(short_pool2, case):
         )
         if o.error_type == "ValueError" and "cpshard transport" in o.error_message:
             assert f"rank {1 - o.rank} called this transfer with different arguments" in o.error_message
+
+
+def _shadow_channel(rank: int, world: int) -> dict[str, object]:
+    """An NCCL group's consensus runs on a gloo group over the same ranks (the host channel),
+    made once per group: exercised on CPU by presenting a gloo group as an NCCL one."""
+    from cpshard.comm import Group, host_group, resolve_group
+    from cpshard.consensus import agree
+
+    g = resolve_group(dist.group.WORLD, "test")
+    original = Group.backend
+    Group.backend = property(lambda self: "nccl")  # type: ignore[method-assign]
+    try:
+        shadow = host_group(g)
+        again = host_group(g)
+        try:
+            agree(g, "shadow.check", "bad here" if rank == world - 1 else None)
+            verdict = "passed"
+        except ValueError as exc:
+            verdict = str(exc)
+    finally:
+        Group.backend = original  # type: ignore[method-assign]
+    return {
+        "distinct": shadow is not g.pg,
+        "cached": again is shadow,
+        "backend": str(dist.get_backend(shadow)),
+        "ranks": dist.get_process_group_ranks(shadow),
+        "verdict": verdict,
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_consensus_of_a_non_gloo_group_runs_on_a_gloo_shadow(pools, world):
+    for rank, out in enumerate(pools(world).run(_shadow_channel, timeout=60)):
+        assert out["distinct"] and out["cached"] and out["backend"] == "gloo"
+        assert out["ranks"] == list(range(world))
+        expected = "rank {}: bad here".format(world - 1) if rank == world - 1 else f"rank {world - 1} failed"
+        assert expected in out["verdict"], out["verdict"]

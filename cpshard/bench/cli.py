@@ -200,7 +200,7 @@ def parse_config(argv: Sequence[str]) -> BenchConfig:
     _check_output(bench_parser, args.plot_path, "--plot")
     if args.plot_path is not None and importlib.util.find_spec("matplotlib") is None:
         bench_parser.error(
-            "--plot needs matplotlib, which is not installed (pip install matplotlib); "
+            "--plot needs matplotlib, which is not installed (pip install 'cpshard[bench]'); "
             "--json writes the same figures"
         )
     fields = {k: v for k, v in vars(args).items() if k != "command"}

@@ -2,146 +2,472 @@
 
 Each rank receives, through the multi-hop halo, exactly the K/V rows before its first token that
 the document containing that token reaches back to (the max over batch rows), then attends per
-document segment: queries ``[begin, begin + n)`` over keys ``[doc_start, begin + n)``. On CUDA
-with flash-attn installed (fp16/bf16), all segments go to ONE call of its varlen kernel (causal,
-aligned bottom-right: a segment's queries see its whole prefix). Otherwise each segment is one
-attention call; on CPU a segment whose document starts on an earlier rank splits into a
-non-causal prefix part and a causal square part, merged by their log-sum-exp (flash-attention's
-decomposition), so no ``[L, S]`` mask is ever built. Pad rows attend to nothing and output zeros.
+document segment: queries ``[begin, begin + n)`` over keys ``[doc_start, begin + n)`` (causal,
+aligned bottom-right: a segment's queries see its document's whole prefix). Pad rows attend to
+nothing and output zeros.
+
+Two ``torch.library`` custom ops do the work, each with a fake kernel and a backward op, so that
+``torch.compile`` traces a call as two opaque nodes and never sees the step's segments:
+
+* ``cpshard::blockdiag_halo(kv, key)``: K and V (concatenated on the last dim) with the halo in
+  front (the transport's ``halo_exchange``); its length is data (an unbacked size under
+  compile). Backward: ``cpshard::blockdiag_halo_return`` (the transport's ``halo_return``: each
+  halo row's gradient goes back to its owner), which an all-padding rank joins too.
+* ``cpshard::blockdiag_attention(q, kv_ext, key, d_k, scale)`` -> ``(out, lse)``. Backward:
+  ``cpshard::blockdiag_attention_backward`` from the saved output and log-sum-exp.
+
+``key`` is the step state's CPU scalar key (:func:`cpshard.blockdiag.state.state_for`): the
+segments, halos and varlen packing were computed once per step and moved to the device once, so
+a call reads no device data on the host and copies nothing host->device.
+
+Kernels:
+
+* CUDA fp16/bf16 on sm80+ (equal q/k and v head dims, a multiple of 8 up to 256): ONE launch
+  per layer of torch's own varlen flash kernels (``aten._flash_attention_forward`` /
+  ``_flash_attention_backward``, whose causal mask is aligned bottom-right), GQA in the kernel;
+  no flash-attn package needed (flash-attn's ``flash_attn_varlen_func`` is an autograd function,
+  which a custom op's explicit backward cannot call; torch ships the same FA2 kernels).
+* Otherwise a loop over segments: a segment whose document starts on an earlier rank splits
+  into a non-causal prefix part and a causal square part, merged by their log-sum-exp
+  (flash-attention's decomposition), so no ``[L, S]`` mask is ever built. On CPU each part is
+  torch's CPU flash kernel; on CUDA fp32/fp64 (no flash kernel takes them), and where the flash
+  kernels do not fit (head dims, pre-sm80 GPUs), each part is an explicit matmul-softmax
+  (memory O(n * m) per part): use fp16/bf16 on GPUs.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 
-from cpshard.blockdiag.state import BlockDiagState, Segment, active_state
-from cpshard.consensus import check_call
-from cpshard.transport import exchange_halo
+from cpshard.blockdiag.state import BlockDiagState, Packing, Segment, active_state, state_for
+from cpshard.comm.collectives import halo_exchange, halo_return
+from cpshard.consensus import check_call, digest, dtype_code
 
 _WHAT = "cpshard.cp_blockdiag_sdpa"
-_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+Tensors = tuple[torch.Tensor, torch.Tensor]
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class _PrefixCausalAttention(torch.autograd.Function):
-    """softmax over [prefix keys (all visible), segment keys (causal)] on CPU, merged by LSE.
-
-    The backward runs the flash backward of each part with the MERGED output and log-sum-exp,
-    which gives the exact gradient of the joint softmax.
-    """
-
-    @staticmethod
-    def forward(ctx, q, k_pre, v_pre, k_seg, v_seg, scale):
-        out_a, lse_a = _flash_cpu(q, k_pre, v_pre, 0.0, False, scale=scale)
-        out_b, lse_b = _flash_cpu(q, k_seg, v_seg, 0.0, True, scale=scale)
-        lse = torch.logaddexp(lse_a, lse_b)
-        out = out_a * torch.exp(lse_a - lse).unsqueeze(-1).to(out_a.dtype) + out_b * torch.exp(
-            lse_b - lse
-        ).unsqueeze(-1).to(out_b.dtype)
-        ctx.save_for_backward(q, k_pre, v_pre, k_seg, v_seg, out, lse)
-        ctx.scale = scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k_pre, v_pre, k_seg, v_seg, out, lse = ctx.saved_tensors
-        grad = grad.contiguous()
-        dq_a, dk_pre, dv_pre = _flash_cpu_backward(grad, q, k_pre, v_pre, out, lse, 0.0, False, scale=ctx.scale)
-        dq_b, dk_seg, dv_seg = _flash_cpu_backward(grad, q, k_seg, v_seg, out, lse, 0.0, True, scale=ctx.scale)
-        return dq_a + dq_b, dk_pre, dv_pre, dk_seg, dv_seg, None
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, scale: float | None) -> torch.Tensor:
-    """Queries q ``[1, H, n, D]`` over keys ``[prefix + n]`` (the first ``prefix`` all visible,
-    the last n causal)."""
-    n = q.shape[2]
-    if prefix == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    if q.is_cuda:
-        from torch.nn.attention.bias import causal_lower_right
-
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, prefix + n), scale=scale)
-    return _PrefixCausalAttention.apply(
-        q.contiguous(),
-        k[:, :, :prefix].contiguous(),
-        v[:, :, :prefix].contiguous(),
-        k[:, :, prefix:].contiguous(),
-        v[:, :, prefix:].contiguous(),
-        scale,
-    )
+# ------------------------------------------------------------------ kernels
 
 
-VarlenKernel = Callable[..., torch.Tensor]  # flash_attn.flash_attn_varlen_func's signature
+How = TypeVar("How", contravariant=True)
+T = torch.Tensor
+
+
+class Kernel(Protocol[How]):
+    """An attention kernel with an explicit backward (a custom op's backward cannot use
+    autograd). ``how`` says which keys each query sees: a :class:`Packing` for a varlen kernel,
+    ``causal`` for a part kernel. The backward takes the forward's output and log-sum-exp."""
+
+    def forward(self, q: T, k: T, v: T, how: How, scale: float | None) -> Tensors: ...
+
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: How, scale: float | None
+    ) -> Grads: ...
+
+
+# A packed varlen kernel (the contract of torch's varlen flash kernels): ``[tokens, heads, D]``
+# sequences delimited by int32 ``cu_q`` / ``cu_k``, causal aligned bottom-right, GQA by head
+# groups; ``lse`` is ``[heads, q tokens]`` float32.
+VarlenKernel = Kernel[Packing]
+# Queries ``[1, H, n, D]`` over one key part ``[1, H, m, D]`` (all visible, or causal with
+# n == m); ``lse`` is ``[1, H, n]``.
+PartKernel = Kernel[bool]
+
+
+class TorchFlashVarlen:
+    """torch's own varlen flash-attention kernels (CUDA fp16/bf16), dropout off."""
+
+    def forward(self, q: T, k: T, v: T, p: Packing, scale: float | None) -> Tensors:
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(
+            q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, True, False, scale=scale
+        )
+        return out, lse
+
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, p: Packing, scale: float | None
+    ) -> Grads:
+        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # unused without dropout
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            p.cu_q,
+            p.cu_k,
+            p.max_q,
+            p.max_k,
+            0.0,
+            True,
+            rng,
+            unused,
+            scale=scale,
+        )
+        return dq, dk, dv
 
 
 @functools.cache
-def _flash_attn_varlen() -> VarlenKernel | None:
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        return None
-    return flash_attn_varlen_func
+def _flash_runs_on(device: torch.device) -> bool:
+    """torch's flash kernels run on this GPU: built in, and an sm80+ device (a host query)."""
+    return torch.backends.cuda.is_flash_attention_available() and (
+        torch.cuda.get_device_capability(device) >= (8, 0)
+    )
 
 
-def varlen_kernel(q: torch.Tensor) -> VarlenKernel | None:
-    """flash-attn's varlen kernel for CUDA fp16/bf16 queries when flash-attn is installed."""
-    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    return _flash_attn_varlen()
+def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
+    """The one-launch kernel for CUDA fp16/bf16 queries with equal head dims that the flash
+    kernels take (a multiple of 8, at most 256) on a GPU they run on, else None (the loop)."""
+    fits = d_k == d_v and d_k % 8 == 0 and d_k <= 256
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    if q.is_cuda and half and fits and _flash_runs_on(q.device):
+        return TorchFlashVarlen()
+    return None
 
 
-def _varlen_attention(
+class CpuFlash:
+    """torch's CPU flash kernels. Given the MERGED output and log-sum-exp of several parts, the
+    backward of each part is its exact share of the joint softmax's gradient."""
+
+    def forward(self, q: T, k: T, v: T, causal: bool, scale: float | None) -> Tensors:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse
+
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None
+    ) -> Grads:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+
+
+class MathPart:
+    """Explicit matmul-softmax (fp16/bf16 computed in fp32), for devices and dtypes no flash
+    kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take)."""
+
+    @staticmethod
+    def _probs(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        lse: torch.Tensor | None,
+        causal: bool,
+        scale: float | None,
+    ) -> Tensors:
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        scores = (q @ k.transpose(-1, -2)) * s
+        if causal:
+            n = q.shape[2]
+            scores = scores.masked_fill(
+                torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")
+            )
+        if lse is None:
+            lse = torch.logsumexp(scores, dim=-1)
+        return torch.exp(scores - lse.unsqueeze(-1)), lse
+
+    def forward(self, q: T, k: T, v: T, causal: bool, scale: float | None) -> Tensors:
+        wide = _lse_dtype(q.dtype)  # fp16/bf16 computed in fp32
+        probs, lse = self._probs(q.to(wide), k.to(wide), None, causal, scale)
+        return (probs @ v.to(wide)).to(q.dtype), lse
+
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None
+    ) -> Grads:
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        dtype, wide = q.dtype, _lse_dtype(q.dtype)
+        grad, q, k, v, out = (t.to(wide) for t in (grad, q, k, v, out))
+        probs, _ = self._probs(q, k, lse, causal, scale)
+        dv = probs.transpose(-1, -2) @ grad
+        dscores = probs * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True)) * s
+        return tuple(t.to(dtype) for t in (dscores @ k, dscores.transpose(-1, -2) @ q, dv))
+
+
+def part_kernel(q: torch.Tensor) -> PartKernel:
+    """The per-segment part kernel for q's device."""
+    return CpuFlash() if q.device.type == "cpu" else MathPart()
+
+
+# ------------------------------------------------------------------ the per-segment loop
+
+
+def _parts(s: Segment, origin: int) -> list[tuple[slice, bool]]:
+    """Key ranges (of the halo-extended keys) of a segment, and whether each is causal."""
+    split, end = s.begin - origin, s.begin + s.length - origin
+    square = (slice(split, end), True)
+    return (
+        [(slice(s.doc_start - origin, split), False), square] if s.begin > s.doc_start else [square]
+    )
+
+
+class _Loop:
+    """The per-segment loop: each segment's parts through the part kernel, merged by LSE."""
+
+    def __init__(self, state: BlockDiagState, q: torch.Tensor) -> None:
+        self.state, self.kern, self.heads = state, part_kernel(q), q.shape[1]
+        self.origin = state.start - state.halo  # global position of the first extended key
+
+    def _segments(self) -> Iterator[tuple[Segment, tuple[slice, ...]]]:
+        """Each segment and its query rows' index into ``[B, H, L, ...]``."""
+        start = self.state.start
+        for s in self.state.segments:
+            yield (
+                s,
+                (
+                    slice(s.row, s.row + 1),
+                    slice(None),
+                    slice(s.begin - start, s.begin - start + s.length),
+                ),
+            )
+
+    def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
+        k, v = _repeat(k, self.heads), _repeat(v, self.heads)
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q.dtype))
+        for s, rows in self._segments():
+            qs = q[rows].contiguous()
+            results = [
+                self.kern.forward(
+                    qs,
+                    k[s.row : s.row + 1, :, keys].contiguous(),
+                    v[s.row : s.row + 1, :, keys].contiguous(),
+                    causal,
+                    scale,
+                )
+                for keys, causal in _parts(s, self.origin)
+            ]
+            total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
+            out[rows] = sum(
+                o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results
+            )
+            lse[rows] = total
+        return out, lse
+
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
+        kv_heads = k.shape[1]
+        k, v = _repeat(k, self.heads), _repeat(v, self.heads)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for s, rows in self._segments():
+            g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
+            for keys, causal in _parts(s, self.origin):
+                at = (slice(s.row, s.row + 1), slice(None), keys)
+                dqs, dks, dvs = self.kern.backward(
+                    g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale
+                )
+                dq[rows] += dqs
+                dk[at] += dks
+                dv[at] += dvs
+        return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
+
+
+# ------------------------------------------------------------------ the varlen path
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, D]`` -> ``[B * N, H, D]``."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+
+def _unflat(flat: torch.Tensor, b: int) -> torch.Tensor:
+    """``[B * N, H, D]`` -> ``[B, H, N, D]``."""
+    return flat.view(b, -1, *flat.shape[1:]).transpose(1, 2)
+
+
+def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, ...]`` zeros with ``packed`` at ``rows`` (distinct rows: deterministic, no atomics)."""
+    return packed.new_zeros(n, *packed.shape[1:]).index_copy(0, rows, packed)
+
+
+class _Varlen:
+    """Every segment in one launch of a varlen kernel: segment queries and their keys packed as
+    ``[tokens, heads, D]`` by the step's packing (GQA left to the kernel), results put back."""
+
+    def __init__(self, kern: VarlenKernel, packing: Packing) -> None:
+        self.kern, self.p = kern, packing
+
+    def _packed(self, q: T, k: T, v: T) -> tuple[T, T, T]:
+        p = self.p
+        return (
+            _flat(q).index_select(0, p.q_rows),
+            _flat(k).index_select(0, p.k_rows),
+            _flat(v).index_select(0, p.k_rows),
+        )
+
+    def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
+        b, heads, length, _ = q.shape
+        out, lse = self.kern.forward(*self._packed(q, k, v), self.p, scale)
+        full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(
+            0, self.p.q_rows, lse.t()
+        )
+        lse = full_lse.view(b, length, heads).transpose(1, 2)
+        return _unflat(_scatter(self.p.q_rows, out, b * length), b), lse
+
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
+        b, heads, length, _ = q.shape
+        p = self.p
+        pick = lambda t: _flat(t).index_select(0, p.q_rows)  # noqa: E731
+        packed_lse = (
+            lse.transpose(1, 2).reshape(-1, heads).index_select(0, p.q_rows).t().contiguous()
+        )
+        dq, dk, dv = self.kern.backward(
+            pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale
+        )
+        ext = b * k.shape[2]  # a key row serves one segment: distinct rows, plain copies
+        dq = _scatter(p.q_rows, dq, b * length)
+        return (
+            _unflat(dq, b),
+            _unflat(_scatter(p.k_rows, dk, ext), b),
+            _unflat(_scatter(p.k_rows, dv, ext), b),
+        )
+
+
+def _implementation(state: BlockDiagState, q: torch.Tensor, d_k: int, d_v: int) -> _Loop | _Varlen:
+    """One varlen launch where a kernel serves q (and the rank has segments), else the loop."""
+    kern = varlen_kernel(q, d_k, d_v)
+    if kern is not None and state.segments:
+        return _Varlen(kern, state.packing_on(q.device))
+    return _Loop(state, q)
+
+
+# ------------------------------------------------------------------ the custom ops
+
+
+def _split(kv_ext: torch.Tensor, d_k: int) -> Tensors:
+    return kv_ext[..., :d_k], kv_ext[..., d_k:]
+
+
+def _repeat(t: torch.Tensor, heads: int) -> torch.Tensor:
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Adjoint of :func:`_repeat`: sum the gradient of repeated heads back onto each KV head."""
+    b, heads, n, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
+
+
+@torch.library.custom_op("cpshard::blockdiag_halo", mutates_args=())
+def blockdiag_halo(kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``kv`` ``[B, H, L, D]`` with the step's halo rows in front along dim 2."""
+    state = state_for(key)
+    return halo_exchange(kv, state.group.name, list(state.halos), 0, 2)
+
+
+@blockdiag_halo.register_fake
+def _blockdiag_halo_fake(kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    extended = torch.library.get_ctx().new_dynamic_size()  # halo + L: the step's data
+    return kv.new_empty(kv.shape[0], kv.shape[1], extended, kv.shape[3])
+
+
+@torch.library.custom_op("cpshard::blockdiag_halo_return", mutates_args=())
+def blockdiag_halo_return(grad: torch.Tensor, key: torch.Tensor, length: int) -> torch.Tensor:
+    """Adjoint of :func:`blockdiag_halo`: ``[B, H, length, D]``, halo rows' gradients added by
+    their owners."""
+    state = state_for(key)
+    return halo_return(grad.contiguous(), state.group.name, list(state.halos), 0, 2)
+
+
+@blockdiag_halo_return.register_fake
+def _blockdiag_halo_return_fake(grad: torch.Tensor, key: torch.Tensor, length: int) -> torch.Tensor:
+    return grad.new_empty(grad.shape[0], grad.shape[1], length, grad.shape[3])
+
+
+def _keep_halo(ctx, inputs, output) -> None:
+    kv, ctx.key = inputs
+    ctx.length = kv.shape[2]
+
+
+def _blockdiag_halo_backward(ctx, grad: torch.Tensor):
+    return blockdiag_halo_return(grad, ctx.key, ctx.length), None
+
+
+blockdiag_halo.register_autograd(_blockdiag_halo_backward, setup_context=_keep_halo)
+
+
+@torch.library.custom_op("cpshard::blockdiag_attention", mutates_args=())
+def blockdiag_attention(
+    q: torch.Tensor, kv_ext: torch.Tensor, key: torch.Tensor, d_k: int, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-document causal attention of q ``[B, Hq, L, d_k]`` over the halo-extended
+    ``kv_ext`` ``[B, Hkv, halo + L, d_k + d_v]``: the output ``[B, Hq, L, d_v]`` (zeros on pad
+    rows) and its log-sum-exp ``[B, Hq, L]`` (-inf on pad rows)."""
+    k, v = _split(kv_ext, d_k)
+    return _implementation(state_for(key), q, d_k, v.shape[-1]).forward(q, k, v, scale)
+
+
+@blockdiag_attention.register_fake
+def _blockdiag_attention_fake(
+    q: T, kv_ext: T, key: T, d_k: int, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_empty(*q.shape[:3], kv_ext.shape[3] - d_k)
+    return out, q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
+
+
+@torch.library.custom_op("cpshard::blockdiag_attention_backward", mutates_args=())
+def blockdiag_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    kv_ext: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    key: torch.Tensor,
+    d_k: int,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of q and of ``kv_ext`` (zeros where no query attends: an all-padding rank
+    still returns its halo's gradient, so it joins the return exchange its peers wait for)."""
+    k, v = _split(kv_ext, d_k)
+    impl = _implementation(state_for(key), q, d_k, v.shape[-1])
+    dq, dk, dv = impl.backward(grad.contiguous(), q, k, v, out, lse, scale)
+    return dq, torch.cat([dk, dv], dim=-1)
+
+
+@blockdiag_attention_backward.register_fake
+def _blockdiag_attention_backward_fake(
+    grad: T, q: T, kv_ext: T, out: T, lse: T, key: T, d_k: int, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q), torch.empty_like(kv_ext)
+
+
+def _keep_attention(ctx, inputs, output) -> None:
+    q, kv_ext, key, ctx.d_k, ctx.scale = inputs
+    ctx.save_for_backward(q, kv_ext, key, *output)
+
+
+def _blockdiag_attention_grad(ctx, grad: torch.Tensor, grad_lse: torch.Tensor | None):
+    q, kv_ext, key, out, lse = ctx.saved_tensors
+    dq, dkv = blockdiag_attention_backward(grad, q, kv_ext, out, lse, key, ctx.d_k, ctx.scale)
+    return dq, dkv, None, None, None
+
+
+blockdiag_attention.register_autograd(_blockdiag_attention_grad, setup_context=_keep_attention)
+
+
+# ------------------------------------------------------------------ the public function
+
+
+def _problem(
     state: BlockDiagState,
     q: torch.Tensor,
-    k_ext: torch.Tensor,
-    v_ext: torch.Tensor,
-    scale: float | None,
-    kernel: VarlenKernel,
-) -> torch.Tensor:
-    """Every segment in one varlen call: segment queries and their keys packed as
-    ``[tokens, heads, D]`` sequences (GQA left to the kernel), outputs put back in place."""
-    b, heads, length, d = q.shape
-    ext = k_ext.shape[2]
-    origin = state.start - state.halo
-    segs = state.segments
-    q_len = torch.tensor([s.length for s in segs])
-    k_len = torch.tensor([s.begin + s.length - s.doc_start for s in segs])
-    q_first = torch.tensor([s.row * length + s.begin - state.start for s in segs])
-    k_first = torch.tensor([s.row * ext + s.doc_start - origin for s in segs])
-
-    def rows(first: torch.Tensor, lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat row indices of each segment's run, and the int32 cumulative lengths."""
-        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)])
-        idx = torch.repeat_interleave(first - cu[:-1], lens) + torch.arange(int(cu[-1]))
-        return idx.to(q.device), cu.to(device=q.device, dtype=torch.int32)
-
-    def packed(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]).index_select(0, idx)
-
-    q_idx, cu_q = rows(q_first, q_len)
-    k_idx, cu_k = rows(k_first, k_len)
-    out = kernel(
-        packed(q, q_idx),
-        packed(k_ext, k_idx),
-        packed(v_ext, k_idx),
-        cu_q,
-        cu_k,
-        int(q_len.max()),
-        int(k_len.max()),
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=True,
-    )
-    full = out.new_zeros(b * length, heads, out.shape[-1]).index_copy(0, q_idx, out)
-    return full.view(b, length, heads, -1).transpose(1, 2)
-
-
-def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: object, dropout_p: float, enable_gqa: bool) -> str | None:
-    """This rank's problem with the arguments, or None."""
+    k: torch.Tensor,
+    v: torch.Tensor,
+    attn_mask: object,
+    dropout_p: float,
+    enable_gqa: bool,
+) -> str | None:
+    """This rank's problem with the arguments, or None (shapes and the state's sizes only)."""
     problem = None
     if attn_mask is not None:
         problem = "attn_mask must be None while block-diagonal CP attention is active"
@@ -149,8 +475,15 @@ def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.T
         problem = "dropout_p must be 0 while block-diagonal CP attention is active"
     elif q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problem = "q, k, v must be [B, heads, L, D]"
-    elif q.shape[2] != state.local_len or k.shape[2] != state.local_len or v.shape[2] != state.local_len:
-        problem = f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard has {state.local_len}"
+    elif (
+        q.shape[2] != state.local_len
+        or k.shape[2] != state.local_len
+        or v.shape[2] != state.local_len
+    ):
+        problem = (
+            f"q/k/v hold {q.shape[2]}/{k.shape[2]}/{v.shape[2]} tokens but this rank's shard has "
+            f"{state.local_len}"
+        )
     elif q.shape[0] != state.batch_size:
         problem = f"q has batch {q.shape[0]} but the sharded batch has {state.batch_size}"
     elif k.shape[:-1] != v.shape[:-1] or k.dtype != v.dtype or k.device != v.device:
@@ -159,54 +492,30 @@ def _problem(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.T
             "dim but the last, in dtype and in device"
         )
     elif k.shape[0] != q.shape[0] or q.dtype != k.dtype or q.device != k.device:
-        problem = f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must match in batch, dtype and device"
+        problem = (
+            f"q {tuple(q.shape)} {q.dtype} and k {tuple(k.shape)} {k.dtype} must match in batch, "
+            "dtype and device"
+        )
     elif q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
-        problem = f"q has {q.shape[1]} heads and k {k.shape[1]}: pass enable_gqa=True with a divisible head count"
+        problem = (
+            f"q has {q.shape[1]} heads and k {k.shape[1]}: pass enable_gqa=True with a divisible "
+            "head count"
+        )
     return problem
 
 
-def _blockdiag(state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
-    d_k = k.shape[-1]
-    kv = exchange_halo(torch.cat([k, v], dim=-1), state.group, list(state.halos), 0, 2, _WHAT)
-    k_ext, v_ext = kv[..., :d_k], kv[..., d_k:]
-    kernel = varlen_kernel(q) if d_k == v.shape[-1] else None
-    if kernel is not None and state.segments:
-        return _varlen_attention(state, q, k_ext, v_ext, scale, kernel)
-    if q.shape[1] != k.shape[1]:
-        k_ext = k_ext.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v_ext = v_ext.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    origin = state.start - state.halo  # global position of k_ext's first row
-    rows: list[list[tuple[Segment, torch.Tensor]]] = [[] for _ in range(state.batch_size)]
-    for s in state.segments:
-        lo = s.begin - state.start
-        keys = slice(s.doc_start - origin, s.begin + s.length - origin)
-        out = _segment_attention(
-            q[s.row : s.row + 1, :, lo : lo + s.length],
-            k_ext[s.row : s.row + 1, :, keys],
-            v_ext[s.row : s.row + 1, :, keys],
-            s.begin - s.doc_start,
-            scale,
-        )
-        rows[s.row].append((s, out))
-    out = torch.cat([_assemble(row, q, v.shape[-1], state) for row in rows], dim=0)
-    if not state.segments:
-        # An all-padding rank still joins the backward halo exchange its peers wait for.
-        out = out + kv.narrow(-1, 0, 0).sum()
-    return out
-
-
-def _assemble(pieces: list[tuple[Segment, torch.Tensor]], q: torch.Tensor, d_v: int, state: BlockDiagState) -> torch.Tensor:
-    """One batch row ``[1, H, L, d_v]``: segment outputs in place, zeros on pad rows."""
-    parts, at = [], state.start
-    for s, out in pieces:
-        if s.begin > at:
-            parts.append(q.new_zeros(1, q.shape[1], s.begin - at, d_v))
-        parts.append(out)
-        at = s.begin + s.length
-    end = state.start + state.local_len
-    if at < end:
-        parts.append(q.new_zeros(1, q.shape[1], end - at, d_v))
-    return torch.cat(parts, dim=2)
+def _fields(
+    state: BlockDiagState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> Callable[[], dict[str, Sequence[int]]]:
+    """What every rank's call must agree on (checked mode only: it reads the step's halos)."""
+    return lambda: {
+        "dtype": [dtype_code(q.dtype)],
+        "device type": [0 if q.device.type == "cpu" else 1],
+        "q, k, v heads and dims": [q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]],
+        # ranks that differ here would block in the backward halo return
+        "requires_grad": [int(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))],
+        "halos": digest(state.halos),
+    }
 
 
 def cp_blockdiag_sdpa(
@@ -221,13 +530,26 @@ def cp_blockdiag_sdpa(
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention``: plain SDPA when no block-diagonal state is
     active; otherwise causal attention within each document across the CP group (``attn_mask``
-    must be None and ``dropout_p`` 0: the documents define the mask)."""
+    must be None and ``dropout_p`` 0: the documents define the mask).
+
+    Checks are local (shapes against the step's sizes) unless checked mode is on, which adds one
+    consensus round so that bad input on one rank makes every rank raise."""
     state = active_state()
     if state is None:
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+            query,
+            key,
+            value,
+            attn_mask=attn_mask,
+            dropout_p=dropout_p,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=enable_gqa,
         )
     problem = _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
-    if problem is not None:
-        check_call(state.group, _WHAT, problem)  # in checked mode: the halo exchange's round, failed here
-    return _blockdiag(state, query, key, value, scale)
+    check_call(state.group, _WHAT, problem, _fields(state, query, key, value))
+    kv = torch.cat([key, value], dim=-1)
+    if state.group.world > 1:
+        kv = blockdiag_halo(kv, state.key)
+    out, _ = blockdiag_attention(query, kv, state.key, key.shape[-1], scale)
+    return out

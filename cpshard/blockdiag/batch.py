@@ -75,6 +75,9 @@ def make_cp_blockdiag_batch_and_ctx(
             continue
         full = pad_sequence(key, value, dim, padded, padding_token_id)
         batch[key] = full.narrow(dim, start, local)
+    for key in ("padding_mask", "_packed_seq_ids"):  # made or given on the host: to the device
+        if isinstance(batch.get(key), torch.Tensor):
+            batch[key] = batch[key].to(ref.device)
 
     segments = [_segments(doc, r * local, (r + 1) * local) for r in range(world)]
     state = BlockDiagState(
@@ -85,6 +88,7 @@ def make_cp_blockdiag_batch_and_ctx(
         halos=tuple(_halo(segments[r], r * local) for r in range(world)),
         segments=tuple(segments[rank]),
     )
+    state.packing_on(ref.device)  # the attention's metadata on the batch's device, once per step
 
     @contextmanager
     def train_ctx() -> Iterator[None]:

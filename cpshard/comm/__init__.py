@@ -7,6 +7,7 @@ the native NCCL communicator.
 * :mod:`~cpshard.comm.nccl`: the verbs on the native NCCL communicator (CUDA builds);
 * :mod:`~cpshard.comm.select`: which backend serves a tensor;
 * :mod:`~cpshard.comm.host`: the host-side channel of the per-step consensus;
+* :mod:`~cpshard.comm.reduce`: sum reductions (a loss's token count, parameter gradients);
 * :mod:`~cpshard.comm.collectives`: the verbs as ``torch.library`` custom ops keyed by group
   name, with fake kernels and autograd, so ``torch.compile`` traces the transport.
 """
@@ -14,6 +15,7 @@ the native NCCL communicator.
 from cpshard.comm.group import Group, GroupLike, group_from_name, resolve_group
 from cpshard.comm.host import all_gather_small, host_group
 from cpshard.comm.nvtx import nvtx_range
+from cpshard.comm.reduce import all_reduce_sum_
 from cpshard.comm.select import transport_for
 from cpshard.comm.torch_backend import TorchTransport
 from cpshard.comm.verbs import Transport, offsets
@@ -24,6 +26,7 @@ __all__ = [
     "TorchTransport",
     "Transport",
     "all_gather_small",
+    "all_reduce_sum_",
     "group_from_name",
     "host_group",
     "nvtx_range",

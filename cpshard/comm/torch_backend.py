@@ -155,19 +155,22 @@ class TorchTransport:
         recvs: Sequence[tuple[int, torch.Tensor]],
         key: int | None = None,
     ) -> None:
-        """Batched point-to-point. With a ``key`` on gloo, every peer pair also swaps its key in
-        the same batch and a key that differs raises (see :meth:`_check_keys`)."""
+        """Batched point-to-point. With a ``key`` on gloo, every data message travels with its
+        sender's key in the same batch, and a receiver whose key differs raises (see
+        :meth:`_check_keys`)."""
         for r, t in recvs:
             if not t.is_contiguous():
                 raise RuntimeError(f"send_recv: receive buffer from rank {r} must be contiguous")
-        headers = key is not None and self.is_gloo and self.group.world > 1
         ops, keys = [], None
-        if headers:
-            peers = [r for r in range(self.group.world) if r != self.group.rank]
+        if key is not None and self.is_gloo:
+            # Each data message is preceded by its sender's key, which the receiver checks: a
+            # rank that receives nothing has nothing to check (a disagreeing receiver raises, and
+            # a peer that disagrees about who exchanges with whom leaves a transfer unmatched,
+            # which fails by the timeout).
             mine = torch.tensor([key], dtype=torch.int64)
             keys = torch.full((self.group.world,), key, dtype=torch.int64)
-            ops += [dist.P2POp(dist.isend, mine, self._peer(r), self.pg, tag=KEY_TAG) for r in peers]
-            ops += [dist.P2POp(dist.irecv, keys[r : r + 1], self._peer(r), self.pg, tag=KEY_TAG) for r in peers]
+            ops += [dist.P2POp(dist.isend, mine, self._peer(r), self.pg, tag=KEY_TAG) for r, _ in sends]
+            ops += [dist.P2POp(dist.irecv, keys[r : r + 1], self._peer(r), self.pg, tag=KEY_TAG) for r, _ in recvs]
         n_keys = len(ops)
         ops += [dist.P2POp(dist.isend, _flat(t), self._peer(r), self.pg) for r, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._peer(r), self.pg) for r, t in recvs]
@@ -182,7 +185,7 @@ class TorchTransport:
             work.wait()
 
     def _check_keys(self, keys: torch.Tensor, key: int) -> None:
-        """Raise if a peer's call fingerprint differs from this rank's.
+        """Raise if a sender's call fingerprint differs from this rank's.
 
         The key is a fingerprint of the arguments every rank must agree on (dtype, shape, token
         dim, counts or halo sizes); it rides in the data's own batch, so the default (unchecked)
