@@ -29,6 +29,7 @@ their indices travel in the :class:`ShardLayout`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -108,17 +109,21 @@ def resolve_num_chunks(
     return num_chunks
 
 
-def pad_multiple(layout: str, world: int, num_chunks: int | None = None) -> int:
-    """The multiple the sequence is padded to for ``layout``."""
+def pad_multiple(layout: str, world: int, num_chunks: int | None = None, rank_multiple: int = 1) -> int:
+    """The multiple the sequence is padded to for ``layout``, such that every rank's shard
+    length is also a multiple of ``rank_multiple`` (e.g. a model's compression ratio)."""
     name = canonical_layout_name(layout)
     chunks = resolve_num_chunks(name, world, num_chunks)
-    return chunks if name == "head_tail" else world
+    rank_multiple = _int(rank_multiple, "rank_multiple", _WHAT, low=1)
+    return math.lcm(chunks if name == "head_tail" else world, world * rank_multiple)
 
 
-def padded_seq_len(seq_len: int, layout: str, world: int, num_chunks: int | None = None) -> int:
+def padded_seq_len(
+    seq_len: int, layout: str, world: int, num_chunks: int | None = None, rank_multiple: int = 1
+) -> int:
     """``seq_len`` rounded up to :func:`pad_multiple`."""
     seq_len = _int(seq_len, "seq_len", _WHAT)
-    m = pad_multiple(layout, world, num_chunks)
+    m = pad_multiple(layout, world, num_chunks, rank_multiple)
     return -(-seq_len // m) * m
 
 
@@ -465,18 +470,20 @@ def make_layout(
     doc_ids: torch.Tensor | None = None,
     num_chunks: int | None = None,
     tolerance: float = 0.02,
+    rank_multiple: int = 1,
 ) -> ShardLayout:
     """The :class:`ShardLayout` of a built-in layout for sequences of ``seq_len`` tokens.
 
     Closed-form layouts need only the sizes. Data-dependent ones need ``doc_ids`` ``[B, S]``
     (0 = padding, a document = a maximal run of one non-zero id); their per-row indices
-    ``[W, B, L]`` are planned here, identically on every rank that passes the same ids."""
+    ``[W, B, L]`` are planned here, identically on every rank that passes the same ids.
+    ``rank_multiple``: pad further so that every rank's shard length is a multiple of it."""
     what = "cpshard.make_layout"
     name = canonical_layout_name(layout, what)
     world = _int(world, "world", what, low=1)
     seq_len = _int(seq_len, "seq_len", what)
     chunks = resolve_num_chunks(name, world, num_chunks, what)
-    padded = padded_seq_len(seq_len, name, world, num_chunks)
+    padded = padded_seq_len(seq_len, name, world, num_chunks, rank_multiple)
     if name in CLOSED_FORM_LAYOUTS:
         return ShardLayout(name, world, seq_len, padded, num_chunks=chunks)
     if not isinstance(doc_ids, torch.Tensor) or doc_ids.dim() != 2 or doc_ids.shape[1] != seq_len:

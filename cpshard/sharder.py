@@ -143,6 +143,9 @@ class ContextParallelSharder:
             (padded with 0 / False); keys absent from a batch are skipped.
         num_chunks: chunks of ``head_tail`` (per document for ``per_document_head_tail``), a
             multiple of the world size; default ``2W``.
+        pad_multiple: every rank's shard length is padded to a multiple of it (e.g. a model's
+            compression ratio); default 1.
+        extra_pad_values: ``{key: value}`` pad values of ``extra_seq_buffers`` entries (default 0).
         tp_mesh: passed through to a caller-supplied ``shard_batch``.
         shard_batch: direct form: ``(cp_mesh, tp_mesh, batch, *, loss_mask, padding_token_id)
             -> (ctx_factory, batch, ShardLayout | None)``.
@@ -170,6 +173,8 @@ class ContextParallelSharder:
         shard_batch: Callable[..., tuple] | None = None,
         local_token_global_indices: Callable[..., torch.Tensor] | None = None,
         shard_layout: ShardLayout | None = None,
+        pad_multiple: int = 1,
+        extra_pad_values: Mapping[str, Any] | None = None,
     ) -> None:
         what = "cpshard.ContextParallelSharder"
         self._group = resolve_group(group_or_mesh, what)
@@ -205,6 +210,16 @@ class ContextParallelSharder:
                 raise ValueError(
                     f"{where}: extra_seq_buffers names {key!r}, which the sharder shards itself"
                 )
+        if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
+            raise ValueError(f"{where}: pad_multiple must be an int >= 1, got {pad_multiple!r}")
+        pad_values = dict(extra_pad_values or {})
+        if extra_pad_values is not None and not isinstance(extra_pad_values, Mapping):
+            raise TypeError(f"{where}: extra_pad_values must map extra_seq_buffers keys to pad values")
+        unknown = sorted(set(pad_values) - set(extras), key=str)
+        if unknown:
+            raise ValueError(
+                f"{where}: extra_pad_values names {unknown}, which extra_seq_buffers does not"
+            )
         for name, fn in (
             ("shard_batch", shard_batch),
             ("local_token_global_indices", local_token_global_indices),
@@ -227,6 +242,8 @@ class ContextParallelSharder:
         self._loss_mask = loss_mask
         self._padding_token_id = padding_token_id
         self.extra_seq_buffers = extras
+        self.extra_pad_values = pad_values
+        self.pad_multiple = pad_multiple
         self._user_indices = local_token_global_indices
         self._direct = shard_batch is not None
         self.shard_batch = shard_batch if shard_batch is not None else self._builtin_shard_batch
@@ -281,9 +298,10 @@ class ContextParallelSharder:
             return None, self._user_indices
         if self.layout in CLOSED_FORM_LAYOUTS:
             return None, None
+        which = f"layout {self.layout!r}" if self.layout else "the custom shard_batch's layout"
         raise _Problem(
-            f"layout {self.layout or 'of the custom shard_batch'!r} is data-dependent: its "
-            "partition is computed from the batch, so call shard(batch) before the token verbs"
+            f"{which} is data-dependent: its partition is computed from the batch, so call "
+            "shard(batch) before the token verbs"
         )
 
     def _virtual(self, padded: int) -> ShardLayout:
@@ -447,7 +465,8 @@ class ContextParallelSharder:
                 )
             if d > 0 and key in _KNOWN_KEYS and t.shape[d - 1] not in (rows, 1):
                 raise _Problem(f"{key} has batch size {t.shape[d - 1]}, but {ref} has {rows}")
-            plan.items.append((key, t, d, pad_value(key, padding_token_id)))
+            fill = self.extra_pad_values.get(key, 0) if key in self.extra_seq_buffers else None
+            plan.items.append((key, t, d, pad_value(key, padding_token_id) if fill is None else fill))
 
         if batch.get("input_ids") is not None:
             add("input_ids", batch["input_ids"], 1)
@@ -487,7 +506,8 @@ class ContextParallelSharder:
             doc_ids = self._document_ids(batch, rows, seq_len, pad)
         try:
             plan.layout = make_layout(
-                self.layout, world, seq_len, doc_ids=doc_ids, num_chunks=self.num_chunks
+                self.layout, world, seq_len, doc_ids=doc_ids, num_chunks=self.num_chunks,
+                rank_multiple=self.pad_multiple,
             )
         except (TypeError, ValueError) as exc:
             raise _Problem(str(exc)) from None

@@ -64,16 +64,28 @@ def _common_fields(x: torch.Tensor, dim: int, equal_shape: bool) -> dict[str, li
 
 
 # The kinds of call a fingerprint names (a gather and a halo exchange never match each other).
-_GATHER, _HALO = 1, 2
+GATHER, HALO = 1, 2
 
 
-def _call_key(kind: int, x: torch.Tensor, dim: int, token_dim_varies: bool, values: Sequence[int]) -> int:
+def call_key(
+    kind: int,
+    dtype: torch.dtype,
+    shape: Sequence[int],
+    dim: int,
+    backward: bool,
+    token_dim_varies: bool,
+    values: Sequence[int],
+) -> int:
     """The fingerprint of what every rank must pass alike (see ``TorchTransport.send_recv``):
     the kind of call, dtype, token dim, shape (the token dim aside where it may vary), whether a
     backward will follow, and ``values`` (counts or halo sizes)."""
-    shape = [-1 if token_dim_varies and i == dim else int(s) for i, s in enumerate(x.shape)]
-    grad = int(x.requires_grad and torch.is_grad_enabled())
-    return fingerprint([kind, dtype_code(x.dtype), dim, grad, len(shape), *shape, *values])
+    sizes = [-1 if token_dim_varies and i == dim else int(s) for i, s in enumerate(shape)]
+    return fingerprint([kind, dtype_code(dtype), dim, int(backward), len(sizes), *sizes, *values])
+
+
+def _key_of(kind: int, x: torch.Tensor, dim: int, token_dim_varies: bool, values: Sequence[int]) -> int:
+    backward = x.requires_grad and torch.is_grad_enabled()
+    return call_key(kind, x.dtype, x.shape, dim, backward, token_dim_varies, values)
 
 
 def _outer(shape: Sequence[int], dim: int) -> int:
@@ -94,7 +106,7 @@ def _gather_blocks(x: torch.Tensor, group: Group, counts: Sequence[int], dim: in
     row = math.prod(shape[:dim]) * math.prod(shape[dim + 1 :])  # elements per token
     sizes = [c * row for c in counts]
     out_shape = shape[:dim] + [sum(counts)] + shape[dim + 1 :]
-    flat = all_gather_v(x, group.name, sizes, _call_key(_GATHER, x, dim, True, counts))
+    flat = all_gather_v(x, group.name, sizes, _key_of(GATHER, x, dim, True, counts))
     if _outer(shape, dim) == 1:
         return flat.view(out_shape)
     if all(c == counts[0] for c in counts):
@@ -243,5 +255,5 @@ def exchange_halo(
         return {**_common_fields(x, dim, equal_shape=True), "halo_size": digest(halos)}
 
     check_call(g, what, None, fields)
-    key = _call_key(_HALO, x, dim, False, halos)
+    key = _key_of(HALO, x, dim, False, halos)
     return halo_exchange(x, g.name, halos, left_padding, dim, key)

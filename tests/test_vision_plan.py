@@ -338,6 +338,11 @@ def test_config_defaults_and_normalisation():
         False, 2048, 32, 96, "auto", ("cp",)
     )
     assert CpVisionFrameShardingConfig(mesh_dims=["cp", "tp"]).mesh_dims == ("cp", "tp")
+    # NeMo Automodel's field order: enabled, mesh_dims, min_tokens, min_frames,
+    # min_local_patch_rows, cost_alpha
+    positional = CpVisionFrameShardingConfig(True, ("cp",), 1, 2, 3, 4)
+    assert (positional.min_tokens, positional.min_frames, positional.min_local_patch_rows) == (1, 2, 3)
+    assert positional.cost_alpha == 4
     assert CpVisionFrameShardingConfig(cost_alpha=None).cost_alpha is None
     assert CpVisionFrameShardingConfig(cost_alpha=0).cost_alpha == 0
     with pytest.raises(FrozenInstanceError):
@@ -350,16 +355,16 @@ def test_config_defaults_and_normalisation():
         ({"enabled": 1}, TypeError, "enabled"),
         ({"enabled": "yes"}, TypeError, "enabled"),
         ({"min_tokens": -1}, ValueError, "min_tokens"),
-        ({"min_tokens": 2.0}, TypeError, "min_tokens"),
-        ({"min_tokens": True}, TypeError, "min_tokens"),
+        ({"min_tokens": 2.0}, ValueError, "min_tokens"),
+        ({"min_tokens": True}, ValueError, "min_tokens"),
         ({"min_frames": -2}, ValueError, "min_frames"),
-        ({"min_frames": "32"}, TypeError, "min_frames"),
+        ({"min_frames": "32"}, ValueError, "min_frames"),
         ({"min_local_patch_rows": -1}, ValueError, "min_local_patch_rows"),
-        ({"min_local_patch_rows": None}, TypeError, "min_local_patch_rows"),
+        ({"min_local_patch_rows": None}, ValueError, "min_local_patch_rows"),
         ({"cost_alpha": -5}, ValueError, "cost_alpha"),
-        ({"cost_alpha": "fast"}, TypeError, "cost_alpha"),
-        ({"cost_alpha": 1.5}, TypeError, "cost_alpha"),
-        ({"cost_alpha": False}, TypeError, "cost_alpha"),
+        ({"cost_alpha": "fast"}, ValueError, "cost_alpha"),
+        ({"cost_alpha": 1.5}, ValueError, "cost_alpha"),
+        ({"cost_alpha": False}, ValueError, "cost_alpha"),
         ({"mesh_dims": "cp"}, TypeError, "mesh_dims"),
         ({"mesh_dims": ()}, ValueError, "mesh_dims"),
         ({"mesh_dims": ("cp", "")}, TypeError, "mesh_dims"),

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from cpshard.blockdiag.state import BlockDiagState, Packing, Segment, active_state, state_for
 from cpshard.comm.collectives import halo_exchange, halo_return
 from cpshard.consensus import check_call, digest, dtype_code
+from cpshard.transport import HALO, call_key
 
 _WHAT = "cpshard.cp_blockdiag_sdpa"
 Tensors = tuple[torch.Tensor, torch.Tensor]
@@ -362,7 +363,8 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def blockdiag_halo(kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """``kv`` ``[B, H, L, D]`` with the step's halo rows in front along dim 2."""
     state = state_for(key)
-    return halo_exchange(kv, state.group.name, list(state.halos), 0, 2)
+    halos = list(state.halos)
+    return halo_exchange(kv, state.group.name, halos, 0, 2, _halo_key(kv.dtype, kv.shape, halos))
 
 
 @blockdiag_halo.register_fake
@@ -376,7 +378,15 @@ def blockdiag_halo_return(grad: torch.Tensor, key: torch.Tensor, length: int) ->
     """Adjoint of :func:`blockdiag_halo`: ``[B, H, length, D]``, halo rows' gradients added by
     their owners."""
     state = state_for(key)
-    return halo_return(grad.contiguous(), state.group.name, list(state.halos), 0, 2)
+    halos = list(state.halos)
+    shape = (grad.shape[0], grad.shape[1], length, grad.shape[3])
+    return halo_return(grad.contiguous(), state.group.name, halos, 0, 2, _halo_key(grad.dtype, shape, halos))
+
+
+def _halo_key(dtype: torch.dtype, shape: Sequence[int], halos: list[int]) -> int:
+    """The transfer's fingerprint (:func:`cpshard.transport.call_key`) from the forward's K/V
+    shape: the same in the forward and the backward exchange."""
+    return call_key(HALO, dtype, shape, 2, True, False, halos)
 
 
 @blockdiag_halo_return.register_fake

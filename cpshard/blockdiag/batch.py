@@ -52,7 +52,7 @@ def make_cp_blockdiag_batch_and_ctx(
         problem = f"loss_mask must be a [B, S] tensor matching {tuple(ref.shape[:2])}"
     if problem is None:
         try:
-            doc = document_ids(batch, ref.shape[1], "cpu", ref.shape[0])
+            doc = document_ids(batch, ref.shape[1], "cpu", ref.shape[0])  # the step's host copy
         except ValueError as e:
             problem = str(e)
     if problem is not None:
@@ -63,21 +63,21 @@ def make_cp_blockdiag_batch_and_ctx(
     local = padded // world
     start = rank * local
     doc = pad_sequence("_packed_seq_ids", doc, 1, padded)
+    padding_mask = (doc == 0).to(ref.device)
     agree(g, what, None, {"[B, S]": [bsz, seq], "document ids": digest(doc)})
 
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
     batch.pop("attention_mask", None)
-    batch["padding_mask"] = doc == 0
+    batch["padding_mask"] = padding_mask
     for key, value in list(batch.items()):
         dim = sequence_dim(key, value, bsz, padded if key == "padding_mask" else seq)
         if dim is None:
             continue
         full = pad_sequence(key, value, dim, padded, padding_token_id)
         batch[key] = full.narrow(dim, start, local)
-    for key in ("padding_mask", "_packed_seq_ids"):  # made or given on the host: to the device
-        if isinstance(batch.get(key), torch.Tensor):
-            batch[key] = batch[key].to(ref.device)
+    if isinstance(batch.get("_packed_seq_ids"), torch.Tensor):  # may be given on the host
+        batch["_packed_seq_ids"] = batch["_packed_seq_ids"].to(ref.device)
 
     segments = [_segments(doc, r * local, (r + 1) * local) for r in range(world)]
     state = BlockDiagState(

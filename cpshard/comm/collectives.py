@@ -187,7 +187,9 @@ def halo_return(
     sends = [(q, grad.narrow(dim, lp + at, hi - lo)) for q, lo, hi, at in plan.recvs]
     recvs = [(r, grad.new_empty(grad_x.narrow(dim, lo, hi - lo).shape)) for r, lo, hi in plan.sends]
     with nvtx_range("cpshard.halo_return", grad):
-        transport_for(group, grad).send_recv(sends, recvs, key)
+        # No fingerprint: the forward exchange checked the same arguments (whether a backward
+        # follows included), so the return cannot mismatch; ``key`` serves its own backward.
+        transport_for(group, grad).send_recv(sends, recvs)
     for (_, lo, hi), (_, buf) in zip(plan.sends, recvs):
         grad_x.narrow(dim, lo, hi - lo).add_(buf)
     return grad_x

@@ -161,16 +161,7 @@ class TorchTransport:
         for r, t in recvs:
             if not t.is_contiguous():
                 raise RuntimeError(f"send_recv: receive buffer from rank {r} must be contiguous")
-        ops, keys = [], None
-        if key is not None and self.is_gloo:
-            # Each data message is preceded by its sender's key, which the receiver checks: a
-            # rank that receives nothing has nothing to check (a disagreeing receiver raises, and
-            # a peer that disagrees about who exchanges with whom leaves a transfer unmatched,
-            # which fails by the timeout).
-            mine = torch.tensor([key], dtype=torch.int64)
-            keys = torch.full((self.group.world,), key, dtype=torch.int64)
-            ops += [dist.P2POp(dist.isend, mine, self._peer(r), self.pg, tag=KEY_TAG) for r, _ in sends]
-            ops += [dist.P2POp(dist.irecv, keys[r : r + 1], self._peer(r), self.pg, tag=KEY_TAG) for r, _ in recvs]
+        ops, keys = self._key_ops(sends, recvs, key) if key is not None and self.is_gloo else ([], None)
         n_keys = len(ops)
         ops += [dist.P2POp(dist.isend, _flat(t), self._peer(r), self.pg) for r, t in sends]
         ops += [dist.P2POp(dist.irecv, t, self._peer(r), self.pg) for r, t in recvs]
@@ -183,6 +174,20 @@ class TorchTransport:
             self._check_keys(keys, key)
         for work in works[n_keys:]:
             work.wait()
+
+    def _key_ops(
+        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], key: int
+    ) -> tuple[list[dist.P2POp], torch.Tensor]:
+        """The key messages that precede the data (gloo only: host tensors, no device): each
+        data message is preceded by its sender's key, which the receiver checks. A rank that
+        receives nothing has nothing to check (a disagreeing receiver raises, and a peer that
+        disagrees about who exchanges with whom leaves a transfer unmatched, which fails by the
+        timeout)."""
+        mine = torch.tensor([key], dtype=torch.int64)
+        keys = torch.full((self.group.world,), key, dtype=torch.int64)
+        ops = [dist.P2POp(dist.isend, mine, self._peer(r), self.pg, tag=KEY_TAG) for r, _ in sends]
+        ops += [dist.P2POp(dist.irecv, keys[r : r + 1], self._peer(r), self.pg, tag=KEY_TAG) for r, _ in recvs]
+        return ops, keys
 
     def _check_keys(self, keys: torch.Tensor, key: int) -> None:
         """Raise if a sender's call fingerprint differs from this rank's.

@@ -11,10 +11,10 @@ _WHAT = "CpVisionFrameShardingConfig"
 
 
 def _non_negative_int(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{_WHAT}.{name} must be an int >= 0, got {type(value).__name__} ({value!r})")
-    if value < 0:
-        raise ValueError(f"{_WHAT}.{name} must be >= 0, got {value}")
+    # ValueError for every bad value (a bool, a float, a string, a negative int): the field's
+    # value is wrong, as NeMo Automodel's config reports it.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{_WHAT}.{name} must be a non-negative integer, got {type(value).__name__} ({value!r})")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,9 @@ class CpVisionFrameShardingConfig:
     Args:
         enabled: shard vision frames when a multi-rank group is published
             (:func:`set_cp_vision_group`). Off by default, so recipes keep the replicated tower.
+        mesh_dims: when the published group is a multi-dimensional ``DeviceMesh``, the named
+            dims frames are sharded over (flattened when more than one). A ``ProcessGroup`` or a
+            1-D mesh is used as it is.
         min_tokens: the sharded path is taken when the pack has at least this many merged visual
             tokens (``sum(t*h*w) / spatial_merge_size**2``) ...
         min_frames: ... or at least this many frame units (``sum(t)``). Below both, the tower runs
@@ -38,20 +41,19 @@ class CpVisionFrameShardingConfig:
             planner (``p`` = a frame's patch rows). An int is an exact override (``0`` = pure
             quadratic); ``"auto"`` (or its alias ``None``) uses ``3 * vision width`` discovered
             from the tower, or ``0`` when no width is found.
-        mesh_dims: when the published group is a multi-dimensional ``DeviceMesh``, the named
-            dims frames are sharded over (flattened when more than one). A ``ProcessGroup`` or a
-            1-D mesh is used as it is.
 
-    Raises ``TypeError``/``ValueError`` naming the field on a bad value. ``mesh_dims`` may be
-    given as a list (YAML); it is stored as a tuple.
+    The fields are in NeMo Automodel's order, so positional construction means the same in both.
+    Raises ``TypeError`` for a non-bool ``enabled`` or a ``mesh_dims`` that is not a sequence of
+    names, ``ValueError`` naming the field for every other bad value. ``mesh_dims`` may be given
+    as a list (YAML); it is stored as a tuple.
     """
 
     enabled: bool = False
+    mesh_dims: tuple[str, ...] = ("cp",)
     min_tokens: int = 2048
     min_frames: int = 32
     min_local_patch_rows: int = 96
     cost_alpha: int | Literal["auto"] | None = "auto"
-    mesh_dims: tuple[str, ...] = ("cp",)
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -62,10 +64,8 @@ class CpVisionFrameShardingConfig:
         _non_negative_int(self.min_local_patch_rows, "min_local_patch_rows")
         alpha = self.cost_alpha
         if alpha is not None and alpha != "auto":
-            if isinstance(alpha, bool) or not isinstance(alpha, int):
-                raise TypeError(f'{_WHAT}.cost_alpha must be "auto", None or an int >= 0, got {alpha!r}')
-            if alpha < 0:
-                raise ValueError(f"{_WHAT}.cost_alpha must be >= 0, got {alpha}")
+            if isinstance(alpha, bool) or not isinstance(alpha, int) or alpha < 0:
+                raise ValueError(f'{_WHAT}.cost_alpha must be "auto", None or an int >= 0, got {alpha!r}')
         dims = self.mesh_dims
         if isinstance(dims, str) or not isinstance(dims, (tuple, list)):
             raise TypeError(

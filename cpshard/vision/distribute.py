@@ -73,6 +73,16 @@ def _grid_for_visual(grid_thw: torch.Tensor, pixel_values: torch.Tensor) -> torc
     return grid_thw.to(pixel_values.device, non_blocking=True)
 
 
+def host_grid(grid_thw: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+    """``(rows, host tensor)``: ``grid_thw`` as a list of ``[t, h, w]`` ints and the CPU int64
+    tensor it was read from — one explicit (blocking) device-to-host copy when the grid is not
+    on the CPU, none when it is."""
+    host = grid_thw if grid_thw.device.type == "cpu" else grid_thw.to("cpu")
+    if host.dtype != torch.int64:
+        host = host.to(torch.int64)
+    return host.tolist(), host
+
+
 def _replicated(visual: Any, pixel_values: Any, grid_thw: Any, kwargs: dict) -> Any:
     """The plain call: exact pre-sharding behaviour."""
     if isinstance(grid_thw, torch.Tensor) and isinstance(pixel_values, torch.Tensor):
@@ -167,8 +177,7 @@ def _inspect(visual: Any, pixel_values: Any, grid_thw: Any, scope: CpVisionGroup
         )
         return out
     out.merge = merge
-    grid_host = grid_thw if grid_thw.device.type == "cpu" else grid_thw.to("cpu")  # explicit, blocking
-    out.grid = grid_host.tolist()
+    out.grid, _ = host_grid(grid_thw)
     if (problem := grid_problem(out.grid, merge)) is not None:
         out.problem = problem
         return out
@@ -337,30 +346,49 @@ def maybe_distribute_visual(visual: Any, pixel_values: torch.Tensor | None, grid
     """
     if "return_dict" in kwargs:
         raise TypeError(f"{_WHAT}: return_dict is always True; do not pass it")
-    scope = current_cp_vision_scope()
-    if scope is None or not scope.active:
-        return _replicated(visual, pixel_values, grid_thw, kwargs)
-    group, cfg = scope.group, scope.config
+    return distribute_visual(visual, pixel_values, grid_thw, kwargs)
 
-    if pixel_values is not None and grid_thw is not None:
-        _check_group_scope_for_trainable(visual, pixel_values, scope)
-    inputs = _inspect(visual, pixel_values, grid_thw, scope)
-    agree(group, _WHAT, inputs.problem, inputs.fields(pixel_values, scope))
 
-    if not inputs.has_media or not inputs.grid:
-        return _replicated(visual, pixel_values, grid_thw, kwargs)
+def _small(inputs: _Inputs, cfg: Any) -> bool:
+    """The pack is below both sharding minimums (the replicated call is cheaper)."""
     _, tokens, frames = grid_workload(inputs.grid, inputs.merge)
     if tokens < cfg.min_tokens and frames < cfg.min_frames:
         logger.debug("%s: replicated (tokens %d < min_tokens %d and frames %d < min_frames %d)",
                      _WHAT, tokens, cfg.min_tokens, frames, cfg.min_frames)
+        return True
+    return False
+
+
+def distribute_visual(visual: Any, pixel_values: Any, grid_thw: Any, kwargs: dict, *,
+                      local_fallbacks: bool = False, floor_dummy_frames: bool = True, what: str = _WHAT) -> Any:
+    """:func:`maybe_distribute_visual` with two policy switches (the NeMo mirror sets both the
+    other way). ``local_fallbacks``: decide the no-media and small-workload fall-backs from this
+    rank's inputs alone, with no collective (so ranks must agree on them); otherwise they are
+    decided after the consensus round. ``floor_dummy_frames``: raise a dummy-only rank's frame to
+    ``min_local_patch_rows`` too. ``what`` names the caller in the errors."""
+    scope = current_cp_vision_scope()
+    if scope is None or not scope.active:
+        return _replicated(visual, pixel_values, grid_thw, kwargs)
+    group, cfg = scope.group, scope.config
+    if local_fallbacks and (pixel_values is None or grid_thw is None):
+        return _replicated(visual, pixel_values, grid_thw, kwargs)
+
+    if pixel_values is not None and grid_thw is not None:
+        _check_group_scope_for_trainable(visual, pixel_values, scope)
+    inputs = _inspect(visual, pixel_values, grid_thw, scope)
+    if local_fallbacks and inputs.problem is None and (not inputs.grid or _small(inputs, cfg)):
+        return _replicated(visual, pixel_values, grid_thw, kwargs)
+    agree(group, what, inputs.problem, inputs.fields(pixel_values, scope))
+
+    if not inputs.has_media or not inputs.grid or _small(inputs, cfg):
         return _replicated(visual, pixel_values, grid_thw, kwargs)
 
     plan = plan_vision_frames(
         inputs.grid, group.world, spatial_merge_size=inputs.merge, cost_alpha=inputs.alpha,
-        min_local_patch_rows=cfg.min_local_patch_rows,
+        min_local_patch_rows=cfg.min_local_patch_rows, floor_dummy_frames=floor_dummy_frames,
     )
     rank = group.rank
-    logger.debug("%s: %d frames over %d ranks (%d dummy), tokens per rank %s", _WHAT, len(plan.unit_rows),
+    logger.debug("%s: %d frames over %d ranks (%d dummy), tokens per rank %s", what, len(plan.unit_rows),
                  group.world, plan.dummy_ranks, list(plan.token_counts))
 
     failure: Exception | None = None
@@ -371,7 +399,7 @@ def maybe_distribute_visual(visual: Any, pixel_values: torch.Tensor | None, grid
         failure = exc
     if failure is not None:
         try:
-            agree(group, _WHAT, f"the vision tower raised {type(failure).__name__}: {failure}")
+            agree(group, what, f"the vision tower raised {type(failure).__name__}: {failure}")
         except ValueError:
             pass  # always taken: this rank failed; the others now raise naming it
         raise failure
@@ -379,7 +407,7 @@ def maybe_distribute_visual(visual: Any, pixel_values: torch.Tensor | None, grid
     fields = {"deepstack levels": [0], "level dtypes and shapes": [0, 0], "requires grad": [0]}
     if problem is None:
         fields = _level_fields(out)
-    agree(group, _WHAT, problem, fields)
+    agree(group, what, problem, fields)
 
     pooler, deep = _levels(out)
     levels = [pooler, *(deep or [])]

@@ -302,7 +302,19 @@ def _field(node: object, name: str) -> object:
 
 
 def _positive_int(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """A width written as an int, an integral float (``1024.0``), a 0-d integer tensor or a
+    numeric string (``"1024"``, as configs loaded from YAML/JSON may hold it); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        value = int(text) if text.isdecimal() else None
+    elif isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        value = int(value) if math.isfinite(value) and float(value).is_integer() else None
+    elif isinstance(value, torch.Tensor):  # a 0-d integer tensor (a checkpointed config value)
+        integral = value.dim() == 0 and not value.is_floating_point() and not value.is_complex()
+        value = int(value) if integral and value.dtype != torch.bool else None
+    if not isinstance(value, numbers.Integral):
         return None
     return int(value) if value > 0 else None
 
@@ -351,7 +363,8 @@ def vision_hidden_size(model: object) -> int | None:
     ``module``, ``_orig_mod``, FSDP/checkpoint wrappers, ``model``); only when none is found, a
     ROOT ``hidden_size``/``d_model`` (of ``model`` or of its wrappers) — the right answer when
     ``model`` is the tower itself, and never preferred over a vision-named width, so a text
-    model's width is not picked by accident. Returns ``None`` when nothing is found.
+    model's width is not picked by accident. A width may be an int, an integral float or a
+    numeric string (``{"embed_dim": "1024"}``). Returns ``None`` when nothing is found.
     """
     found = _search_width(model, vision=False)
     return found if found is not None else _search_width(model, vision=True)
@@ -476,14 +489,17 @@ def plan_vision_frames(
     spatial_merge_size: int,
     cost_alpha: int = 0,
     min_local_patch_rows: int = 0,
+    floor_dummy_frames: bool = True,
 ) -> VisionFramePlan:
     """Plan a pack of entries ``grid`` (host rows ``(t, h, w)``) over ``world`` ranks.
 
     With at least ``world`` frame units, :func:`plan_contiguous` on the unit costs
     ``p * (p + cost_alpha)``; with fewer (but at least one), one real unit per rank in order and
-    a dummy ``(spatial_merge_size x spatial_merge_size)`` zero frame — raised to the floor — on
-    each remaining rank, so that every rank runs the tower exactly once. A rank whose real rows
-    fall below ``min_local_patch_rows`` appends a zero frame that brings it to the floor.
+    a dummy ``(spatial_merge_size x spatial_merge_size)`` zero frame on each remaining rank, so
+    that every rank runs the tower exactly once. A rank whose real rows fall below
+    ``min_local_patch_rows`` appends a zero frame that brings it to the floor; so does a
+    dummy-only rank's frame unless ``floor_dummy_frames`` is False (NeMo Automodel keeps it at
+    ``spatial_merge_size**2`` rows).
     """
     what = "cpshard.plan_vision_frames"
     world = _check_world(world, what)
@@ -515,7 +531,8 @@ def plan_vision_frames(
         rows = row_prefix[b] - row_prefix[a]
         counts.append(rows // tok)
         bounds.append((row_prefix[a], row_prefix[b]))
-        need = max(min_local_patch_rows - rows, 1 if rows == 0 else 0)
+        floor_rows = min_local_patch_rows if rows or floor_dummy_frames else 0
+        need = max(floor_rows - rows, 1 if rows == 0 else 0)
         pads.append(_pad_frame(need, m) if need > 0 else None)
     return VisionFramePlan(
         world=world,

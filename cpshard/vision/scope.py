@@ -80,6 +80,13 @@ class _GroupHolder:
         self._value = value
         return token
 
+    def swap(self, value: CpVisionGroupScope | None) -> CpVisionGroupScope | None:
+        """Install ``value`` and return the scope it replaces, with no token bookkeeping: the
+        NeMo mirror's plain get/set/reset holder (:mod:`cpshard.nemo`) is built on it, so both
+        APIs publish into this one holder."""
+        previous, self._value = self._value, value
+        return previous
+
     def reset(self, token: CpVisionGroupToken) -> None:
         if not isinstance(token, CpVisionGroupToken):
             raise TypeError(
@@ -141,14 +148,27 @@ def set_cp_vision_group(
     """
     if config is None:
         config = CpVisionFrameShardingConfig(enabled=True)
+    return _HOLDER.set(make_scope(group, config, spans_only_cp))
+
+
+def make_scope(
+    group: dist.ProcessGroup | DeviceMesh | None,
+    config: CpVisionFrameShardingConfig,
+    spans_only_cp: bool,
+) -> CpVisionGroupScope | None:
+    """The checked scope :func:`set_cp_vision_group` installs (None for ``group=None``)."""
     if not isinstance(config, CpVisionFrameShardingConfig):
         raise TypeError(
             f"{_WHAT}: config must be a CpVisionFrameShardingConfig or None, got {type(config).__name__}"
         )
     if not isinstance(spans_only_cp, bool):
         raise TypeError(f"{_WHAT}: spans_only_cp must be a bool, got {type(spans_only_cp).__name__}")
-    scope = None if group is None else CpVisionGroupScope(_resolve(group, config), config, spans_only_cp)
-    return _HOLDER.set(scope)
+    return None if group is None else CpVisionGroupScope(_resolve(group, config), config, spans_only_cp)
+
+
+def swap_scope(scope: CpVisionGroupScope | None) -> CpVisionGroupScope | None:
+    """Install ``scope`` as the current one and return the one it replaces (no tokens)."""
+    return _HOLDER.swap(scope)
 
 
 def reset_cp_vision_group(token: CpVisionGroupToken) -> None:

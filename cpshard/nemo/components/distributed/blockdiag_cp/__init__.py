@@ -1,0 +1,1 @@
+"""Mirror of ``nemo_automodel.components.distributed.blockdiag_cp``."""

@@ -1,0 +1,61 @@
+"""Batch padding, sequential sharding, and block-diagonal CP context setup (mirror of
+``nemo_automodel.components.distributed.blockdiag_cp.batch``).
+
+Thin adapters over :mod:`cpshard.blockdiag`. The one convention that differs: padded
+``position_ids`` are 0 here (NeMo Automodel's convention, also for mRoPE ``[3, B, S]``), where
+the top-level :func:`cpshard.make_cp_blockdiag_batch_and_ctx` keeps counting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpshard.blockdiag import document_ids
+from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx as _make_batch_and_ctx
+from cpshard.comm import resolve_group
+
+__all__ = ["_cp_blockdiag_doc_ids", "make_cp_blockdiag_batch_and_ctx"]
+
+_WHAT = "cpshard.nemo make_cp_blockdiag_batch_and_ctx"
+
+
+def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) -> torch.Tensor:
+    """Resolve per-position document ids ``[B, S]`` (0 == padding) for the mask: the collator's
+    ``_packed_seq_ids``, else a 4-D block-causal ``attention_mask``'s diagonal, else a 2-D
+    ``attention_mask``, else one document per row (:func:`cpshard.document_ids`)."""
+    return document_ids(batch, seq_len, device, batch_size)
+
+
+def make_cp_blockdiag_batch_and_ctx(
+    cp_mesh: DeviceMesh,
+    tp_mesh: DeviceMesh | None,
+    batch: dict[str, Any],
+    loss_mask: torch.Tensor | None = None,
+    padding_token_id: int = 0,
+) -> tuple[Callable[[], AbstractContextManager], dict[str, Any]]:
+    """Sequentially shard a pre-embedded batch for block-diagonal CP.
+
+    :func:`cpshard.make_cp_blockdiag_batch_and_ctx` (pads to a multiple of the CP size, slices
+    every sequence-aligned tensor to this rank's contiguous chunk, drops ``attention_mask``, adds
+    ``padding_mask``, shards ``loss_mask``; ``batch`` is updated in place and returned), with
+    padded ``position_ids`` set to 0. ``tp_mesh`` and ``padding_token_id`` are accepted for
+    signature compatibility (``padding_token_id`` pads ``input_ids`` when the batch has them).
+    Returns ``(train_ctx, batch)``; entering ``train_ctx()`` activates the step's
+    per-document CP attention.
+    """
+    ref = batch.get("inputs_embeds", batch.get("input_ids")) if isinstance(batch, dict) else None
+    seq_len = ref.shape[1] if isinstance(ref, torch.Tensor) and ref.dim() >= 2 else None
+    train_ctx, out = _make_batch_and_ctx(cp_mesh, tp_mesh, batch, loss_mask, padding_token_id)
+    pos = out.get("position_ids")
+    if isinstance(pos, torch.Tensor) and seq_len is not None:
+        local = pos.shape[-1]
+        first_pad = seq_len - resolve_group(cp_mesh, _WHAT).rank * local  # local index
+        if first_pad < local:
+            keep = torch.arange(local, device=pos.device) < first_pad
+            out["position_ids"] = torch.where(keep, pos, torch.zeros_like(pos))
+    return train_ctx, out

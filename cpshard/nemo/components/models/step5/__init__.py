@@ -1,0 +1,1 @@
+"""Mirror of ``nemo_automodel.components.models.step5``."""
