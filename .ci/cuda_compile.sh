@@ -3,7 +3,8 @@
 # cpshard built with CPSHARD_CUDA=1 for TORCH_CUDA_ARCH_LIST (default 9.0) from a scratch copy of
 # the working tree (so the CPU build in build/ and cpshard/_C*.so of the repository are never
 # touched), the wheel installed non-editable, and checks run from outside the repository: the
-# extension imports, reports CUDA kernels, and every cpshard op has a CUDA kernel registered.
+# extension imports, reports CUDA kernels, every cpshard op has a CUDA kernel registered, and the
+# NCCL transport makes a unique id through its own bootstrap function (cpshard.comm.nccl).
 # Then the CPU test suite runs against that build (CUDA torch, CPU tensors). Nothing CUDA runs:
 # this machine has no GPU. Exits non-zero on any failure.
 #
@@ -124,8 +125,27 @@ assert packed.shape == (2, 3, 2) and packed[0, 2].eq(-1).all()
 assert torch.equal(torch.ops.cpshard.unpack_ragged(packed, [2, 3], 0, 3, [5, 2]), x)
 print("   CPU round trip through the CUDA build: ok")
 assert C.nccl, "cpshard._C.nccl is False: the NCCL communicator was not built"
-version = torch.classes.cpshard.NcclCommunicator.version()
-print("   NCCL communicator built; NCCL version", version)
+# The NCCL transport's own code path, as far as it goes without a GPU: the module imports, the
+# TorchBind class is found under torch.classes, the bootstrap's unique id is made by the very
+# function the unique-id bootstrap calls, and the NCCL we run against is the one torch uses.
+from cpshard.comm import nccl
+
+uid = nccl.unique_id()
+assert uid.dtype == torch.uint8 and uid.shape == (nccl.UNIQUE_ID_BYTES,), uid
+assert uid.any(), "an all-zero ncclUniqueId"
+assert nccl.version() == tuple(torch.cuda.nccl.version()), (nccl.version(), torch.cuda.nccl.version())
+assert nccl.bootstrap_mode() == "split"
+print("   NCCL communicator built; NCCL", ".".join(map(str, nccl.version())), "(torch's);",
+      "unique id of", uid.numel(), "bytes made through cpshard.comm.nccl.unique_id")
+# A communicator on a device this machine does not have is refused, naming the device, before
+# anything reaches NCCL.
+try:
+    torch.classes.cpshard.NcclCommunicator(0, uid, 0, 1, 0, 60.0)
+except RuntimeError as e:
+    assert "device 0 is not a visible CUDA device" in str(e), e
+else:
+    raise AssertionError("a communicator was created without a GPU")
+print("   NcclCommunicator refuses a device that is not visible")
 EOF
 stamp "import checks passed"
 

@@ -3,11 +3,11 @@ world size 1.
 
 One process, one GPU, a one-rank NCCL process group (file store). With one rank nothing crosses
 a wire: every verb is at most a device-local copy, so small sizes show the fixed cost of a call
-(argument checks, the enqueue on the stream, torch's work objects) and large ones the copy. Both
-transports run the same verbs on the same group: ``cpshard.comm.transport_for`` (the native
-communicator, ``cpshard._nccl``) and ``cpshard.comm.TorchTransport`` (``all_gather_single``,
-``reduce_scatter_single``, ``all_to_all_single`` of torch.distributed). ``send_recv`` is left out:
-at world size 1 there is no peer. For each verb and size:
+(argument checks, the enqueue on the stream, torch's work objects) and large ones the copy. Each
+verb runs on the same group through ``cpshard.comm.transport_for`` (the native communicator,
+``cpshard.comm.nccl``) and through torch.distributed's own collective for the same job
+(``all_gather_into_tensor``, ``reduce_scatter_tensor``: present in every torch from 2.11 on).
+``send_recv`` is left out: at world size 1 there is no peer. For each verb and size:
 
 * ``sync us``: median wall time of one call from an idle GPU until ``torch.cuda.synchronize()``
   returns after it;
@@ -40,29 +40,40 @@ import torch.distributed as dist
 
 # the checkout this script belongs to, unless PYTHONPATH / an install provides cpshard first
 sys.path.append(str(Path(__file__).resolve().parent.parent))
-import cpshard  # noqa: E402
-from cpshard.comm import (  # noqa: E402
-    Group,
-    TorchTransport,
-    Transport,
-    resolve_group,
-    transport_for,
-)
 from kernels import timeit  # noqa: E402  (benchmarks/kernels.py, beside this script)
 
-# Every verb at world size 1, as (transport, out, x) -> None; each leaves a copy of x in out.
-VERBS: dict[str, Callable[[Transport, torch.Tensor, torch.Tensor], None]] = {
-    "all_gather": lambda t, out, x: t.all_gather(out, x),
-    "all_gather_v": lambda t, out, x: t.all_gather_v(out, x, [x.numel()]),
-    "reduce_scatter": lambda t, out, x: t.reduce_scatter(out, x),
-    "reduce_scatter_v": lambda t, out, x: t.reduce_scatter_v(out, x, [x.numel()]),
+import cpshard  # noqa: E402
+from cpshard.comm import Group, Transport, resolve_group, transport_for  # noqa: E402
+
+# Every verb at world size 1, as (native transport, out, x) -> None and (process group, out, x)
+# -> None for torch.distributed's collective doing the same job; each leaves a copy of x in out.
+Native = Callable[[Transport, torch.Tensor, torch.Tensor], None]
+Torch = Callable[[dist.ProcessGroup, torch.Tensor, torch.Tensor], None]
+
+
+def _torch_gather(pg: dist.ProcessGroup, out: torch.Tensor, x: torch.Tensor) -> None:
+    dist.all_gather_into_tensor(out, x, group=pg)
+
+
+def _torch_reduce_scatter(pg: dist.ProcessGroup, out: torch.Tensor, x: torch.Tensor) -> None:
+    dist.reduce_scatter_tensor(out, x, group=pg)
+
+
+VERBS: dict[str, tuple[Native, Torch]] = {
+    "all_gather": (lambda t, out, x: t.all_gather(out, x), _torch_gather),
+    "all_gather_v": (lambda t, out, x: t.all_gather_v(out, x, [x.numel()]), _torch_gather),
+    "reduce_scatter": (lambda t, out, x: t.reduce_scatter(out, x), _torch_reduce_scatter),
+    "reduce_scatter_v": (
+        lambda t, out, x: t.reduce_scatter_v(out, x, [x.numel()]),
+        _torch_reduce_scatter,
+    ),
 }
 
 
 @dataclass
 class Row:
     verb: str
-    transport: str  # "native" (cpshard._nccl) or "torch" (TorchTransport)
+    transport: str  # "native" (cpshard.comm.nccl) or "torch" (torch.distributed's collective)
     dtype: str
     bytes: int  # of the input (and of the output) at world size 1
     sync_us: float  # median of single synchronized calls
@@ -83,8 +94,10 @@ def skip_reason() -> str | None:
 
 @contextmanager
 def world1_group() -> Iterator[Group]:
-    """A one-rank NCCL process group on GPU 0, destroyed on exit."""
-    torch.cuda.set_device(0)
+    """A one-rank NCCL process group on GPU 0 (no ``set_device``: the communicator takes the
+    tensors' device), its native communicator closed and the group destroyed on exit."""
+    from cpshard.comm import nccl
+
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
         dist.init_process_group(
@@ -93,6 +106,7 @@ def world1_group() -> Iterator[Group]:
         try:
             yield resolve_group(dist.group.WORLD, "nccl_world1")
         finally:
+            nccl.close(dist.group.WORLD)
             dist.destroy_process_group()
 
 
@@ -119,21 +133,21 @@ HEADER = (
 
 def run(group: Group, args: argparse.Namespace) -> list[Row]:
     """Time every verb at every size through both transports, printing a line per pair."""
-    transports = {
-        "native": transport_for(group, torch.empty(0, device="cuda")),
-        "torch": TorchTransport(group),
-    }
-    if isinstance(transports["native"], TorchTransport):
-        raise RuntimeError("transport_for did not pick the native NCCL communicator")
+    native = transport_for(group, torch.empty(0, device="cuda"))
+    if type(native).__name__ != "NcclTransport":
+        raise RuntimeError(
+            f"transport_for picked {type(native).__name__}, not the native NCCL communicator"
+        )
     rows: list[Row] = []
     for kib in args.sizes_kib:
         n = (kib << 10) // torch.empty(0, dtype=args.dtype).element_size()
         x = torch.randn(n, device="cuda").to(args.dtype)
         out = torch.empty_like(x)
-        for verb, call in VERBS.items():
+        for verb, (native_call, torch_call) in VERBS.items():
             pair: dict[str, Row] = {}
-            for name, transport in transports.items():
-                fn = partial(call, transport, out, x)
+            calls = {"native": partial(native_call, native), "torch": partial(torch_call, group.pg)}
+            for name, call in calls.items():
+                fn = partial(call, out, x)
                 out.zero_()
                 fn()
                 torch.cuda.synchronize()

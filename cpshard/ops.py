@@ -221,8 +221,11 @@ def deinterleave_sequence(x: torch.Tensor, world: int, dim: int = 1) -> torch.Te
 def index_gather(src: torch.Tensor, index: torch.Tensor, dim: int = 0, fill: Number = 0) -> torch.Tensor:
     """``out[.., i, ..] = src[.., index[i], ..]`` along ``dim``, ``fill`` where ``index[i] < 0``.
 
-    Every non-negative index must be ``< src.shape[dim]`` (checked; on CUDA this reads the
-    index maximum back to the host once)."""
+    Every non-negative index must be ``< src.shape[dim]``. On CPU that is checked before the
+    kernel runs (a ``RuntimeError`` naming the index). On CUDA it is checked on the device, so
+    that a call never syncs with the host: an out-of-range index is never read through; it fails
+    a device-side assertion, reported as a CUDA error by the next call that synchronizes (and the
+    CUDA context is unusable afterwards, as after any device-side assertion in PyTorch)."""
     what = "cpshard.index_gather"
     _tensor(src, "src", what)
     if src.dim() == 0:
@@ -234,7 +237,9 @@ def index_gather(src: torch.Tensor, index: torch.Tensor, dim: int = 0, fill: Num
 def index_scatter_add(grad: torch.Tensor, index: torch.Tensor, dim: int, dim_size: int) -> torch.Tensor:
     """Adjoint of :func:`index_gather`: ``out.shape[dim] = dim_size`` and
     ``out[.., j, ..] = sum(grad[.., i, ..] for i with index[i] == j)``, summed in ascending ``i``
-    (deterministic); rows with a negative index are dropped."""
+    (deterministic); rows with a negative index are dropped. An index ``>= dim_size`` raises on
+    CPU and fails a device-side assertion on CUDA (no host sync per call), as in
+    :func:`index_gather`."""
     what = "cpshard.index_scatter_add"
     _tensor(grad, "grad", what)
     if grad.dim() == 0:
@@ -262,7 +267,10 @@ class DocumentSegments(NamedTuple):
 
 def document_segments(doc_ids: torch.Tensor, start: int, end: int) -> DocumentSegments:
     """Segments of the documents (maximal runs of one non-zero id; 0 = padding) that overlap the
-    token range ``[start, end)`` of every row of ``doc_ids`` ``[B, S]``."""
+    token range ``[start, end)`` of every row of ``doc_ids`` ``[B, S]``.
+
+    On CUDA this syncs with the host once per call (the number of segments sizes the outputs):
+    it is a per-step op, meant to run once per batch, never inside a layer."""
     what = "cpshard.document_segments"
     _tensor(doc_ids, "doc_ids", what)
     if doc_ids.dim() != 2:

@@ -28,11 +28,15 @@ TORCH_LIBRARY(cpshard, m) {
 #ifdef CPSHARD_WITH_NCCL
   using cpshard::NcclCommunicator;
   m.class_<NcclCommunicator>("NcclCommunicator")
-      .def(torch::init<at::Tensor, int64_t, int64_t, int64_t>())
+      .def(torch::init<int64_t, at::Tensor, int64_t, int64_t, int64_t, double>())
       .def_static("unique_id", &NcclCommunicator::unique_id)
       .def_static("version", &NcclCommunicator::version)
+      .def_static("parent_matches", &NcclCommunicator::parent_matches)
       .def("rank", &NcclCommunicator::rank)
       .def("world", &NcclCommunicator::world)
+      .def("device", &NcclCommunicator::device)
+      .def("error", &NcclCommunicator::error)
+      .def("close", &NcclCommunicator::close)
       .def("all_gather", &NcclCommunicator::all_gather)
       .def("all_gather_v", &NcclCommunicator::all_gather_v)
       .def("reduce_scatter", &NcclCommunicator::reduce_scatter)

@@ -1,13 +1,17 @@
-"""GPU checks (skipped without a CUDA device and cpshard's CUDA build): the CUDA kernels against
-their CPU twins, and the native NCCL communicator at world size 1 against torch.distributed.
+"""GPU checks: the CUDA kernels against their CPU twins (no host sync in the index ops), and the
+native NCCL communicator (``cpshard.comm.nccl``) against torch.distributed. Skipped without a
+CUDA device and cpshard's CUDA build, except the NCCL bootstrap helpers, which need only the NCCL
+build (the CUDA compile-only CI job runs them).
 
-NCCL refuses two ranks on one GPU, so multi-rank NCCL is exercised by ``cpshard bench`` on
-multi-GPU machines; here one rank checks every verb end to end.
+NCCL refuses two ranks on one GPU: one rank checks every verb end to end on one GPU; the
+multi-rank test runs only when two or more GPUs are visible.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -16,16 +20,27 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard import ops
+from cpshard.comm import resolve_group, transport_for
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or not cpshard.build_info().cuda_kernels,
-        reason="needs a GPU and cpshard's CUDA build",
-    ),
-]
+pytestmark = pytest.mark.gpu
+
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not cpshard.build_info().cuda_kernels,
+    reason="needs a GPU and cpshard's CUDA build",
+)
+needs_nccl_build = pytest.mark.skipif(
+    not cpshard.build_info().nccl, reason="cpshard was built without the NCCL communicator"
+)
+needs_two_gpus = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2 or not cpshard.build_info().nccl,
+    reason="multi-rank NCCL needs two GPUs and cpshard's NCCL build",
+)
 
 
+# ---------------------------------------------------------------- kernels
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
 def test_cuda_kernels_match_cpu(dtype: torch.dtype) -> None:
     x = (torch.arange(2 * 11 * 5) % 7).reshape(2, 11, 5).to(dtype)
@@ -38,64 +53,290 @@ def test_cuda_kernels_match_cpu(dtype: torch.dtype) -> None:
         assert torch.equal(back.cpu(), x)
     w = x[:, :10].reshape(2, 2, 5, 5).transpose(0, 1).contiguous()
     assert torch.equal(ops.interleave_sequence(w.cuda(), 1).cpu(), ops.interleave_sequence(w, 1))
-    assert torch.equal(ops.deinterleave_sequence(x[:, :10].cuda(), 2, 1).cpu(), ops.deinterleave_sequence(x[:, :10], 2, 1))
-    assert torch.equal(ops.index_gather(x.cuda(), idx.cuda(), 1, fill=0).cpu(), ops.index_gather(x, idx, 1, fill=0))
+    assert torch.equal(
+        ops.deinterleave_sequence(x[:, :10].cuda(), 2, 1).cpu(),
+        ops.deinterleave_sequence(x[:, :10], 2, 1),
+    )
+    assert torch.equal(
+        ops.index_gather(x.cuda(), idx.cuda(), 1, fill=0).cpu(), ops.index_gather(x, idx, 1, fill=0)
+    )
     if dtype != torch.bool:
         g = torch.randn(2, 5, 5).to(dtype)
         want = ops.index_scatter_add(g, idx, 1, 11)
         got = ops.index_scatter_add(g.cuda(), idx.cuda(), 1, 11).cpu()
-        assert torch.equal(got, want) if not dtype.is_floating_point else torch.allclose(got.float(), want.float(), atol=1e-2)
+        assert (
+            torch.equal(got, want)
+            if not dtype.is_floating_point
+            else torch.allclose(got.float(), want.float(), atol=1e-2)
+        )
 
 
+@needs_gpu
+def test_cuda_index_ops_do_not_sync() -> None:
+    """The bounds check is on the device: no host read of the index per call."""
+    src = torch.randn(3, 40, 32, device="cuda")  # rows of 128 bytes: the row kernel
+    idx = torch.tensor([5, -1, 39, 0, 5], device="cuda")
+    idx32 = idx.to(torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = ops.index_gather(src, idx, 1, fill=0)
+        ops.index_gather(src[:, :, :1].contiguous(), idx32, 1, fill=0)  # the per-element kernel
+        grad = ops.index_scatter_add(out, idx, 1, 40)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(grad.cpu(), ops.index_scatter_add(out.cpu(), idx.cpu(), 1, 40))
+
+
+_OUT_OF_RANGE = """
+import torch
+from cpshard import ops
+src = torch.randn(2, 4, {post}, device="cuda")
+idx = torch.tensor([0, 4], device="cuda")
+{call}
+torch.cuda.synchronize()
+"""
+
+
+@needs_gpu
+@pytest.mark.parametrize(
+    "post, call",
+    [
+        (3, "ops.index_gather(src, idx, 1)"),  # per-element kernel
+        (64, "ops.index_gather(src, idx, 1)"),  # row kernel
+        (3, "ops.index_scatter_add(src[:, :2].contiguous(), idx, 1, 4)"),
+    ],
+)
+def test_cuda_index_out_of_range_fails_on_the_device(post: int, call: str) -> None:
+    """An index beyond the bound fails a device-side assertion (in a child process: it poisons
+    the CUDA context) instead of reading or writing out of bounds."""
+    code = _OUT_OF_RANGE.format(post=post, call=call)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    told = run.stderr + run.stdout
+    assert run.returncode != 0, told[-2000:]
+    assert "device-side assert" in told or "an index is >=" in told, told[-2000:]
+
+
+@needs_gpu
 def test_cuda_document_segments_match_cpu() -> None:
     doc = torch.tensor([[1, 1, 0, 2, 2, 2, 3, 0, 3, 3], [5] * 10, [0] * 10])
     for start, end in [(0, 10), (1, 6), (4, 9), (3, 3)]:
         want = ops.document_segments(doc, start, end)
         got = ops.document_segments(doc.cuda(), start, end)
-        for a, b in zip(want, got):
+        for a, b in zip(want, got, strict=True):
             assert torch.equal(a, b.cpu())
 
 
-@pytest.fixture
-def nccl_world1():
-    if not cpshard.build_info().nccl:
-        pytest.skip("cpshard was built without the NCCL communicator")
+# ---------------------------------------------------------------- NCCL, no GPU needed
+
+
+@needs_nccl_build
+def test_nccl_bootstrap_helpers_need_no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cpshard.comm import nccl
+
+    uid = nccl.unique_id()
+    assert uid.dtype == torch.uint8 and uid.shape == (nccl.UNIQUE_ID_BYTES,)
+    assert not torch.equal(uid, nccl.unique_id())  # fresh every time
+    assert nccl.version() == tuple(torch.cuda.nccl.version())
+    monkeypatch.delenv(nccl.BOOTSTRAP_ENV, raising=False)
+    assert nccl.bootstrap_mode() == "split"
+    monkeypatch.setenv(nccl.BOOTSTRAP_ENV, "unique_id")
+    assert nccl.bootstrap_mode() == "unique_id"
+    monkeypatch.setenv(nccl.BOOTSTRAP_ENV, "mpi")
+    with pytest.raises(ValueError, match="CPSHARD_NCCL_BOOTSTRAP"):
+        nccl.bootstrap_mode()
+
+
+@needs_nccl_build
+def test_nccl_communicator_checks_before_nccl() -> None:
+    native = torch.classes.cpshard.NcclCommunicator
+    uid = native.unique_id()
+    with pytest.raises(RuntimeError, match="rank 3 out of range for world 2"):
+        native(0, uid, 3, 2, 0, 60.0)
+    with pytest.raises(RuntimeError, match="is not a visible CUDA device"):
+        native(0, uid, 0, 1, torch.cuda.device_count(), 60.0)
+    assert not native.parent_matches(0, 0, 1, 0)
+
+
+@needs_nccl_build
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the path up to the GPU, on a machine without"
+)
+def test_bootstrap_reaches_the_native_constructor_without_a_gpu() -> None:
+    """On a one-rank gloo group (no NCCL without a GPU) the transport's own bootstrap runs for
+    real (torch's communicator looked for, the unique id made and shared over the host channel)
+    up to the native constructor, which refuses the missing device before anything reaches
+    NCCL."""
+    from cpshard.comm import nccl
+
     with tempfile.TemporaryDirectory() as tmp:
         store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
-            yield dist.group.WORLD
+            group = resolve_group(dist.group.WORLD, "test")
+            for mode in nccl.BOOTSTRAPS:
+                with pytest.raises(RuntimeError, match="device 0 is not a visible CUDA device"):
+                    nccl.communicator(group, torch.device("cuda", 0), bootstrap=mode)
         finally:
             dist.destroy_process_group()
 
 
-def test_native_nccl_verbs_at_world_1(nccl_world1) -> None:
-    from cpshard._nccl import communicator
-    from cpshard.comm import resolve_group
+# ---------------------------------------------------------------- NCCL at world size 1
 
-    comm = communicator(resolve_group(nccl_world1, "test"))
+
+@pytest.fixture
+def nccl_world1():
+    if not torch.cuda.is_available() or not cpshard.build_info().nccl:
+        pytest.skip("needs a GPU and cpshard's NCCL build")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = dist.FileStore(os.path.join(tmp, "store"), 1)
+        dist.init_process_group(
+            "nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0)
+        )
+        try:
+            yield dist.group.WORLD
+        finally:
+            from cpshard.comm import nccl
+
+            nccl.close(dist.group.WORLD)
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("bootstrap", ["split", "unique_id"])
+def test_native_nccl_verbs_at_world_1(nccl_world1, bootstrap: str) -> None:
+    from cpshard.comm import nccl
+
+    group = resolve_group(nccl_world1, "test")
+    comm = nccl.communicator(group, torch.device("cuda", 0), bootstrap=bootstrap)
+    assert comm.bootstrap == bootstrap and comm.device == torch.device("cuda", 0)
     x = torch.randn(37, device="cuda")
     out = torch.empty(37, device="cuda")
-    comm.all_gather(out, x)
     ref = torch.empty(37, device="cuda")
+    comm.all_gather(out, x)
     dist.all_gather_into_tensor(ref, x, group=nccl_world1)
     assert torch.equal(out, ref)
-    comm.all_gather_v(out, x, [37])
+    comm.all_gather(out, out)  # in place: local is this rank's slot
+    assert torch.equal(out, ref)
+    comm.all_gather_v(out, x, [37], key=1234)
     assert torch.equal(out, x)
     comm.reduce_scatter(out, x)
     dist.reduce_scatter_tensor(ref, x, group=nccl_world1)
     assert torch.equal(out, ref)
     comm.reduce_scatter_v(out, x, [37])
     assert torch.equal(out, x)
-    comm.send_recv([], [])
+    z = torch.randn(5, dtype=torch.complex64, device="cuda")
+    zout = torch.empty_like(z)
+    comm.reduce_scatter(zout, z)
+    assert torch.equal(zout, z)
+    comm.send_recv([], [], key=None)
+    # A side stream: the call runs there, and the allocator is told (record_stream).
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = torch.randn(37, device="cuda")
+        comm.all_gather_v(out, y, [37])
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out, y)
     torch.cuda.synchronize()
+    assert comm.error() == ""
+
+
+def test_native_nccl_rejects_bad_arguments_before_enqueueing(nccl_world1) -> None:
+    from cpshard.comm import nccl
+
+    comm = nccl.communicator(resolve_group(nccl_world1, "test"), torch.device("cuda", 0))
+    x = torch.randn(8, device="cuda")
+    with pytest.raises(RuntimeError, match="sizes has 2 entries for a world of 1"):
+        comm.all_gather_v(torch.empty(8, device="cuda"), x, [4, 4])
+    with pytest.raises(RuntimeError, match="out has 7 elements"):
+        comm.reduce_scatter_v(torch.empty(7, device="cuda"), x, [8])
+    with pytest.raises(RuntimeError, match="must be on cuda:0"):
+        comm.all_gather(torch.empty(8), x)
+    with pytest.raises(RuntimeError, match="NCCL cannot sum dtype Bool"):
+        comm.reduce_scatter(torch.empty(8, dtype=torch.bool, device="cuda"), x.bool())
+    with pytest.raises(RuntimeError, match="send_peers holds 0"):
+        comm.send_recv([(0, x)], [])
+    # The communicator is still healthy: nothing half-enqueued.
+    out = torch.empty(8, device="cuda")
+    comm.all_gather(out, x)
+    torch.cuda.synchronize()
+    assert torch.equal(out, x) and comm.error() == ""
+
+
+def test_native_nccl_close(nccl_world1) -> None:
+    from cpshard.comm import nccl
+
+    group = resolve_group(nccl_world1, "test")
+    comm = nccl.communicator(group, torch.device("cuda", 0))
+    x = torch.randn(4, device="cuda")
+    comm.all_gather(torch.empty(4, device="cuda"), x)
+    nccl.close(nccl_world1)
+    comm.close()  # idempotent
+    with pytest.raises(RuntimeError, match="the communicator is closed"):
+        comm.all_gather(torch.empty(4, device="cuda"), x)
+    again = nccl.communicator(group, torch.device("cuda", 0))  # a fresh one after close
+    assert again is not comm
+    out = torch.empty(4, device="cuda")
+    again.all_gather(out, x)
+    torch.cuda.synchronize()
+    assert torch.equal(out, x)
 
 
 def test_transport_through_nccl_at_world_1(nccl_world1) -> None:
     """World size 1 aliases, as on CPU; the transport picks the native communicator."""
-    from cpshard.comm import resolve_group, transport_for
-
     x = torch.randn(2, 5, 8, device="cuda", requires_grad=True)
     assert cpshard.gather_sequence(x, nccl_world1) is x
     assert cpshard.gather_ragged(x, nccl_world1, [5], dim=1) is x
     assert type(transport_for(resolve_group(nccl_world1, "test"), x)).__name__ == "NcclTransport"
+
+
+# ---------------------------------------------------------------- NCCL at world size 2
+
+
+def _two_rank_worker(rank: int, store_path: str, bootstrap: str) -> None:
+    from cpshard.comm import nccl
+
+    device = torch.device("cuda", rank)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=2, device_id=device)
+    try:
+        group = resolve_group(dist.group.WORLD, "test")
+        comm = nccl.communicator(group, device, bootstrap=bootstrap)
+        sizes = [3, 5]
+        mine = torch.full((sizes[rank],), float(rank + 1), device=device)
+        out = torch.empty(8, device=device)
+        comm.all_gather_v(out, mine, sizes)
+        assert out.tolist() == [1.0] * 3 + [2.0] * 5
+        full = torch.arange(8.0, device=device) * (rank + 1)
+        part = torch.empty(sizes[rank], device=device)
+        comm.reduce_scatter_v(part, full, sizes)
+        assert (
+            part.tolist()
+            == (torch.arange(8.0) * 3)[[0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7]].tolist()
+        )
+        recv = torch.empty(4, device=device)
+        comm.send_recv(
+            [(1 - rank, torch.full((4,), float(rank), device=device))], [(1 - rank, recv)]
+        )
+        assert recv.tolist() == [float(1 - rank)] * 4
+        equal = torch.empty(4, device=device)
+        comm.all_gather(equal, torch.full((2,), float(rank), device=device))
+        assert equal.tolist() == [0.0, 0.0, 1.0, 1.0]
+        assert comm.error() == ""
+        nccl.close(dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+@needs_two_gpus
+@pytest.mark.parametrize("bootstrap", ["split", "unique_id"])
+def test_native_nccl_verbs_at_world_2(bootstrap: str) -> None:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _two_rank_worker,
+            args=(os.path.join(tmp, "store"), bootstrap),
+            nprocs=2,
+            start_method="spawn",
+        )

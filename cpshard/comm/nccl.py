@@ -1,41 +1,109 @@
 """The native NCCL communicator as a :class:`cpshard.comm.Transport` (CUDA builds only).
 
-One communicator per torch process group, created on first use: rank 0 makes a NCCL unique id
-and broadcasts it over the torch group; every rank then builds its communicator on its current
-CUDA device. Calls run on torch's current CUDA stream.
+One ``torch.classes.cpshard.NcclCommunicator`` per process group, created collectively on the
+first transfer, on the device of the tensors moved (never the current device), and ended by
+:func:`close`, when the process group is garbage collected, or at interpreter exit (a
+``weakref.finalize``), never left to garbage collection at exit. Ending it lets the calls in
+flight finish (for at most the group's timeout, and not past an error), then destroys it, or
+aborts it when something failed.
+
+**Bootstrap: split from torch's communicator** (``CPSHARD_NCCL_BOOTSTRAP=split``, the default).
+Every rank asks torch for its own ``ncclComm_t`` of the group on that device
+(``ProcessGroupNCCL._comm_ptr()``, created first by ``eager_connect_single_device`` if torch has
+not yet), the ranks agree over the host-side channel that all of them have it, and each calls
+``ncclCommSplit`` on it. Why a split child rather than driving torch's communicator directly:
+
+* ownership: torch's communicator belongs to ``ProcessGroupNCCL``: its watchdog may abort and
+  free it at any time (we would hold a dangling pointer), it may be non-blocking, and torch
+  documents work launched into it from outside as unmonitored. The child is ours: our watchdog
+  polls it with the group's timeout and aborts it, and closing it never touches torch's state;
+* resources: NCCL shares the parent's buffers, channels and proxy thread with the child when the
+  *parent* allows it (its ``config.splitShare``: ``ProcessGroupNCCL.Options().config.split_share
+  = 1``, or ``NCCL_COMM_SPLIT_SHARE_RESOURCES=1`` before torch creates its communicator); then
+  the child costs almost nothing. Otherwise NCCL gives the child buffers of its own, allocated
+  lazily for the peers and algorithms it actually uses (the halo exchange's neighbours, the
+  gathers' rings) — still no second bootstrap or unique id;
+* ordering: our kernels go on the caller's current stream. torch makes its internal NCCL stream
+  wait for the current stream when it issues a collective, so a torch collective issued after
+  one of ours runs after it; with shared resources NCCL also serialises the two communicators'
+  kernels in issue order. A torch collective issued with ``async_op=True`` and not waited on
+  before one of ours may overlap it, exactly as two torch process groups may: every rank must
+  issue both in the same order (the collective contract);
+* abort: with shared resources the child also shares the parent's abort flag, so the child is
+  aborted only when something already failed (an asynchronous error, the timeout, or calls
+  still unfinished when the timeout ends the teardown's wait); a quiescent child is destroyed.
+
+**Fallback: a unique id** (``CPSHARD_NCCL_BOOTSTRAP=unique_id``, or automatically when any rank
+cannot split: a torch without ``_comm_ptr``, a wrapped backend under
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``, a different NCCL than ours). Rank 0 makes the id
+(:func:`unique_id`, the function the CUDA compile-only CI job calls) and broadcasts it over the
+host-side gloo channel (:func:`cpshard.comm.host.host_group`), never over a CUDA collective.
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 import weakref
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from cpshard.comm.group import Group
+from cpshard.comm.group import Group, GroupLike, resolve_group
+from cpshard.comm.host import all_gather_small, host_group
 from cpshard.comm.verbs import all_to_all_parts
+
+BOOTSTRAPS = ("split", "unique_id")
+BOOTSTRAP_ENV = "CPSHARD_NCCL_BOOTSTRAP"
+UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId), fixed by NCCL's ABI
 
 _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, NcclTransport] = weakref.WeakKeyDictionary()
 
 
+def _native():
+    """The TorchBind class (``torch.classes``, never ``torch.ops``)."""
+    return torch.classes.cpshard.NcclCommunicator
+
+
+def unique_id() -> torch.Tensor:
+    """A fresh ncclUniqueId as a uint8 CPU tensor of :data:`UNIQUE_ID_BYTES` (needs no GPU)."""
+    return _native().unique_id()
+
+
+def version() -> tuple[int, int, int]:
+    """(major, minor, patch) of the NCCL the communicator runs against."""
+    code = int(_native().version())
+    return code // 10000, code // 100 % 100, code % 100
+
+
+def bootstrap_mode() -> str:
+    """The requested bootstrap, from ``CPSHARD_NCCL_BOOTSTRAP`` (default ``split``)."""
+    mode = os.environ.get(BOOTSTRAP_ENV, "split").strip().lower()
+    if mode not in BOOTSTRAPS:
+        raise ValueError(f"{BOOTSTRAP_ENV} must be one of {', '.join(BOOTSTRAPS)}, got {mode!r}")
+    return mode
+
+
 class NcclTransport:
-    """The transport verbs on a native ``cpshard::NcclCommunicator``."""
+    """The transport verbs on a native ``cpshard::NcclCommunicator``.
 
-    def __init__(self, group: Group) -> None:
-        assert group.pg is not None
-        device = torch.cuda.current_device()
-        uid = torch.ops.cpshard.NcclCommunicator.unique_id() if group.rank == 0 else torch.empty(0)
-        box = [uid.tolist()]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group.pg, 0), group=group.pg)
-        unique_id = torch.tensor(box[0], dtype=torch.uint8)
-        self.comm = torch.classes.cpshard.NcclCommunicator(unique_id, group.rank, group.world, device)
-        self.rank = group.rank
+    ``key`` (a fingerprint of the call's arguments that the gloo backend swaps with the data) is
+    accepted and not checked here: reading it would need a host round trip per call."""
 
-    def all_gather(self, out: torch.Tensor, local: torch.Tensor) -> None:
+    def __init__(self, comm: torch.ScriptObject, bootstrap: str) -> None:
+        self.comm = comm
+        self.bootstrap = bootstrap  # how it was made: "split" or "unique_id"
+        self.device = torch.device("cuda", int(comm.device()))
+        self.rank = int(comm.rank())
+
+    def all_gather(self, out: torch.Tensor, local: torch.Tensor, key: int | None = None) -> None:
         self.comm.all_gather(out, local.contiguous().view(-1))
 
-    def all_gather_v(self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int]) -> None:
+    def all_gather_v(
+        self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int], key: int | None = None
+    ) -> None:
         self.comm.all_gather_v(out, local.contiguous().view(-1), list(sizes))
 
     def all_to_all_v(
@@ -57,7 +125,10 @@ class NcclTransport:
         self.comm.reduce_scatter_v(out, full.contiguous().view(-1), list(sizes))
 
     def send_recv(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]
+        self,
+        sends: Sequence[tuple[int, torch.Tensor]],
+        recvs: Sequence[tuple[int, torch.Tensor]],
+        key: int | None = None,
     ) -> None:
         self.comm.send_recv(
             [t.contiguous().view(-1) for _, t in sends],
@@ -66,11 +137,87 @@ class NcclTransport:
             [r for r, _ in recvs],
         )
 
+    def error(self) -> str:
+        """Why the communicator was aborted, or ``""`` while it is usable."""
+        return str(self.comm.error())
 
-def communicator(group: Group, device: torch.device) -> NcclTransport:
-    """The cached communicator of ``group``'s process group (created collectively on first use)."""
+    def close(self) -> None:
+        """End the communicator (idempotent); later calls raise."""
+        self.comm.close()
+
+
+def _timeout_s(backend: object) -> float:
+    """The process group's timeout in seconds (torch's NCCL default when it has none)."""
+    timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+    if not isinstance(timeout, timedelta):
+        timeout = getattr(dist.distributed_c10d, "default_pg_nccl_timeout", None) or timedelta(
+            minutes=10
+        )
+    return timeout.total_seconds()
+
+
+def _torch_comm(backend: object, device: torch.device) -> int:
+    """The address of torch's ``ncclComm_t`` for the group on ``device`` (torch creates it now
+    if it has not yet), or 0 when this process cannot split from it."""
+    if not hasattr(backend, "_comm_ptr") or not hasattr(backend, "eager_connect_single_device"):
+        return 0  # an older torch, or a wrapped backend (TORCH_DISTRIBUTED_DEBUG=DETAIL)
+    if tuple(torch.cuda.nccl.version()) != version():
+        return 0  # torch's NCCL is not the library we link: its handles mean nothing to ours
+    try:
+        with torch.cuda.device(device):
+            backend.eager_connect_single_device(device)
+            return int(backend._comm_ptr() or 0)
+    except RuntimeError as e:  # this rank then votes for the unique id: no rank is left waiting
+        warnings.warn(f"cpshard NCCL: cannot split from torch's communicator ({e})", stacklevel=3)
+        return 0
+
+
+def _create(group: Group, device: torch.device, mode: str) -> NcclTransport:
+    """A communicator for ``group`` on ``device``; collective over the group's ranks."""
     assert group.pg is not None
+    backend = group.pg._get_backend(device)
+    timeout = _timeout_s(backend)
+    native = _native()
+    index = int(device.index)
+    parent = _torch_comm(backend, device) if mode == "split" else 0
+    can_split = parent != 0 and bool(native.parent_matches(parent, group.rank, group.world, index))
+    # Splitting is collective over the parent: every rank splits, or none does.
+    if mode == "split" and bool(all_gather_small(torch.tensor([int(can_split)]), group).all()):
+        empty = torch.empty(0, dtype=torch.uint8)
+        return NcclTransport(
+            native(parent, empty, group.rank, group.world, index, timeout), "split"
+        )
+    hg = host_group(group)
+    uid = unique_id() if group.rank == 0 else torch.empty(UNIQUE_ID_BYTES, dtype=torch.uint8)
+    dist.broadcast(uid, src=dist.get_global_rank(hg, 0), group=hg)
+    return NcclTransport(native(0, uid, group.rank, group.world, index, timeout), "unique_id")
+
+
+def communicator(group: Group, device: torch.device, bootstrap: str | None = None) -> NcclTransport:
+    """The communicator of ``group``'s process group on ``device``, created collectively on first
+    use (``bootstrap`` overrides ``CPSHARD_NCCL_BOOTSTRAP`` for that creation)."""
+    assert group.pg is not None
+    if device.type != "cuda" or device.index is None:
+        raise ValueError(f"cpshard NCCL: device must be an indexed CUDA device, got {device}")
     found = _cache.get(group.pg)
     if found is None:
-        found = _cache[group.pg] = NcclTransport(group)
+        mode = bootstrap_mode() if bootstrap is None else bootstrap
+        if mode not in BOOTSTRAPS:
+            raise ValueError(f"bootstrap must be one of {', '.join(BOOTSTRAPS)}, got {mode!r}")
+        found = _cache[group.pg] = _create(group, device, mode)
+        # Ends it with the process group, or at exit; the finalizer holds no reference to the pg.
+        weakref.finalize(group.pg, found.close)
+    elif found.device != device:
+        raise ValueError(
+            f"cpshard NCCL: the communicator of process group {group.pg.group_name!r} is on "
+            f"{found.device}, got a tensor on {device} (one device per rank and group)"
+        )
     return found
+
+
+def close(group: GroupLike) -> None:
+    """End ``group``'s communicator now, if it has one (call before destroying the group)."""
+    g = resolve_group(group, "cpshard.comm.nccl.close")
+    found = _cache.pop(g.pg, None) if g.pg is not None else None
+    if found is not None:
+        found.close()

@@ -1,11 +1,16 @@
 #include "comm/nccl_communicator.h"
 
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <exception>
-#include <numeric>
+
+#include "common/geometry.h"
 
 namespace cpshard {
 namespace {
@@ -18,32 +23,50 @@ namespace {
                 ((comm) ? ncclGetLastError(comm) : ""));                                     \
   } while (0)
 
-// Reductions need the element type; pure data movement goes as bytes.
-ncclDataType_t reduce_type(at::ScalarType t) {
+constexpr auto kPollInterval = std::chrono::milliseconds(100);
+
+// How a reduction sees a dtype: NCCL's element type, and NCCL elements per tensor element
+// (complex numbers reduce as pairs of reals). Pure data movement goes as bytes instead.
+struct ReduceType {
+  ncclDataType_t type;
+  int64_t per_element;
+};
+
+ReduceType reduce_type(at::ScalarType t, const char* what) {
   switch (t) {
-    case at::kFloat: return ncclFloat32;
-    case at::kDouble: return ncclFloat64;
-    case at::kHalf: return ncclFloat16;
-    case at::kBFloat16: return ncclBfloat16;
-    case at::kInt: return ncclInt32;
-    case at::kLong: return ncclInt64;
-    case at::kByte: return ncclUint8;
-    case at::kChar: return ncclInt8;
-    default: TORCH_CHECK(false, "cpshard NCCL: no NCCL reduction for dtype ", t);
+    case at::kFloat: return {ncclFloat32, 1};
+    case at::kDouble: return {ncclFloat64, 1};
+    case at::kHalf: return {ncclFloat16, 1};
+    case at::kBFloat16: return {ncclBfloat16, 1};
+    case at::kInt: return {ncclInt32, 1};
+    case at::kLong: return {ncclInt64, 1};
+    case at::kByte: return {ncclUint8, 1};
+    case at::kChar: return {ncclInt8, 1};
+    case at::kComplexFloat: return {ncclFloat32, 2};
+    case at::kComplexDouble: return {ncclFloat64, 2};
+    default: TORCH_CHECK(false, what, ": NCCL cannot sum dtype ", t);
   }
 }
 
-// (type, element count) for a reduction: complex numbers reduce as pairs of reals.
-std::pair<ncclDataType_t, int64_t> reduce_args(at::ScalarType t, int64_t n) {
-  if (t == at::kComplexFloat) return {ncclFloat32, 2 * n};
-  if (t == at::kComplexDouble) return {ncclFloat64, 2 * n};
-  return {reduce_type(t), n};
+size_t nbytes(const at::Tensor& t) {
+  return static_cast<size_t>(t.numel()) * static_cast<size_t>(t.element_size());
 }
 
 char* bytes(const at::Tensor& t, int64_t element_offset = 0) {
   return static_cast<char*>(t.data_ptr()) + element_offset * t.element_size();
 }
 
+// The sum of the (already checked non-negative) sizes, raising on int64 overflow.
+int64_t total_of(const std::vector<int64_t>& sizes, const char* what) {
+  int64_t total = 0;
+  for (const int64_t s : sizes) {
+    TORCH_CHECK(!__builtin_add_overflow(total, s, &total), what, ": sizes overflow int64");
+  }
+  return total;
+}
+
+// ncclGroupStart/End around a verb's calls; only entered once every argument is checked. An
+// error inside makes ncclGroupEnd drop the whole group rather than launch part of it.
 class Group {
  public:
   explicit Group(ncclComm_t comm) : comm_(comm) { CPSHARD_NCCL_CHECK(comm_, ncclGroupStart()); }
@@ -59,24 +82,106 @@ class Group {
 
 }  // namespace
 
-NcclCommunicator::NcclCommunicator(const at::Tensor& unique_id, int64_t rank, int64_t world,
-                                   int64_t device)
-    : rank_(rank), world_(world), device_(device) {
-  TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
-                  unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),
-              "NcclCommunicator: unique_id must be a uint8 CPU tensor of ", sizeof(ncclUniqueId),
-              " bytes");
-  TORCH_CHECK(world >= 1 && 0 <= rank && rank < world, "NcclCommunicator: rank ", rank,
+// One verb's enqueue, after its argument checks: holds the communicator's lock (the watchdog
+// cannot abort mid-enqueue), raises if the communicator is closed or aborted, selects its device
+// and the current stream there, tells the caching allocator about every tensor used on that
+// stream, and on exit records an event the watchdog times.
+class NcclCommunicator::Call {
+ public:
+  Call(NcclCommunicator& c, const char* what)
+      : c_(c),
+        lock_(c.mu_),
+        guard_(static_cast<c10::DeviceIndex>(c.device_)),
+        stream_(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device_))) {
+    TORCH_CHECK(!c_.closed_, what, ": the communicator is closed");
+    TORCH_CHECK(c_.error_.empty(), what, ": the communicator was aborted: ", c_.error_);
+  }
+  ~Call() {
+    // Calls captured into a CUDA graph run later, at replay: nothing to time now.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream_.stream(), &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+      (void)cudaGetLastError();
+      return;
+    }
+    cudaEvent_t event = nullptr;
+    if (!c_.spare_.empty()) {
+      event = c_.spare_.back();
+      c_.spare_.pop_back();
+    } else if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;  // untimed: the async-error poll still covers this call
+    }
+    if (cudaEventRecord(event, stream_.stream()) != cudaSuccess) {
+      (void)cudaGetLastError();
+      c_.spare_.push_back(event);
+      return;
+    }
+    c_.pending_.emplace_back(event, Clock::now());
+  }
+
+  // `t` is used on this call's stream: the caching allocator must not hand its memory out again
+  // until the transfer is done there (a no-op when that is the stream t was allocated on).
+  void use(const at::Tensor& t) const {
+    if (t.numel() > 0) {
+      c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream_);
+    }
+  }
+  cudaStream_t stream() const { return stream_.stream(); }
+  ncclComm_t comm() const { return c_.comm_; }
+
+ private:
+  NcclCommunicator& c_;
+  std::unique_lock<std::mutex> lock_;
+  c10::cuda::CUDAGuard guard_;
+  c10::cuda::CUDAStream stream_;
+};
+
+NcclCommunicator::NcclCommunicator(int64_t parent, const at::Tensor& unique_id, int64_t rank,
+                                   int64_t world, int64_t device, double timeout_s)
+    : rank_(rank),
+      world_(world),
+      device_(device),
+      timeout_(std::chrono::milliseconds(
+          std::isfinite(timeout_s) && timeout_s > 0 && timeout_s < 1e12
+              ? static_cast<int64_t>(std::ceil(timeout_s * 1000))
+              : 0)) {
+  constexpr const char* what = "NcclCommunicator";
+  TORCH_CHECK(world >= 1 && 0 <= rank && rank < world, what, ": rank ", rank,
               " out of range for world ", world);
-  ncclUniqueId id;
-  std::memcpy(&id, unique_id.contiguous().data_ptr(), sizeof(id));
+  TORCH_CHECK(0 <= device && device < c10::cuda::device_count(), what, ": device ", device,
+              " is not a visible CUDA device (", static_cast<int>(c10::cuda::device_count()),
+              " visible)");
+  TORCH_CHECK(timeout_.count() > 0, what, ": timeout_s must be positive and finite, got ",
+              timeout_s);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  CPSHARD_NCCL_CHECK(nullptr, ncclCommInitRank(&comm_, static_cast<int>(world), id,
-                                               static_cast<int>(rank)));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 1;  // every call returns once enqueued; the watchdog handles the rest
+  if (parent != 0) {
+    TORCH_CHECK(parent_matches(parent, rank, world, device), what,
+                ": the parent communicator is not this group's on cuda:", device);
+    const auto from = reinterpret_cast<ncclComm_t>(parent);
+    CPSHARD_NCCL_CHECK(from, ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank),
+                                           &comm_, &config));
+  } else {
+    TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
+                    unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),
+                what, ": unique_id must be a uint8 CPU tensor of ", sizeof(ncclUniqueId),
+                " bytes");
+    ncclUniqueId id;
+    std::memcpy(&id, unique_id.contiguous().const_data_ptr(), sizeof(id));
+    CPSHARD_NCCL_CHECK(nullptr, ncclCommInitRankConfig(&comm_, static_cast<int>(world), id,
+                                                       static_cast<int>(rank), &config));
+  }
+  watchdog_ = std::thread([this] { watch(); });
 }
 
 NcclCommunicator::~NcclCommunicator() {
-  if (comm_ != nullptr) ncclCommDestroy(comm_);
+  try {
+    close();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "cpshard NCCL: closing the communicator failed: %s\n", e.what());
+  }
 }
 
 at::Tensor NcclCommunicator::unique_id() {
@@ -93,10 +198,125 @@ int64_t NcclCommunicator::version() {
   return v;
 }
 
+bool NcclCommunicator::parent_matches(int64_t parent, int64_t rank, int64_t world,
+                                      int64_t device) {
+  if (parent == 0) return false;
+  const auto comm = reinterpret_cast<ncclComm_t>(parent);
+  int count = 0, user_rank = 0, dev = 0;
+  return ncclCommCount(comm, &count) == ncclSuccess && count == world &&
+         ncclCommUserRank(comm, &user_rank) == ncclSuccess && user_rank == rank &&
+         ncclCommCuDevice(comm, &dev) == ncclSuccess && dev == device;
+}
+
+std::string NcclCommunicator::error() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+void NcclCommunicator::close() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (closed_) return;
+  closed_ = true;  // later calls raise; the watchdog stops
+  wake_.notify_all();
+  // Calls in flight may finish first (an abort of a split child would also stop torch's
+  // communicator when they share resources), for at most the group's timeout or until an error.
+  const auto deadline = Clock::now() + timeout_;
+  while (comm_ != nullptr && healthy_locked() && !reap_locked() && Clock::now() < deadline) {
+    lock.unlock();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    lock.lock();
+  }
+  if (comm_ != nullptr) {
+    // Destroying a quiescent communicator waits for nothing; anything else is aborted.
+    const bool quiescent = healthy_locked() && reap_locked();
+    const ncclResult_t status = quiescent ? ncclCommDestroy(comm_) : ncclCommAbort(comm_);
+    if (status != ncclSuccess) {
+      std::fprintf(stderr, "cpshard NCCL: ending the communicator failed: %s\n",
+                   ncclGetErrorString(status));
+    }
+    comm_ = nullptr;
+  }
+  release_events_locked();
+  lock.unlock();
+  if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
+}
+
+bool NcclCommunicator::healthy_locked() {
+  ncclResult_t async = ncclSuccess;
+  return ncclCommGetAsyncError(comm_, &async) == ncclSuccess &&
+         (async == ncclSuccess || async == ncclInProgress);
+}
+
+void NcclCommunicator::watch() {
+  (void)cudaSetDevice(static_cast<int>(device_));  // for the event queries
+  // Relaxed: this thread's event queries must not invalidate a CUDA graph another thread is
+  // capturing in global mode (the default of torch.cuda.graph).
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!closed_ && comm_ != nullptr) {
+    wake_.wait_for(lock, kPollInterval);
+    if (closed_ || comm_ == nullptr) break;
+    if (!healthy_locked()) {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t polled = ncclCommGetAsyncError(comm_, &async);
+      abort_locked(std::string("asynchronous NCCL error: ") +
+                   ncclGetErrorString(polled != ncclSuccess ? polled : async) + ". " +
+                   ncclGetLastError(comm_));
+      break;
+    }
+    if (!reap_locked() && Clock::now() - pending_.front().second > timeout_) {
+      abort_locked("a call has not finished within the process group's timeout of " +
+                   std::to_string(timeout_.count()) + " ms");
+      break;
+    }
+  }
+}
+
+bool NcclCommunicator::reap_locked() {
+  while (!pending_.empty()) {
+    const cudaError_t state = cudaEventQuery(pending_.front().first);
+    if (state == cudaErrorNotReady) return false;
+    // Finished, or its stream failed (that error surfaces on the stream's own next check).
+    if (state != cudaSuccess) (void)cudaGetLastError();
+    spare_.push_back(pending_.front().first);
+    pending_.pop_front();
+  }
+  return true;
+}
+
+void NcclCommunicator::abort_locked(const std::string& reason) {
+  error_ = reason;
+  std::fprintf(stderr,
+               "cpshard NCCL (rank %lld of %lld, cuda:%lld): %s; aborting the communicator\n",
+               static_cast<long long>(rank_), static_cast<long long>(world_),
+               static_cast<long long>(device_), reason.c_str());
+  (void)ncclCommAbort(comm_);
+  comm_ = nullptr;
+  release_events_locked();
+}
+
+void NcclCommunicator::release_events_locked() {
+  for (const auto& [event, since] : pending_) (void)cudaEventDestroy(event);
+  for (const auto event : spare_) (void)cudaEventDestroy(event);
+  pending_.clear();
+  spare_.clear();
+  (void)cudaGetLastError();
+}
+
 void NcclCommunicator::check_tensor(const at::Tensor& t, const char* what, const char* arg) const {
+  TORCH_CHECK(t.defined(), what, ": ", arg, " is undefined");
   TORCH_CHECK(t.is_cuda() && t.device().index() == device_, what, ": ", arg,
-              " must be on cuda:", device_, ", got ", t.device());
+              " must be on cuda:", device_, " (the communicator's device), got ", t.device());
   TORCH_CHECK(t.is_contiguous(), what, ": ", arg, " must be contiguous");
+}
+
+void NcclCommunicator::check_pair(const at::Tensor& out, const at::Tensor& other,
+                                  const char* what, const char* arg) const {
+  check_tensor(out, what, "out");
+  check_tensor(other, what, arg);
+  TORCH_CHECK(out.scalar_type() == other.scalar_type(), what, ": out is ", out.scalar_type(),
+              " but ", arg, " is ", other.scalar_type());
 }
 
 void NcclCommunicator::check_sizes(const std::vector<int64_t>& sizes, const char* what) const {
@@ -109,40 +329,41 @@ void NcclCommunicator::check_sizes(const std::vector<int64_t>& sizes, const char
 
 void NcclCommunicator::all_gather(const at::Tensor& out, const at::Tensor& local) {
   constexpr const char* what = "NcclCommunicator.all_gather";
-  check_tensor(out, what, "out");
-  check_tensor(local, what, "local");
-  TORCH_CHECK(out.scalar_type() == local.scalar_type(), what, ": dtypes differ");
-  TORCH_CHECK(out.numel() == local.numel() * world_, what, ": out has ", out.numel(),
-              " elements, expected world * local = ", local.numel() * world_);
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  const auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  CPSHARD_NCCL_CHECK(comm_, ncclAllGather(local.data_ptr(), out.data_ptr(),
-                                          local.numel() * local.element_size(), ncclUint8, comm_,
-                                          stream));
+  check_pair(out, local, what, "local");
+  const int64_t expected = checked_mul(local.numel(), world_, what);
+  TORCH_CHECK(out.numel() == expected, what, ": out has ", out.numel(),
+              " elements, expected world * local = ", expected);
+  if (local.numel() == 0) return;
+  Call call(*this, what);
+  call.use(out);
+  call.use(local);
+  CPSHARD_NCCL_CHECK(call.comm(), ncclAllGather(local.data_ptr(), out.data_ptr(), nbytes(local),
+                                                ncclUint8, call.comm(), call.stream()));
 }
 
 void NcclCommunicator::all_gather_v(const at::Tensor& out, const at::Tensor& local,
                                     std::vector<int64_t> sizes) {
   constexpr const char* what = "NcclCommunicator.all_gather_v";
-  check_tensor(out, what, "out");
-  check_tensor(local, what, "local");
+  check_pair(out, local, what, "local");
   check_sizes(sizes, what);
-  TORCH_CHECK(out.scalar_type() == local.scalar_type(), what, ": dtypes differ");
   TORCH_CHECK(local.numel() == sizes[rank_], what, ": local has ", local.numel(),
               " elements but sizes[", rank_, "] = ", sizes[rank_]);
-  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  const int64_t total = total_of(sizes, what);
   TORCH_CHECK(out.numel() == total, what, ": out has ", out.numel(), " elements, sizes sum to ",
               total);
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  const auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
+  if (total == 0) return;
+  Call call(*this, what);
+  call.use(out);
+  call.use(local);
   const int64_t elem = out.element_size();
-  Group group(comm_);
+  Group group(call.comm());
   int64_t offset = 0;
   for (int64_t r = 0; r < world_; ++r) {
     if (sizes[r] > 0) {
       const void* send = r == rank_ ? local.data_ptr() : bytes(out, offset);
-      CPSHARD_NCCL_CHECK(comm_, ncclBroadcast(send, bytes(out, offset), sizes[r] * elem, ncclUint8,
-                                              static_cast<int>(r), comm_, stream));
+      CPSHARD_NCCL_CHECK(call.comm(), ncclBroadcast(send, bytes(out, offset), sizes[r] * elem,
+                                                    ncclUint8, static_cast<int>(r), call.comm(),
+                                                    call.stream()));
     }
     offset += sizes[r];
   }
@@ -150,40 +371,45 @@ void NcclCommunicator::all_gather_v(const at::Tensor& out, const at::Tensor& loc
 
 void NcclCommunicator::reduce_scatter(const at::Tensor& out, const at::Tensor& full) {
   constexpr const char* what = "NcclCommunicator.reduce_scatter";
-  check_tensor(out, what, "out");
-  check_tensor(full, what, "full");
-  TORCH_CHECK(out.scalar_type() == full.scalar_type(), what, ": dtypes differ");
-  TORCH_CHECK(full.numel() == out.numel() * world_, what, ": full has ", full.numel(),
-              " elements, expected world * out = ", out.numel() * world_);
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  const auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  const auto [type, count] = reduce_args(out.scalar_type(), out.numel());
-  CPSHARD_NCCL_CHECK(comm_, ncclReduceScatter(full.data_ptr(), out.data_ptr(), count, type, ncclSum,
-                                              comm_, stream));
+  check_pair(out, full, what, "full");
+  const ReduceType type = reduce_type(out.scalar_type(), what);
+  const int64_t expected = checked_mul(out.numel(), world_, what);
+  TORCH_CHECK(full.numel() == expected, what, ": full has ", full.numel(),
+              " elements, expected world * out = ", expected);
+  if (out.numel() == 0) return;
+  Call call(*this, what);
+  call.use(out);
+  call.use(full);
+  CPSHARD_NCCL_CHECK(call.comm(),
+                     ncclReduceScatter(full.data_ptr(), out.data_ptr(),
+                                       out.numel() * type.per_element, type.type, ncclSum,
+                                       call.comm(), call.stream()));
 }
 
 void NcclCommunicator::reduce_scatter_v(const at::Tensor& out, const at::Tensor& full,
                                         std::vector<int64_t> sizes) {
   constexpr const char* what = "NcclCommunicator.reduce_scatter_v";
-  check_tensor(out, what, "out");
-  check_tensor(full, what, "full");
+  check_pair(out, full, what, "full");
   check_sizes(sizes, what);
-  TORCH_CHECK(out.scalar_type() == full.scalar_type(), what, ": dtypes differ");
+  const ReduceType type = reduce_type(out.scalar_type(), what);
   TORCH_CHECK(out.numel() == sizes[rank_], what, ": out has ", out.numel(), " elements but sizes[",
               rank_, "] = ", sizes[rank_]);
-  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  const int64_t total = total_of(sizes, what);
   TORCH_CHECK(full.numel() == total, what, ": full has ", full.numel(), " elements, sizes sum to ",
               total);
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  const auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  Group group(comm_);
+  if (total == 0) return;
+  Call call(*this, what);
+  call.use(out);
+  call.use(full);
+  Group group(call.comm());
   int64_t offset = 0;
   for (int64_t r = 0; r < world_; ++r) {
     if (sizes[r] > 0) {
-      const auto [type, count] = reduce_args(full.scalar_type(), sizes[r]);
       void* recv = r == rank_ ? out.data_ptr() : bytes(full, offset);  // used on the root only
-      CPSHARD_NCCL_CHECK(comm_, ncclReduce(bytes(full, offset), recv, count, type, ncclSum,
-                                           static_cast<int>(r), comm_, stream));
+      CPSHARD_NCCL_CHECK(call.comm(),
+                         ncclReduce(bytes(full, offset), recv, sizes[r] * type.per_element,
+                                    type.type, ncclSum, static_cast<int>(r), call.comm(),
+                                    call.stream()));
     }
     offset += sizes[r];
   }
@@ -194,26 +420,37 @@ void NcclCommunicator::send_recv(const std::vector<at::Tensor>& sends,
                                  const std::vector<at::Tensor>& recvs,
                                  std::vector<int64_t> recv_peers) {
   constexpr const char* what = "NcclCommunicator.send_recv";
-  TORCH_CHECK(sends.size() == send_peers.size(), what, ": sends and send_peers differ in length");
-  TORCH_CHECK(recvs.size() == recv_peers.size(), what, ": recvs and recv_peers differ in length");
+  TORCH_CHECK(sends.size() == send_peers.size(), what, ": sends has ", sends.size(),
+              " tensors but send_peers has ", send_peers.size(), " ranks");
+  TORCH_CHECK(recvs.size() == recv_peers.size(), what, ": recvs has ", recvs.size(),
+              " tensors but recv_peers has ", recv_peers.size(), " ranks");
   for (const auto& t : sends) check_tensor(t, what, "sends[i]");
   for (const auto& t : recvs) check_tensor(t, what, "recvs[i]");
   for (const auto p : send_peers) {
-    TORCH_CHECK(0 <= p && p < world_ && p != rank_, what, ": bad send peer ", p);
+    TORCH_CHECK(0 <= p && p < world_ && p != rank_, what, ": send_peers holds ", p,
+                ", not another rank of a world of ", world_, " (this is rank ", rank_, ")");
   }
   for (const auto p : recv_peers) {
-    TORCH_CHECK(0 <= p && p < world_ && p != rank_, what, ": bad recv peer ", p);
+    TORCH_CHECK(0 <= p && p < world_ && p != rank_, what, ": recv_peers holds ", p,
+                ", not another rank of a world of ", world_, " (this is rank ", rank_, ")");
   }
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  const auto stream = c10::cuda::getCurrentCUDAStream(device_).stream();
-  Group group(comm_);
+  if (sends.empty() && recvs.empty()) return;
+  Call call(*this, what);
+  for (const auto& t : sends) call.use(t);
+  for (const auto& t : recvs) call.use(t);
+  // Empty parts are skipped on both sides alike (their sizes agree across ranks by contract).
+  Group group(call.comm());
   for (size_t i = 0; i < sends.size(); ++i) {
-    CPSHARD_NCCL_CHECK(comm_, ncclSend(sends[i].data_ptr(), sends[i].numel() * sends[i].element_size(),
-                                       ncclUint8, static_cast<int>(send_peers[i]), comm_, stream));
+    if (sends[i].numel() == 0) continue;
+    CPSHARD_NCCL_CHECK(call.comm(), ncclSend(sends[i].data_ptr(), nbytes(sends[i]), ncclUint8,
+                                             static_cast<int>(send_peers[i]), call.comm(),
+                                             call.stream()));
   }
   for (size_t i = 0; i < recvs.size(); ++i) {
-    CPSHARD_NCCL_CHECK(comm_, ncclRecv(recvs[i].data_ptr(), recvs[i].numel() * recvs[i].element_size(),
-                                       ncclUint8, static_cast<int>(recv_peers[i]), comm_, stream));
+    if (recvs[i].numel() == 0) continue;
+    CPSHARD_NCCL_CHECK(call.comm(), ncclRecv(recvs[i].data_ptr(), nbytes(recvs[i]), ncclUint8,
+                                             static_cast<int>(recv_peers[i]), call.comm(),
+                                             call.stream()));
   }
 }
 

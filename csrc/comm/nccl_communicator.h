@@ -1,33 +1,77 @@
-// A NCCL communicator for one torch process group (CUDA build only). Built from a unique id that
-// rank 0 creates and broadcasts over the torch group; every call is enqueued on torch's current
-// CUDA stream of the communicator's device. Knows nothing of autograd: tensors are flat and
-// contiguous, sizes are in elements, parts are back to back in rank order (exact offsets).
+// A NCCL communicator for one torch process group on one CUDA device (CUDA build only). Knows
+// nothing of autograd or of torch.distributed: tensors are flat and contiguous, sizes are in
+// elements, parts are back to back in rank order (exact offsets).
+//
+// Bootstrap (chosen by cpshard/comm/nccl.py, which explains why splitting is the default):
+//   * split: ncclCommSplit of torch's own communicator for the group (its ncclComm_t address,
+//     ProcessGroupNCCL._comm_ptr()). No unique id to exchange; the child shares the parent's
+//     buffers, channels and proxy thread when the parent allows sharing (NCCL takes that choice
+//     from the parent's config.splitShare; nccl.py explains the ordering against torch's own
+//     collectives);
+//   * unique id: ncclCommInitRankConfig from an id that rank 0 made with unique_id() and shared
+//     over a host-side channel.
+// Either way the communicator is ours: we poll it, abort it and end it; torch's is never touched
+// after the split.
+//
+// Every verb checks all of its arguments before anything is enqueued (a failing check inside
+// ncclGroupStart/End would launch a partial group on this rank only), then enqueues on the
+// current CUDA stream of the communicator's device, marks every tensor as used on that stream
+// for the caching allocator (a caller on a side stream must not see its buffers reused while the
+// transfer runs), and records an event. A watchdog thread polls ncclCommGetAsyncError and the
+// oldest unfinished call every 100 ms: an asynchronous error, or a call older than the process
+// group's timeout, aborts the communicator (kernels blocked on a dead peer return) and every
+// later call raises the reason.
 #pragma once
 
 #include <ATen/ATen.h>
+#include <cuda_runtime_api.h>
 #include <nccl.h>
 #include <torch/custom_class.h>
 
+#include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
 
 namespace cpshard {
 
 class NcclCommunicator : public torch::CustomClassHolder {
  public:
-  // unique_id: the ncclUniqueId bytes from unique_id() on rank 0.
-  NcclCommunicator(const at::Tensor& unique_id, int64_t rank, int64_t world, int64_t device);
+  // This process as `rank` of `world` on CUDA device `device`. parent: the address of a
+  // communicator to split from (torch's for the group), or 0 to build one from unique_id (the
+  // ncclUniqueId bytes made by unique_id() on rank 0; ignored when splitting). timeout_s: the
+  // process group's timeout, after which an unfinished call aborts the communicator.
+  NcclCommunicator(int64_t parent, const at::Tensor& unique_id, int64_t rank, int64_t world,
+                   int64_t device, double timeout_s);
+  // Ends the communicator like close() if that was not called (cpshard/comm/nccl.py always
+  // calls it, with the process group's end or at exit, never leaving it to garbage collection).
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
-  // A fresh ncclUniqueId as a uint8 CPU tensor.
+  // A fresh ncclUniqueId as a uint8 CPU tensor (needs no GPU).
   static at::Tensor unique_id();
-  // NCCL's version code (e.g. 23007).
+  // NCCL's version code (e.g. 23007) of the library this extension runs against.
   static int64_t version();
+  // Whether the communicator at address `parent` has `world` ranks, this process as `rank`, and
+  // lives on `device`: what a split needs. (Checked on every rank before the collective split.)
+  static bool parent_matches(int64_t parent, int64_t rank, int64_t world, int64_t device);
 
   int64_t rank() const { return rank_; }
   int64_t world() const { return world_; }
+  int64_t device() const { return device_; }
+  // Why the communicator was aborted, or "" while it is usable.
+  std::string error();
+  // Ends the communicator: waits for the calls in flight (at most the timeout, and not past an
+  // error), then destroys it when they all finished without error, else aborts it (a split
+  // child shares its parent's abort flag when they share resources, so an abort also stops
+  // torch's communicator: only done when something already went wrong). Idempotent; later
+  // calls raise.
+  void close();
 
   // out[world * n] <- every rank's local[n]; in place when local is this rank's slot of out.
   void all_gather(const at::Tensor& out, const at::Tensor& local);
@@ -44,13 +88,36 @@ class NcclCommunicator : public torch::CustomClassHolder {
                  const std::vector<at::Tensor>& recvs, std::vector<int64_t> recv_peers);
 
  private:
-  void check_tensor(const at::Tensor& t, const char* what, const char* arg) const;
-  void check_sizes(const std::vector<int64_t>& sizes, const char* what) const;
+  class Call;  // one verb's enqueue: lock, stream, allocator bookkeeping, completion event
+  using Clock = std::chrono::steady_clock;
 
+  void check_tensor(const at::Tensor& t, const char* what, const char* arg) const;
+  // out and `other` (named `arg`) both pass check_tensor and share one dtype.
+  void check_pair(const at::Tensor& out, const at::Tensor& other, const char* what,
+                  const char* arg) const;
+  void check_sizes(const std::vector<int64_t>& sizes, const char* what) const;
+  void watch();
+  // With mu_ held: drops the events of finished calls; true when none is left.
+  bool reap_locked();
+  // With mu_ held (comm_ set): no asynchronous error so far.
+  bool healthy_locked();
+  // With mu_ held: aborts the communicator for `reason` (kept for later calls).
+  void abort_locked(const std::string& reason);
+  void release_events_locked();
+
+  const int64_t rank_;
+  const int64_t world_;
+  const int64_t device_;
+  const std::chrono::milliseconds timeout_;
+
+  std::mutex mu_;  // guards everything below; held while a call enqueues
   ncclComm_t comm_ = nullptr;
-  int64_t rank_;
-  int64_t world_;
-  int64_t device_;
+  std::string error_;
+  bool closed_ = false;
+  std::deque<std::pair<cudaEvent_t, Clock::time_point>> pending_;  // calls not known finished
+  std::vector<cudaEvent_t> spare_;                                  // finished events to reuse
+  std::condition_variable wake_;
+  std::thread watchdog_;
 };
 
 }  // namespace cpshard

@@ -17,7 +17,9 @@ struct IndexGeometry {
   int64_t post = 1;
 };
 
-// index: contiguous int64 [idx_rows], already validated to lie in [-inf, src_rows).
+// index: contiguous int64 [idx_rows]. The CPU kernels take it validated to lie in
+// [-inf, src_rows); the CUDA kernels check that bound themselves (a device-side assertion, no
+// out-of-range access).
 void index_gather_cpu(const IndexGeometry& g, const at::Tensor& src, const at::Tensor& index,
                       const at::Tensor& out, const at::Tensor& fill);
 // order: source rows sorted by target, row_start: [src_rows + 1] CSR offsets into order.

@@ -3,6 +3,10 @@
 // (output row, chunk); shorter rows go one thread per element. Scatter-add: one thread per output
 // element sums its CSR sources in ascending order in at::opmath_type, so the result is
 // deterministic and needs no atomics.
+// Bounds: the index is not checked on the host (that would read it back, a sync per call). A
+// gather row whose index is >= the source's rows fails a device-side assertion and is never
+// read; the scatter-add's CSR walk only visits targets below dim_size, and its first thread
+// asserts that every index did fall below it.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -21,6 +25,8 @@ using cuda::FillPattern;
 using cuda::kThreads;
 
 constexpr int64_t kRowPathBytes = 64;
+
+#define CPSHARD_GATHER_RANGE_MESSAGE "cpshard.index_gather: an index is >= src.shape[dim]"
 
 // ---- gather, one group of kLanes threads per (output row, chunk) ------------------------------
 
@@ -48,8 +54,9 @@ __global__ void __launch_bounds__(kThreads) gather_rows_kernel(const GatherRowAr
     const int64_t n = cuda::min64(a.chunk_bytes, a.row_bytes - lo);
     const int64_t p = row / a.idx_rows;
     const int64_t j = a.index[row % a.idx_rows];
+    CUDA_KERNEL_ASSERT_MSG(j < a.src_rows, CPSHARD_GATHER_RANGE_MESSAGE);
     char* dst = a.out + row * a.row_bytes + lo;
-    if (j < 0) {
+    if (j < 0 || j >= a.src_rows) {
       cuda::group_fill<kLanes>(dst, n, a.fill, lane);
     } else {
       cuda::group_copy<kLanes>(dst, a.src + (p * a.src_rows + j) * a.row_bytes + lo, n, lane);
@@ -71,7 +78,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t q = e - row * post;
     const int64_t p = row / idx_rows;
     const int64_t j = index[row - p * idx_rows];
-    out[e] = j < 0 ? fill : src[(p * src_rows + j) * post + q];
+    CUDA_KERNEL_ASSERT_MSG(j < src_rows, CPSHARD_GATHER_RANGE_MESSAGE);
+    out[e] = j < 0 || j >= src_rows ? fill : src[(p * src_rows + j) * post + q];
   }
 }
 
@@ -106,6 +114,11 @@ __global__ void __launch_bounds__(kThreads)
                        const int64_t* __restrict__ row_start, scalar_t* __restrict__ out,
                        int64_t src_rows, int64_t idx_rows, int64_t post, int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    // row_start[src_rows] counts the indices below dim_size: all of them, or one was out of range.
+    CUDA_KERNEL_ASSERT_MSG(row_start[src_rows] == idx_rows,
+                           "cpshard.index_scatter_add: an index is >= dim_size");
+  }
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; e < numel;
        e += stride) {

@@ -12,7 +12,10 @@
 namespace cpshard {
 namespace {
 
-// The index as contiguous int64, after checking its rank, dtype, device and upper bound.
+// The index as contiguous int64, after checking its rank, dtype and device. On CPU its upper
+// bound is checked here; on CUDA the kernels check it on the device (reading the maximum back
+// would cost a device->host sync per call): an index >= `rows` is never dereferenced and fails a
+// device-side assertion, which surfaces as a CUDA error at the next synchronizing call.
 at::Tensor checked_index(const at::Tensor& index, const at::Tensor& data, int64_t rows,
                          const char* what, const char* bound_name) {
   TORCH_CHECK(index.defined(), what, ": index is undefined");
@@ -22,8 +25,8 @@ at::Tensor checked_index(const at::Tensor& index, const at::Tensor& data, int64_
   TORCH_CHECK(index.device() == data.device(), what, ": index is on ", index.device(),
               " but the data is on ", data.device());
   auto idx = index.to(at::kLong).contiguous();
-  if (idx.numel() > 0) {
-    const int64_t top = idx.max().item<int64_t>();  // one host sync on CUDA: bounds are checked
+  if (idx.is_cpu() && idx.numel() > 0) {
+    const int64_t top = idx.max().item<int64_t>();
     TORCH_CHECK(top < rows, what, ": index holds ", top, " but ", bound_name, " is ", rows);
   }
   return idx;
@@ -37,7 +40,6 @@ void check_data(const at::Tensor& t, const char* what, const char* arg) {
   TORCH_CHECK(supported_element_size(t.element_size()), what, ": ", arg, " has unsupported dtype ",
               t.scalar_type());
 }
-
 
 }  // namespace
 
