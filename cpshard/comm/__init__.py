@@ -13,7 +13,7 @@ the native NCCL communicator.
 """
 
 from cpshard.comm.group import Group, GroupLike, group_from_name, resolve_group
-from cpshard.comm.host import all_gather_small, host_group
+from cpshard.comm.host import all_gather_bytes, all_gather_small
 from cpshard.comm.nvtx import nvtx_range
 from cpshard.comm.reduce import all_reduce_sum_
 from cpshard.comm.select import transport_for
@@ -25,10 +25,10 @@ __all__ = [
     "GroupLike",
     "TorchTransport",
     "Transport",
+    "all_gather_bytes",
     "all_gather_small",
     "all_reduce_sum_",
     "group_from_name",
-    "host_group",
     "nvtx_range",
     "offsets",
     "resolve_group",

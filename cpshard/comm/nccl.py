@@ -37,7 +37,7 @@ not yet), the ranks agree over the host-side channel that all of them have it, a
 cannot split: a torch without ``_comm_ptr``, a wrapped backend under
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, a different NCCL than ours). Rank 0 makes the id
 (:func:`unique_id`, the function the CUDA compile-only CI job calls) and broadcasts it over the
-host-side gloo channel (:func:`cpshard.comm.host.host_group`), never over a CUDA collective.
+host-side channel (:func:`cpshard.comm.host.all_gather_bytes`, the group's store), never over a CUDA collective.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.comm.group import Group, GroupLike, resolve_group
-from cpshard.comm.host import all_gather_small, host_group
+from cpshard.comm.host import all_gather_bytes, all_gather_small
 from cpshard.comm.verbs import all_to_all_parts
 
 BOOTSTRAPS = ("split", "unique_id")
@@ -187,9 +187,8 @@ def _create(group: Group, device: torch.device, mode: str) -> NcclTransport:
         return NcclTransport(
             native(parent, empty, group.rank, group.world, index, timeout), "split"
         )
-    hg = host_group(group)
-    uid = unique_id() if group.rank == 0 else torch.empty(UNIQUE_ID_BYTES, dtype=torch.uint8)
-    dist.broadcast(uid, src=dist.get_global_rank(hg, 0), group=hg)
+    mine = unique_id().numpy().tobytes() if group.rank == 0 else b""
+    uid = torch.frombuffer(bytearray(all_gather_bytes(mine, group)[0]), dtype=torch.uint8)
     return NcclTransport(native(0, uid, group.rank, group.world, index, timeout), "unique_id")
 
 
