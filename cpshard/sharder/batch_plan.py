@@ -1,0 +1,206 @@
+"""Per-step batch planning of :class:`~cpshard.sharder.ContextParallelSharder`: the built-in
+``shard_batch`` (validation, padding, positions, targets, the layout, and the per-step consensus
+fields every rank agrees on) and :class:`_BatchPlan`, which shards a planned batch for one rank."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from cpshard.attention.state import layout_state
+from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, pad_value
+from cpshard.blockdiag.state import activated
+from cpshard.comm import GroupLike, resolve_group
+from cpshard.consensus import agree, digest
+from cpshard.documents import DocumentError, document_positions, read_documents
+from cpshard.layout import CLOSED_FORM_LAYOUTS, ShardLayout, make_layout
+from cpshard.sharder.checks import _dim, _Problem, _tensor
+from cpshard.sharder.indices import _gather_rows
+from cpshard.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shift_targets
+
+# Keys the sharder handles itself (extra_seq_buffers may not name them).
+_KNOWN_KEYS = ("input_ids", "inputs_embeds", "position_ids", *CONSUMED_KEYS)
+
+
+class _BatchPlanning:
+    """The built-in ``shard_batch`` (a part of ContextParallelSharder)."""
+
+    def _builtin_shard_batch(
+        self,
+        cp_mesh: GroupLike,
+        tp_mesh: Any,
+        batch: dict[str, Any],
+        *,
+        loss_mask: torch.Tensor | None = None,
+        padding_token_id: int = 0,
+    ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any], ShardLayout]:
+        """The built-in ``shard_batch`` of the sharder's layout (the seed's signature)."""
+        what = "cpshard.ContextParallelSharder.shard"
+        g = resolve_group(cp_mesh, what)
+        problem, plan = None, None
+        try:
+            plan = self._plan_batch(batch, loss_mask, padding_token_id, g.world)
+        except _Problem as p:
+            problem = str(p)
+        fields = {
+            "batch size": [plan.rows if plan else 0],
+            "sequence length": [plan.seq_len if plan else 0],
+            "padded length": [plan.layout.padded_seq_len if plan else 0],
+            "partition": digest(plan.layout.local_token_global_indices if plan else None),
+            "document ids": digest(plan.documents if plan else None),
+        }
+        # One small all-gather: every rank raises if any rank's batch is bad, and ranks whose
+        # batches (hence data-dependent partitions, or documents) differ are named instead of
+        # silently mixed.
+        agree(g, what, problem, fields)
+        padded_docs = pad_sequence("_packed_seq_ids", plan.documents, 1, plan.layout.padded_seq_len)
+        state = layout_state(g, plan.layout, padded_docs, plan.device)
+        return lambda: activated(state), plan.apply(g.rank), plan.layout
+
+    def _plan_batch(
+        self, batch: object, loss_mask, padding_token_id: int, world: int
+    ) -> _BatchPlan:
+        if not isinstance(batch, Mapping):
+            raise _Problem(
+                f"batch must be a dict of tensors, got {type(batch).__name__}", TypeError
+            )
+        if self.layout is None:
+            raise _Problem("the sharder has no built-in layout (layout=None)")
+        ref = next(
+            (k for k in ("input_ids", "inputs_embeds", "labels") if batch.get(k) is not None), None
+        )
+        if ref is None:
+            raise _Problem(
+                "batch has none of input_ids, inputs_embeds, labels: nothing gives the sequence "
+                "length"
+            )
+        ref_t = _tensor(batch[ref], f"batch[{ref!r}]")
+        if ref_t.dim() < 2:
+            raise _Problem(f"batch[{ref!r}] must be [B, S, ...], got shape {tuple(ref_t.shape)}")
+        rows, seq_len = int(ref_t.shape[0]), int(ref_t.shape[1])
+        plan = _BatchPlan(batch, rows, seq_len, ref_t.device)
+
+        def add(
+            key: str, t: object, seq_dim: int, min_dim: int = 2, max_dim: int | None = 2
+        ) -> None:
+            t = _tensor(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
+            if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
+                raise _Problem(
+                    f"{key} must be [B, S{', ...' if max_dim is None else ''}], got shape "
+                    f"{tuple(t.shape)}"
+                )
+            d = _dim(t, seq_dim, f"the seq dim of {key}")
+            if t.shape[d] != seq_len:
+                raise _Problem(
+                    f"{key} has {t.shape[d]} positions along dim {d}, but {ref} has {seq_len}"
+                )
+            if d > 0 and key in _KNOWN_KEYS and t.shape[d - 1] not in (rows, 1):
+                raise _Problem(f"{key} has batch size {t.shape[d - 1]}, but {ref} has {rows}")
+            fill = self.extra_pad_values.get(key, 0) if key in self.extra_seq_buffers else None
+            if fill is None:
+                fill = pad_value(key, padding_token_id)
+            plan.items.append((key, t, d, fill))
+
+        if batch.get("input_ids") is not None:
+            add("input_ids", batch["input_ids"], 1)
+        if batch.get("inputs_embeds") is not None:
+            add("inputs_embeds", batch["inputs_embeds"], 1, max_dim=None)
+        labels = batch.get("labels")
+        mask = loss_mask if loss_mask is not None else batch.get("loss_mask")
+        for key, t in (("labels", labels), ("loss_mask", mask)):
+            if t is not None:
+                _tensor(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
+                if tuple(t.shape) != (rows, seq_len):
+                    raise _Problem(
+                        f"{key} must be [B, S] = [{rows}, {seq_len}], got shape {tuple(t.shape)}"
+                    )
+        try:
+            doc_ids, pad = read_documents(batch, rows, seq_len)
+        except DocumentError as exc:
+            raise _Problem(str(exc)) from None
+        if self.shift_labels:
+            labels, mask = shift_targets(labels, mask, doc_ids)
+        if labels is not None:
+            add("labels", labels, 1)
+        if mask is not None:
+            add("loss_mask", mask, 1)
+        for key, d in self.extra_seq_buffers.items():
+            if batch.get(key) is not None:
+                add(key, batch[key], d, min_dim=1, max_dim=None)
+
+        pos = batch.get("position_ids")
+        if pos is not None:
+            pos = _tensor(pos, "batch['position_ids']")
+            if (
+                pos.dim() not in (1, 2, 3)
+                or pos.shape[-1] != seq_len
+                or (pos.dim() > 1 and pos.shape[-2] not in (rows, 1))
+            ):
+                raise _Problem(
+                    f"position_ids must be [B, S] or [3, B, S] (mRoPE) with S = {seq_len}, got "
+                    f"shape {tuple(pos.shape)}"
+                )
+            if pos.dtype.is_floating_point or pos.dtype == torch.bool:
+                raise _Problem(f"position_ids must hold integers, got {pos.dtype}", TypeError)
+        if pos is None:
+            pos = document_positions(doc_ids).to(ref_t.device)
+        plan.positions = pos[None] if pos.dim() == 1 else pos
+        plan.padding = pad.to(ref_t.device)
+        plan.documents = doc_ids
+        if labels is not None:
+            plan.num_labelled = (labels != IGNORE_INDEX).sum()
+        try:
+            plan.layout = make_layout(
+                self.layout, world, seq_len,
+                doc_ids=None if self.layout in CLOSED_FORM_LAYOUTS else doc_ids,
+                num_chunks=self.num_chunks, rank_multiple=self.pad_multiple,
+            )
+        except (TypeError, ValueError) as exc:
+            raise _Problem(str(exc)) from None
+        return plan
+
+
+class _BatchPlan:
+    """A validated batch and its layout; :meth:`apply` shards it for one rank (no communication)."""
+
+    def __init__(self, batch: Mapping, rows: int, seq_len: int, device: torch.device) -> None:
+        self.batch, self.rows, self.seq_len, self.device = batch, rows, seq_len, device
+        self.items: list[tuple[str, torch.Tensor, int, Any]] = []
+        self.positions: torch.Tensor | None = None  # given, or created per document
+        self.padding: torch.Tensor | None = None
+        self.documents: torch.Tensor | None = None  # on the host
+        self.num_labelled: torch.Tensor | None = None
+        self.layout: ShardLayout | None = None
+
+    def apply(self, rank: int) -> ShardedBatch:
+        lay = self.layout
+        padded, n = lay.padded_seq_len, self.seq_len
+        by_device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def index(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+            key = str(device)
+            if key not in by_device:
+                mine = lay.indices(rank, device)
+                by_device[key] = (mine, torch.where(mine < n, mine, torch.full_like(mine, -1)))
+            return by_device[key]
+
+        def shard(t: torch.Tensor, d: int, fill: Any) -> torch.Tensor:
+            return _gather_rows(t, d, index(t.device)[1], fill)
+
+        out = {k: v for k, v in self.batch.items() if k not in CONSUMED_KEYS}
+        side: dict[str, torch.Tensor] = {}
+        for key, t, d, fill in self.items:
+            (side if key in CONSUMED_KEYS else out)[key] = shard(t, d, fill)
+        pos = pad_sequence("position_ids", self.positions, self.positions.dim() - 1, padded)
+        out["position_ids"] = _gather_rows(pos, pos.dim() - 1, index(pos.device)[0], 0)
+        targets = BatchTargets(
+            labels=side.get("labels"),
+            num_labelled=self.num_labelled,
+            loss_mask=side.get("loss_mask"),
+            padding_mask=shard(self.padding, 1, pad_value("padding_mask", 0)),
+            document_ids=shard(self.documents.to(self.device), 1, 0),
+        )
+        return ShardedBatch(out, targets)
