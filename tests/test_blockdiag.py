@@ -485,9 +485,7 @@ def _recording_host_reads(reads: list[str], allowed: torch.Tensor) -> Iterator[N
             by_library = (
                 frame is not None and f"{os.sep}cpshard{os.sep}" in frame.f_code.co_filename
             )
-            # the gloo transport's call fingerprints are host tensors by construction (gloo only)
-            gloo_keys = frame is not None and frame.f_code.co_name in ("_key_ops", "_check_keys")
-            if by_library and not gloo_keys and not (check_self and args[0] is allowed):
+            if by_library and not (check_self and args[0] is allowed):
                 reads.append(f"{name} from {frame.f_code.co_filename}:{frame.f_lineno}")
             return real(*args, **kwargs)
 

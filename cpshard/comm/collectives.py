@@ -20,8 +20,8 @@ allocations, flat for the gathers so that callers view them in their own layout 
   front along ``dim``; backward: ``cpshard::halo_return``, each halo row's gradient sent back to
   its owner and added there.
 
-``key`` is the caller's fingerprint of the arguments every rank must agree on; backends that can
-swap it within the transfer itself check it (:meth:`cpshard.comm.TorchTransport.send_recv`).
+``key`` is the caller's fingerprint of the arguments every rank must agree on; on gloo it is the
+messages' tag, so ranks that disagree never match (:meth:`cpshard.comm.TorchTransport.send_recv`).
 """
 
 from __future__ import annotations
@@ -231,7 +231,7 @@ def halo_return(
     sends = [(q, grad.narrow(dim, lp + at, hi - lo)) for q, lo, hi, at in plan.recvs]
     recvs = [(r, grad.new_empty(grad_x.narrow(dim, lo, hi - lo).shape)) for r, lo, hi in plan.sends]
     with nvtx_range("cpshard.halo_return", grad):
-        # No fingerprint: the forward exchange checked the same arguments (whether a backward
+        # No fingerprint: the forward exchange matched on the same arguments (whether a backward
         # follows included), so the return cannot mismatch; ``key`` serves its own backward.
         transport_for(group, grad).send_recv(sends, recvs)
     for (_, lo, hi), (_, buf) in zip(plan.sends, recvs):

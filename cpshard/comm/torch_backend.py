@@ -22,9 +22,14 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 # pipelined point-to-point rounds through two buffers of at most half of it.
 A2A_STAGING_BYTES = 16 << 20
 
-# The point-to-point tag of the call fingerprints swapped beside the data (data uses tag 0, the
-# pipelined reduce-scatter its round numbers).
-KEY_TAG = 1 << 20
+# Point-to-point tags: untagged transfers use 0 and the pipelined reduce-scatter its round
+# numbers (< 2**20); a fingerprinted transfer uses its fingerprint folded into [2**20, 2**31).
+_KEY_TAG_BASE = 1 << 20
+
+
+def key_tag(key: int) -> int:
+    """The point-to-point tag of a transfer whose arguments have fingerprint ``key``."""
+    return _KEY_TAG_BASE + key % ((1 << 31) - _KEY_TAG_BASE)
 
 
 class TorchTransport:
@@ -169,53 +174,16 @@ class TorchTransport:
         recvs: Sequence[tuple[int, torch.Tensor]],
         key: int | None = None,
     ) -> None:
-        """Batched point-to-point. With a ``key`` on gloo, every data message travels with its
-        sender's key in the same batch, and a receiver whose key differs raises (see
-        :meth:`_check_keys`)."""
+        """Batched point-to-point. A ``key`` becomes the messages' tag (see :func:`key_tag`): a
+        message only matches a receive posted with the same fingerprint, so ranks that disagree
+        on the call's arguments never exchange data (they fail by the group's timeout) instead
+        of silently receiving the wrong rows, at no extra message."""
         for r, t in recvs:
             if not t.is_contiguous():
                 raise RuntimeError(f"send_recv: receive buffer from rank {r} must be contiguous")
-        ops, keys = self._key_ops(sends, recvs, key) if key is not None and self.is_gloo else ([], None)
-        n_keys = len(ops)
-        ops += [dist.P2POp(dist.isend, _flat(t), self._peer(r), self.pg) for r, t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self._peer(r), self.pg) for r, t in recvs]
-        if not ops:
-            return
-        works = dist.batch_isend_irecv(ops)
-        for work in works[:n_keys]:
-            work.wait()
-        if keys is not None:
-            self._check_keys(keys, key)
-        for work in works[n_keys:]:
-            work.wait()
-
-    def _key_ops(
-        self, sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]], key: int
-    ) -> tuple[list[dist.P2POp], torch.Tensor]:
-        """The key messages that precede the data (gloo only: host tensors, no device): each
-        data message is preceded by its sender's key, which the receiver checks. A rank that
-        receives nothing has nothing to check (a disagreeing receiver raises, and a peer that
-        disagrees about who exchanges with whom leaves a transfer unmatched, which fails by the
-        timeout)."""
-        mine = torch.tensor([key], dtype=torch.int64)
-        keys = torch.full((self.group.world,), key, dtype=torch.int64)
-        ops = [dist.P2POp(dist.isend, mine, self._peer(r), self.pg, tag=KEY_TAG) for r, _ in sends]
-        ops += [dist.P2POp(dist.irecv, keys[r : r + 1], self._peer(r), self.pg, tag=KEY_TAG) for r, _ in recvs]
-        return ops, keys
-
-    def _check_keys(self, keys: torch.Tensor, key: int) -> None:
-        """Raise if a sender's call fingerprint differs from this rank's.
-
-        The key is a fingerprint of the arguments every rank must agree on (dtype, shape, token
-        dim, counts or halo sizes); it rides in the data's own batch, so the default (unchecked)
-        mode still turns a cross-rank mismatch into an error on every rank of the exchange instead
-        of a silently wrong result, without a separate consensus round."""
-        odd = [r for r, k in enumerate(keys.tolist()) if k != key]
-        if odd:
-            raise ValueError(
-                f"cpshard transport: rank {self.group.rank}: "
-                + ("rank " if len(odd) == 1 else "ranks ")
-                + ", ".join(map(str, odd))
-                + " called this transfer with different arguments (dtype, shape, token dim, counts "
-                "or halo sizes); run with CPSHARD_CHECKS=call to name the difference"
-            )
+        tag = 0 if key is None else key_tag(key)
+        ops = [dist.P2POp(dist.isend, _flat(t), self._peer(r), self.pg, tag=tag) for r, t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self._peer(r), self.pg, tag=tag) for r, t in recvs]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()

@@ -14,8 +14,9 @@ class Transport(Protocol):
     ``sizes[r]`` is rank r's number of elements; ``out``/``full`` hold every rank's part back to
     back in rank order (exact offsets, no padding). Every verb issues its data transfer and
     nothing else: argument agreement across ranks is the caller's (per step, or per call in
-    checked mode). ``key`` is a fingerprint of the caller's arguments: a backend that can swap
-    it within the data's own transfer (gloo) raises when a peer's differs; others ignore it.
+    checked mode). ``key`` is a fingerprint of the caller's arguments: a backend that can make
+    it part of how messages match (gloo: the point-to-point tag) keeps ranks that disagree from
+    exchanging data; others ignore it.
     """
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor, key: int | None = None) -> None: ...
