@@ -23,7 +23,7 @@ class FakeCommunicator:
     def __init__(
         self, parent: int, uid: torch.Tensor, rank: int, world: int, device: int, timeout_s: float
     ) -> None:
-        self.parent, self.uid, self.rank_, self.world_ = parent, uid.clone(), rank, world
+        self.parent, self.uid, self.rank, self.world = parent, uid.clone(), rank, world
         self.index, self.timeout_s, self.closed = device, timeout_s, False
 
     @staticmethod
@@ -40,9 +40,6 @@ class FakeCommunicator:
 
     def device(self) -> int:
         return self.index
-
-    def rank(self) -> int:
-        return self.rank_
 
     def error(self) -> str:
         return ""
@@ -77,7 +74,7 @@ def _made(
         with pytest.raises(ValueError, match="indexed CUDA device, got cuda"):
             nccl.communicator(group, torch.device("cuda"))  # never the current device
         native = comm.comm
-        assert (native.rank(), native.world_, native.index) == (rank, world, rank)
+        assert (native.rank, native.world, native.index) == (rank, world, rank)
         assert comm.device == torch.device("cuda", rank)
         nccl.close(pg)
         assert native.closed

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cpshard.comm import verbs
 from cpshard.comm.group import group_from_name
 from cpshard.comm.nvtx import nvtx_range
 from cpshard.comm.select import transport_for
@@ -110,7 +111,7 @@ def all_to_all_v(
     group = group_from_name(group_name)
     out = new_buffer(x, sum(recv_sizes))
     with nvtx_range("cpshard.all_to_all_v", x):
-        transport_for(group, x).all_to_all_v(out, x, send_sizes, recv_sizes, key)
+        verbs.all_to_all_v(transport_for(group, x), group.rank, out, x, send_sizes, recv_sizes, key)
     return out
 
 

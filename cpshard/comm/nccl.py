@@ -53,7 +53,6 @@ import torch.distributed as dist
 
 from cpshard.comm.group import Group, GroupLike, resolve_group
 from cpshard.comm.host import all_gather_bytes, all_gather_small
-from cpshard.comm.verbs import all_to_all_parts
 
 BOOTSTRAPS = ("split", "unique_id")
 BOOTSTRAP_ENV = "CPSHARD_NCCL_BOOTSTRAP"
@@ -96,7 +95,6 @@ class NcclTransport:
         self.comm = comm
         self.bootstrap = bootstrap  # how it was made: "split" or "unique_id"
         self.device = torch.device("cuda", int(comm.device()))
-        self.rank = int(comm.rank())
 
     def all_gather(self, out: torch.Tensor, local: torch.Tensor, key: int | None = None) -> None:
         self.comm.all_gather(out, local.contiguous().view(-1))
@@ -105,18 +103,6 @@ class NcclTransport:
         self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int], key: int | None = None
     ) -> None:
         self.comm.all_gather_v(out, local.contiguous().view(-1), list(sizes))
-
-    def all_to_all_v(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        send_sizes: Sequence[int],
-        recv_sizes: Sequence[int],
-        key: int | None = None,
-    ) -> None:
-        """Own part copied, the others in one grouped send/recv (``key`` is not swapped here)."""
-        x = x.contiguous().view(-1)
-        self.send_recv(*all_to_all_parts(self.rank, out, x, send_sizes, recv_sizes))
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         self.comm.reduce_scatter(out, full.contiguous().view(-1))

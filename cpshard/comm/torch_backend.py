@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.comm.group import Group
-from cpshard.comm.verbs import all_to_all_parts, offsets
+from cpshard.comm.verbs import offsets
 from cpshard.hugepages import new_buffer
 
 
@@ -79,20 +79,6 @@ class TorchTransport:
         else:
             # In place: this rank's slot is the input (NCCL reads it before writing others).
             dist.all_gather_into_tensor(out, out[offs[me] : offs[me + 1]], group=self.pg)
-
-    def all_to_all_v(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        send_sizes: Sequence[int],
-        recv_sizes: Sequence[int],
-        key: int | None = None,
-    ) -> None:
-        """``x`` holds the parts for every rank back to back (``send_sizes[r]`` elements for rank
-        r), ``out`` receives every rank's part for this one (``recv_sizes[r]`` from rank r): this
-        rank's own part is copied, the others go by batched point-to-point (no padding)."""
-        sends, recvs = all_to_all_parts(self.group.rank, out, _flat(x), send_sizes, recv_sizes)
-        self.send_recv(sends, recvs, key)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         if self.is_gloo:

@@ -23,14 +23,6 @@ class Transport(Protocol):
     def all_gather_v(
         self, out: torch.Tensor, local: torch.Tensor, sizes: Sequence[int], key: int | None = None
     ) -> None: ...
-    def all_to_all_v(
-        self,
-        out: torch.Tensor,
-        x: torch.Tensor,
-        send_sizes: Sequence[int],
-        recv_sizes: Sequence[int],
-        key: int | None = None,
-    ) -> None: ...
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None: ...
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None: ...
     def send_recv(
@@ -49,19 +41,25 @@ def offsets(sizes: Sequence[int]) -> list[int]:
     return out
 
 
-def all_to_all_parts(
+def all_to_all_v(
+    comm: Transport,
     rank: int,
     out: torch.Tensor,
     x: torch.Tensor,
     send_sizes: Sequence[int],
     recv_sizes: Sequence[int],
-) -> tuple[list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]]:
-    """An all-to-all-v as point-to-point: copies this rank's own part of flat ``x`` into ``out``
-    and returns the (peer, part) sends and receives of the others (empty parts left out)."""
+    key: int | None = None,
+) -> None:
+    """An all-to-all-v on any transport, as point-to-point: ``x`` holds the parts for every rank
+    back to back (``send_sizes[r]`` elements for rank r), ``out`` receives every rank's part for
+    this one (``recv_sizes[r]`` from rank r). This rank's own part is copied, the others go in
+    one batched :meth:`Transport.send_recv` (no padding, empty parts left out)."""
+    x = x.contiguous().view(-1)
     so, ro = offsets(send_sizes), offsets(recv_sizes)
     out[ro[rank] : ro[rank + 1]].copy_(x[so[rank] : so[rank + 1]])
     peers = [r for r in range(len(send_sizes)) if r != rank]
-    return (
+    comm.send_recv(
         [(r, x[so[r] : so[r + 1]]) for r in peers if send_sizes[r]],
         [(r, out[ro[r] : ro[r + 1]]) for r in peers if recv_sizes[r]],
+        key,
     )
