@@ -88,14 +88,6 @@ def _key_of(kind: int, x: torch.Tensor, dim: int, token_dim_varies: bool, values
     return call_key(kind, x.dtype, x.shape, dim, backward, token_dim_varies, values)
 
 
-def _outer(shape: Sequence[int], dim: int) -> int:
-    """Product of the sizes before dim: 1 means a rank's slot along dim is contiguous."""
-    out = 1
-    for s in shape[:dim]:
-        out *= s
-    return out
-
-
 def _gather_blocks(x: torch.Tensor, group: Group, counts: Sequence[int], dim: int) -> torch.Tensor:
     """Rank r's block of ``counts[r]`` tokens along ``dim``, concatenated in rank order.
 
@@ -107,7 +99,7 @@ def _gather_blocks(x: torch.Tensor, group: Group, counts: Sequence[int], dim: in
     sizes = [c * row for c in counts]
     out_shape = shape[:dim] + [sum(counts)] + shape[dim + 1 :]
     flat = all_gather_v(x, group.name, sizes, _key_of(GATHER, x, dim, True, counts))
-    if _outer(shape, dim) == 1:
+    if math.prod(shape[:dim]) == 1:  # a rank's slot of the output is contiguous
         return flat.view(out_shape)
     if all(c == counts[0] for c in counts):
         return ops.interleave_sequence(flat.view([len(counts), *shape]), dim)

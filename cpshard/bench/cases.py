@@ -20,7 +20,6 @@ import torch
 
 import cpshard
 from cpshard.bench.baselines import AllGatherTailsHalo, ListAllGatherCat, PadAllGatherRagged
-from cpshard.bench.config import GATHER_OPS
 from cpshard.bench.floor import Transfer, exchange_floor, gather_floors
 from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.runtime import Runtime

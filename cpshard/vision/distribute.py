@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
