@@ -19,7 +19,10 @@ def all_reduce_sum_(tensors: Sequence[torch.Tensor], group: Group) -> None:
     for t in tensors:
         buckets.setdefault((t.dtype, t.device), []).append(t)
     for same in buckets.values():
-        flat = torch.cat([t.reshape(-1) for t in same]) if len(same) > 1 else same[0].reshape(-1).contiguous()
+        if len(same) == 1 and same[0].is_contiguous():  # reduced in place, nothing to copy back
+            dist.all_reduce(same[0], op=dist.ReduceOp.SUM, group=group.pg)
+            continue
+        flat = torch.cat([t.reshape(-1) for t in same])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group.pg)
         at = 0
         for t in same:
