@@ -34,7 +34,9 @@ Kernels:
   which a custom op's explicit backward cannot call; torch ships the same FA2 kernels).
 * Otherwise a loop over spans: a span whose document starts before the run splits into a
   non-causal prefix part and a causal square part, merged by their log-sum-exp
-  (flash-attention's decomposition), so no ``[L, S]`` mask is ever built. On CPU each part is
+  (flash-attention's decomposition), so no ``[L, S]`` mask is ever built; runs of a few tokens
+  (``stripe`` gives single-token runs) go in blocks of one document, one masked call each
+  (:mod:`cpshard.blockdiag.blocks`). On CPU each part is
   torch's CPU flash kernel; on CUDA fp32/fp64 (no flash kernel takes them), and where the flash
   kernels do not fit (head dims, pre-sm80 GPUs), each part is an explicit matmul-softmax
   (memory O(n * m) per part): use fp16/bf16 on GPUs.
@@ -49,6 +51,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
+from cpshard.blockdiag.blocks import Block, Blocks
 from cpshard.blockdiag.state import AttentionState, Packing, Span, active_state, state_for
 from cpshard.comm.collectives import halo_exchange, halo_return
 from cpshard.consensus import check_call, digest, dtype_code
@@ -86,9 +89,12 @@ class Kernel(Protocol[How]):
 # sequences delimited by int32 ``cu_q`` / ``cu_k``, causal aligned bottom-right, GQA by head
 # groups; ``lse`` is ``[heads, q tokens]`` float32.
 VarlenKernel = Kernel[Packing]
-# Queries ``[1, H, n, D]`` over one key part ``[1, H, m, D]`` (all visible, or causal with
-# n == m); ``lse`` is ``[1, H, n]``.
-PartKernel = Kernel[bool]
+# Which keys of a part each query sees: all (False), causal with n == m (True), or an additive
+# ``[1, 1, n, m]`` mask in the queries' dtype (0 visible, -inf hidden).
+Visible = bool | torch.Tensor
+Part = tuple[slice, Visible]  # a key range of the row's key buffer and which keys each query sees
+# Queries ``[1, H, n, D]`` over one key part ``[1, H, m, D]``; ``lse`` is ``[1, H, n]``.
+PartKernel = Kernel[Visible]
 
 
 class TorchFlashVarlen:
@@ -147,18 +153,24 @@ class CpuFlash:
     """torch's CPU flash kernels. Given the MERGED output and log-sum-exp of several parts, the
     backward of each part is its exact share of the joint softmax's gradient."""
 
-    def forward(self, q: T, k: T, v: T, causal: bool, scale: float | None) -> Tensors:
+    def forward(self, q: T, k: T, v: T, how: Visible, scale: float | None) -> Tensors:
+        causal, mask = _causal_and_mask(how)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
         )
         return out, lse
 
     def backward(
-        self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: Visible, scale: float | None
     ) -> Grads:
+        causal, mask = _causal_and_mask(how)
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad, q, k, v, out, lse, 0.0, causal, scale=scale
+            grad, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale
         )
+
+
+def _causal_and_mask(how: Visible) -> tuple[bool, torch.Tensor | None]:
+    return (False, how) if isinstance(how, torch.Tensor) else (how, None)
 
 
 class MathPart:
@@ -170,12 +182,14 @@ class MathPart:
         q: torch.Tensor,
         k: torch.Tensor,
         lse: torch.Tensor | None,
-        causal: bool,
+        how: Visible,
         scale: float | None,
     ) -> Tensors:
         s = scale if scale is not None else q.shape[-1] ** -0.5
         scores = (q @ k.transpose(-1, -2)) * s
-        if causal:
+        if isinstance(how, torch.Tensor):
+            scores = scores + how.to(scores.dtype)
+        elif how:
             n = q.shape[2]
             scores = scores.masked_fill(
                 torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")
@@ -184,18 +198,18 @@ class MathPart:
             lse = torch.logsumexp(scores, dim=-1)
         return torch.exp(scores - lse.unsqueeze(-1)), lse
 
-    def forward(self, q: T, k: T, v: T, causal: bool, scale: float | None) -> Tensors:
+    def forward(self, q: T, k: T, v: T, how: Visible, scale: float | None) -> Tensors:
         wide = _lse_dtype(q.dtype)  # fp16/bf16 computed in fp32
-        probs, lse = self._probs(q.to(wide), k.to(wide), None, causal, scale)
+        probs, lse = self._probs(q.to(wide), k.to(wide), None, how, scale)
         return (probs @ v.to(wide)).to(q.dtype), lse
 
     def backward(
-        self, grad: T, q: T, k: T, v: T, out: T, lse: T, causal: bool, scale: float | None
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: Visible, scale: float | None
     ) -> Grads:
         s = scale if scale is not None else q.shape[-1] ** -0.5
         dtype, wide = q.dtype, _lse_dtype(q.dtype)
         grad, q, k, v, out = (t.to(wide) for t in (grad, q, k, v, out))
-        probs, _ = self._probs(q, k, lse, causal, scale)
+        probs, _ = self._probs(q, k, lse, how, scale)
         dv = probs.transpose(-1, -2) @ grad
         dscores = probs * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True)) * s
         return tuple(t.to(dtype) for t in (dscores @ k, dscores.transpose(-1, -2) @ q, dv))
@@ -209,41 +223,45 @@ def part_kernel(q: torch.Tensor) -> PartKernel:
 # ------------------------------------------------------------------ the per-segment loop
 
 
-def _parts(s: Span, causal: bool) -> list[tuple[slice, bool]]:
-    """Key ranges (of the row's key buffer) of a span, and whether each is causal."""
+def _parts(item: Span | Block, causal: bool, blocks: Blocks, dtype: torch.dtype) -> list[Part]:
+    """Key ranges (of the row's key buffer) of a span or block, and which keys its queries see."""
+    if isinstance(item, Block):
+        return [(slice(item.k, item.k + item.width), blocks.mask(item, dtype))]
     if not causal:
-        return [(slice(s.k, s.split), False)]
-    square = (slice(s.split, s.split + s.n), True)
-    return [(slice(s.k, s.split), False), square] if s.split > s.k else [square]
+        return [(slice(item.k, item.split), False)]
+    square = (slice(item.split, item.split + item.n), True)
+    return [(slice(item.k, item.split), False), square] if item.split > item.k else [square]
 
 
 class _Loop:
-    """The per-span loop: each span's parts through the part kernel, merged by LSE."""
+    """The per-span loop: each long span's parts and each block of short spans
+    (:mod:`cpshard.blockdiag.blocks`) through the part kernel, parts merged by LSE."""
 
     def __init__(self, state: AttentionState, q: torch.Tensor) -> None:
         self.state, self.kern, self.heads = state, part_kernel(q), q.shape[1]
+        self.blocks, self.dtype = state.blocks_on(q.device), q.dtype
 
-    def _spans(self) -> Iterator[tuple[Span, tuple[slice, ...]]]:
-        """Each span and its query rows' index into ``[B, H, L, ...]``."""
-        for s in self.state.spans:
-            yield s, (slice(s.row, s.row + 1), slice(None), slice(s.q, s.q + s.n))
+    def _items(self) -> Iterator[tuple[tuple[slice, ...], list[Part]]]:
+        """Each span or block: its query rows' index into ``[B, H, L, ...]`` and its parts."""
+        for it in self.blocks.items:
+            rows = (slice(it.row, it.row + 1), slice(None), slice(it.q, it.q + it.n))
+            yield rows, _parts(it, self.state.causal, self.blocks, self.dtype)
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
         k, v = _repeat(k, self.heads), _repeat(v, self.heads)
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q.dtype))
-        for s, rows in self._spans():
-            qs = q[rows].contiguous()
+        for rows, parts in self._items():
+            qs, row = q[rows].contiguous(), rows[0]
             results = [
                 self.kern.forward(
-                    qs,
-                    k[s.row : s.row + 1, :, keys].contiguous(),
-                    v[s.row : s.row + 1, :, keys].contiguous(),
-                    causal,
-                    scale,
+                    qs, k[row, :, keys].contiguous(), v[row, :, keys].contiguous(), how, scale
                 )
-                for keys, causal in _parts(s, self.state.causal)
+                for keys, how in parts
             ]
+            if len(results) == 1:
+                out[rows], lse[rows] = results[0]
+                continue
             total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
             out[rows] = sum(
                 o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results
@@ -255,12 +273,12 @@ class _Loop:
         kv_heads = k.shape[1]
         k, v = _repeat(k, self.heads), _repeat(v, self.heads)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for s, rows in self._spans():
+        for rows, parts in self._items():
             g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
-            for keys, causal in _parts(s, self.state.causal):
-                at = (slice(s.row, s.row + 1), slice(None), keys)
+            for keys, how in parts:
+                at = (rows[0], slice(None), keys)
                 dqs, dks, dvs = self.kern.backward(
-                    g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, causal, scale
+                    g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, how, scale
                 )
                 dq[rows] += dqs
                 dk[at] += dks

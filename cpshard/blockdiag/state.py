@@ -26,11 +26,14 @@ import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
 from cpshard.comm import Group
+
+if TYPE_CHECKING:
+    from cpshard.blockdiag.blocks import Blocks
 
 
 @dataclass(frozen=True)
@@ -111,14 +114,25 @@ def pack(spans: Sequence[Span], local_len: int, key_len: int, causal: bool) -> P
     keys (host tensors, pinned when CUDA is available)."""
     q_rows, cu_q = _runs([s.row * local_len + s.q for s in spans], [s.n for s in spans])
     k_lens = [s.split + (s.n if causal else 0) - s.k for s in spans]
-    k_rows, cu_k = _runs([s.row * key_len + s.k for s in spans], k_lens)
+    k_first = [s.row * key_len + s.k for s in spans]
+    k_rows, cu_k = _runs(k_first, k_lens)
     return Packing(
         *map(pinned, (q_rows, k_rows, cu_q, cu_k)),
         max((s.n for s in spans), default=0),
         max(k_lens, default=0),
-        k_rows.numel() != torch.unique(k_rows).numel(),
+        _overlap(k_first, k_lens),
         causal,
     )
+
+
+def _overlap(first: list[int], lengths: list[int]) -> bool:
+    """Whether two of the ranges ``[first[i], first[i] + lengths[i])`` share a row."""
+    reached = None
+    for start, n in sorted((f, n) for f, n in zip(first, lengths, strict=True) if n):
+        if reached is not None and start < reached:
+            return True
+        reached = max(start + n, reached or 0)
+    return False
 
 
 _Movable = TypeVar("_Movable")  # host metadata with a to(device)
@@ -143,8 +157,9 @@ _registry: weakref.WeakValueDictionary[int, AttentionState] = weakref.WeakValueD
 class AttentionState:
     """What CP attention needs for one step on this rank, computed once per step on the host:
     the spans each query run attends (in the coordinates of the K/V buffer the state's exchange
-    builds), their varlen packing, and a registry key. Subclasses say how the key buffer is
-    built (:meth:`extend`) and how wide it is (:attr:`key_len`, when the step fixes it)."""
+    builds), their varlen packing, the loop's blocks of short runs, and a registry key.
+    Subclasses say how the key buffer is built (:meth:`extend`) and how wide it is
+    (:attr:`key_len`, when the step fixes it)."""
 
     group: Group
     local_len: int  # tokens per rank (and batch row)
@@ -153,7 +168,11 @@ class AttentionState:
     key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
     spans: tuple[Span, ...] = field(init=False, repr=False, compare=False)
     packing: Packing = field(init=False, repr=False, compare=False)  # host (pinned) copy
+    blocks: Blocks = field(init=False, repr=False, compare=False)  # the loop's view, host copy
     _on_device: dict[torch.device, Packing] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _blocks_on: dict[torch.device, Blocks] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -164,8 +183,11 @@ class AttentionState:
         spans = self._spans()
         key = next(_keys)
         object.__setattr__(self, "spans", spans)
+        from cpshard.blockdiag.blocks import plan_blocks  # that module imports this one
+
         packing = pack(spans, self.local_len, self.key_len, self.causal)
         object.__setattr__(self, "packing", packing)
+        object.__setattr__(self, "blocks", plan_blocks(spans, self.causal))
         object.__setattr__(self, "key", torch.tensor(key, dtype=torch.int64))
         _registry[key] = self
 
@@ -190,6 +212,10 @@ class AttentionState:
     def packing_on(self, device: torch.device) -> Packing:
         """The packing on ``device``, copied there once per device and cached."""
         return cached_on(self._on_device, device, self.packing)
+
+    def blocks_on(self, device: torch.device) -> Blocks:
+        """:attr:`blocks` on ``device``, copied there once per device and cached."""
+        return cached_on(self._blocks_on, device, self.blocks)
 
     def bidirectional(self) -> AttentionState | None:
         """The step's state for bidirectional attention within documents, if it has one."""

@@ -1,0 +1,88 @@
+"""The loop's blocks of short runs (:mod:`cpshard.blockdiag.blocks`) and the packing's overlap
+test, against brute force over the spans they replace."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cpshard.blockdiag.blocks import BLOCK_QUERIES, SHORT_SPAN, Block, plan_blocks
+from cpshard.blockdiag.state import Span, _overlap
+
+
+def _visible(spans: list[Span], causal: bool) -> set[tuple[int, int, int]]:
+    """(row, local query, buffer key) pairs the spans attend (the kernels' contract)."""
+    pairs = set()
+    for s in spans:
+        for i in range(s.n):
+            last = s.split + i + 1 if causal else s.split
+            pairs |= {(s.row, s.q + i, key) for key in range(s.k, last)}
+    return pairs
+
+
+def _random_spans(rng: random.Random, rows: int) -> list[Span]:
+    """Row-major spans as a layout's plan gives them: runs of documents (some short, some long),
+    each run's keys from its document's start in the row's buffer."""
+    spans = []
+    for row in range(rows):
+        q = key = 0
+        for _ in range(rng.randint(0, 6)):  # documents
+            doc_start = key
+            for _ in range(rng.randint(1, 40)):  # this rank's runs in the document
+                n = rng.choice([1, 1, 2, 3, SHORT_SPAN - 1, SHORT_SPAN, 70])
+                key += rng.randint(0, 3)  # other ranks' tokens in between
+                spans.append(Span(row, q, n, doc_start, key))
+                q, key = q + n, key + n
+            q += rng.randint(0, 2)  # padding between documents
+    return spans
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seed", range(12))
+def test_blocks_attend_exactly_the_spans_pairs(seed: int, causal: bool) -> None:
+    rng = random.Random(seed)
+    spans = _random_spans(rng, rows=rng.randint(1, 3))
+    blocks = plan_blocks(spans, causal)
+    got = set()
+    for item in blocks.items:
+        if not isinstance(item, Block):
+            got |= _visible([item], causal)
+            continue
+        assert 2 <= item.n <= BLOCK_QUERIES
+        mask = blocks.mask(item, torch.float64)[0, 0]
+        assert mask.shape == (item.n, item.width)
+        for i, j in torch.nonzero(mask == 0).tolist():
+            got.add((item.row, item.q + i, item.k + j))
+        assert torch.isneginf(mask[mask != 0]).all()
+    assert got == _visible(spans, causal)
+    # every short span that has a short neighbour in its document and row ends up in a block
+    alone = [s for s in blocks.items if isinstance(s, Span) and s.n < SHORT_SPAN]
+    for s in alone:
+        nxt = [t for t in spans if t.row == s.row and t.k == s.k and t.q == s.q + s.n]
+        assert not (nxt and nxt[0].n < SHORT_SPAN), (s, nxt)
+
+
+def test_stripe_state_runs_in_blocks() -> None:
+    """``stripe`` gives single-token runs: the loop runs them as a few blocks, not per token."""
+    from cpshard.attention.state import layout_state
+    from cpshard.layout import make_layout
+
+    class Solo:  # the one rank of a world-4 group whose state is planned (no communication)
+        world, rank, name = 4, 1, "solo"
+
+    doc = torch.repeat_interleave(torch.arange(1, 9), 64).view(1, -1)  # 8 documents of 64
+    state = layout_state(Solo(), make_layout("stripe", 4, 512), doc)
+    assert len(state.spans) == 128
+    assert [type(i) for i in state.blocks.items] == [Block] * 8
+    assert [i.n for i in state.blocks.items] == [16] * 8
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_overlap_matches_duplicate_rows(seed: int) -> None:
+    rng = random.Random(seed)
+    first = [rng.randint(0, 60) for _ in range(rng.randint(0, 8))]
+    lengths = [rng.randint(0, 9) for _ in first]
+    rows = [r for f, n in zip(first, lengths, strict=True) for r in range(f, f + n)]
+    assert _overlap(first, lengths) == (len(rows) != len(set(rows)))
