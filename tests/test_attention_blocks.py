@@ -77,6 +77,9 @@ def test_stripe_state_runs_in_blocks() -> None:
     assert len(state.spans) == 128
     assert [type(i) for i in state.blocks.items] == [Block] * 8
     assert [i.n for i in state.blocks.items] == [16] * 8
+    # each token's run would pack its document's whole prefix: no varlen packing, the loop runs
+    assert state.packing is None and state.packing_on(torch.device("meta")) is None
+    assert layout_state(Solo(), make_layout("contiguous", 4, 512), doc).packing is not None
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -186,6 +186,6 @@ def layout_state(
     state = _plan(group, layout, doc, True, both)
     if device is not None:  # the attention's metadata on the batch's device, once per step
         for s in (state, both):
-            s.packing_on(device)
+            s.place_on(device)
             s.tables_on(device)
     return state

@@ -31,7 +31,10 @@ Kernels:
   per layer of torch's own varlen flash kernels (``aten._flash_attention_forward`` /
   ``_flash_attention_backward``, whose causal mask is aligned bottom-right), GQA in the kernel;
   no flash-attn package needed (flash-attn's ``flash_attn_varlen_func`` is an autograd function,
-  which a custom op's explicit backward cannot call; torch ships the same FA2 kernels).
+  which a custom op's explicit backward cannot call; torch ships the same FA2 kernels). Each
+  span packs its document's prefix, so a step whose packing would exceed
+  ``PACKED_KEYS_PER_ROW`` key rows per buffer row (many short runs per document, as
+  ``stripe`` gives) has none and runs the loop below.
 * Otherwise a loop over spans: a span whose document starts before the run splits into a
   non-causal prefix part and a causal square part, merged by their log-sum-exp
   (flash-attention's decomposition), so no ``[L, S]`` mask is ever built; runs of a few tokens
@@ -350,11 +353,11 @@ class _Varlen:
 
 
 def _implementation(state: AttentionState, q: torch.Tensor, d_k: int, d_v: int) -> _Loop | _Varlen:
-    """One varlen launch where a kernel serves q (and the rank has spans), else the loop."""
+    """One varlen launch where a kernel serves q (and the rank has spans, and the step a
+    packing), else the loop."""
     kern = varlen_kernel(q, d_k, d_v)
-    if kern is not None and state.spans:
-        return _Varlen(kern, state.packing_on(q.device))
-    return _Loop(state, q)
+    packing = state.packing_on(q.device) if kern is not None and state.spans else None
+    return _Loop(state, q) if packing is None else _Varlen(kern, packing)
 
 
 # ------------------------------------------------------------------ the custom ops

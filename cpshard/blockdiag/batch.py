@@ -113,6 +113,6 @@ def make_cp_blockdiag_batch_and_ctx(
         halos=tuple(_halo(segments[r], r * local) for r in range(world)),
         segments=tuple(segments[rank]),
     )
-    state.packing_on(ref.device)  # the attention's metadata on the batch's device, once per step
+    state.place_on(ref.device)  # the attention's metadata on the batch's device, once per step
 
     return lambda: activated(state), ShardedBatch(out, targets)

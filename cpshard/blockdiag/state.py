@@ -109,11 +109,22 @@ def pinned(t: torch.Tensor) -> torch.Tensor:
     return t.pin_memory() if torch.cuda.is_available() else t
 
 
-def pack(spans: Sequence[Span], local_len: int, key_len: int, causal: bool) -> Packing:
+# The most packed key rows per key buffer row: beyond it the varlen packing is not built (the
+# loop's blocks serve the step). Each span packs its document's whole prefix, so layouts with
+# many short runs per document (``stripe``: one per token) would pack O(L * document) rows.
+PACKED_KEYS_PER_ROW = 4
+
+
+def pack(
+    spans: Sequence[Span], local_len: int, key_len: int, causal: bool, batch_size: int
+) -> Packing | None:
     """The varlen packing of ``spans`` over ``[B * local_len]`` queries and ``[B * key_len]``
-    keys (host tensors, pinned when CUDA is available)."""
-    q_rows, cu_q = _runs([s.row * local_len + s.q for s in spans], [s.n for s in spans])
+    keys (host tensors, pinned when CUDA is available); None when it would pack more than
+    ``PACKED_KEYS_PER_ROW`` key rows per buffer row."""
     k_lens = [s.split + (s.n if causal else 0) - s.k for s in spans]
+    if sum(k_lens) > PACKED_KEYS_PER_ROW * batch_size * key_len:
+        return None
+    q_rows, cu_q = _runs([s.row * local_len + s.q for s in spans], [s.n for s in spans])
     k_first = [s.row * key_len + s.k for s in spans]
     k_rows, cu_k = _runs(k_first, k_lens)
     return Packing(
@@ -167,7 +178,7 @@ class AttentionState:
     reach: int  # the most keys any query of the step attends, over all ranks (0: none)
     key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
     spans: tuple[Span, ...] = field(init=False, repr=False, compare=False)
-    packing: Packing = field(init=False, repr=False, compare=False)  # host (pinned) copy
+    packing: Packing | None = field(init=False, repr=False, compare=False)  # host (pinned) copy
     blocks: Blocks = field(init=False, repr=False, compare=False)  # the loop's view, host copy
     _on_device: dict[torch.device, Packing] = field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -185,7 +196,7 @@ class AttentionState:
         object.__setattr__(self, "spans", spans)
         from cpshard.blockdiag.blocks import plan_blocks  # that module imports this one
 
-        packing = pack(spans, self.local_len, self.key_len, self.causal)
+        packing = pack(spans, self.local_len, self.key_len, self.causal, self.batch_size)
         object.__setattr__(self, "packing", packing)
         object.__setattr__(self, "blocks", plan_blocks(spans, self.causal))
         object.__setattr__(self, "key", torch.tensor(key, dtype=torch.int64))
@@ -209,9 +220,15 @@ class AttentionState:
         index (a custom op: the step's exchange, differentiable)."""
         raise NotImplementedError
 
-    def packing_on(self, device: torch.device) -> Packing:
-        """The packing on ``device``, copied there once per device and cached."""
-        return cached_on(self._on_device, device, self.packing)
+    def packing_on(self, device: torch.device) -> Packing | None:
+        """The packing on ``device``, copied there once per device and cached (None: the step
+        has none, see :func:`pack`)."""
+        return None if self.packing is None else cached_on(self._on_device, device, self.packing)
+
+    def place_on(self, device: torch.device) -> None:
+        """Copy the attention's metadata to ``device`` (once per step, at the step's setup)."""
+        self.packing_on(device)
+        self.blocks_on(device)
 
     def blocks_on(self, device: torch.device) -> Blocks:
         """:attr:`blocks` on ``device``, copied there once per device and cached."""
