@@ -194,7 +194,7 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
         :attr:`shard_layout` for the token verbs. Returns ``(ctx_factory, sharded_batch)``; the
         input batch is not modified. The built-in ``shard_batch`` registers the sharded
         ``position_ids`` as this step's tokens: CP attention given them
-        (:mod:`cpshard.attention.tokens`) raises under another context or outside any.
+        (:mod:`cpshard.attention.tokens`) raises under another context or outside any."""
         result = self.shard_batch(
             self._cp_mesh,
             self._tp_mesh,
