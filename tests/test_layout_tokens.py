@@ -139,10 +139,14 @@ EXPECTED = {
         )
         for layout in ("stripe", "head_tail")
     },
-    "stripe outside, model": f"cpshard.integrations.transformers: rank {{rank}}: position_ids: {OUTSIDE}",
-    "head_tail outside, model": f"cpshard.integrations.transformers: rank {{rank}}: position_ids: {OUTSIDE}",
-    "stripe outside, cp_attention": f"cpshard.cp_attention: rank {{rank}}: position_ids: {OUTSIDE}",
-    "head_tail outside, cp_attention": f"cpshard.cp_attention: rank {{rank}}: position_ids: {OUTSIDE}",
+    **{
+        f"{layout} outside, {via}": f"{what}: rank {{rank}}: position_ids: {OUTSIDE}"
+        for layout in ("stripe", "head_tail")
+        for via, what in (
+            ("model", "cpshard.integrations.transformers"),
+            ("cp_attention", "cpshard.cp_attention"),
+        )
+    },
     "blockdiag outside, model": f"rank {{rank}}: position_ids: {OUTSIDE} (a 'contiguous' batch)",
     "nemo blockdiag outside, model": f"rank {{rank}}: position_ids: {OUTSIDE}",
     "stale head_tail, model": (
