@@ -23,6 +23,7 @@ def _window(window: object) -> int | None:
 
 
 def _position_ids(position_ids: object) -> torch.Tensor | None:
+    """``position_ids`` checked to be a tensor or None (the token check looks tensors up)."""
     if position_ids is not None and not isinstance(position_ids, torch.Tensor):
         raise TypeError(
             f"{_WHAT}: position_ids must be a tensor or None, got {type(position_ids).__name__}"
