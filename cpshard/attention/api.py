@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from cpshard.attention.tokens import check_outside, token_problem
 from cpshard.blockdiag.attention import attend, plain_sdpa
 from cpshard.blockdiag.state import AttentionState, active_state
 
@@ -19,6 +20,15 @@ def _window(window: object) -> int | None:
     if window < 1:
         raise ValueError(f"{_WHAT}: window must be >= 1, got {window}")
     return window
+
+
+def _position_ids(position_ids: object) -> torch.Tensor | None:
+    """``position_ids`` checked to be a tensor or None (the token check looks tensors up)."""
+    if position_ids is not None and not isinstance(position_ids, torch.Tensor):
+        raise TypeError(
+            f"{_WHAT}: position_ids must be a tensor or None, got {type(position_ids).__name__}"
+        )
+    return position_ids
 
 
 def _refusal(state: AttentionState | None, window: int | None) -> str | None:
@@ -58,6 +68,8 @@ def cp_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     window: int | None = None,
+    *,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``[B, H, L, D]`` queries, keys and values.
 
@@ -70,12 +82,19 @@ def cp_attention(
     is longer; otherwise it raises rather than attend differently. Checks are local unless
     checked mode is on (then every rank raises).
 
+    ``position_ids``: the positions of the call's tokens as the model received them (the sharded
+    batch's ``position_ids``). When they are a sharded batch's, tokens of another step or layout
+    than the active context's raise, and so do sharded tokens outside any context
+    (:mod:`cpshard.attention.tokens`); equal local lengths would otherwise attend wrongly
+    without an error. Other tensors (positions a model derives itself) are not checked.
+
     Outside: ``F.scaled_dot_product_attention`` (with ``window``, a causal band mask)."""
     window = _window(window)
+    position_ids = _position_ids(position_ids)
     state = active_state()
     if state is not None:
         chosen = state if is_causal else state.bidirectional()
-        problem = _refusal(chosen, window)
+        problem = token_problem(position_ids, state) or _refusal(chosen, window)
         return attend(
             chosen or state,
             query,
@@ -88,6 +107,7 @@ def cp_attention(
             _WHAT,
             problem,
         )
+    check_outside(position_ids, _WHAT)
     if window is not None:
         if attn_mask is not None or not is_causal:
             raise ValueError(f"{_WHAT}: window needs is_causal=True and no attn_mask")

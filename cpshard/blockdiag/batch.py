@@ -8,6 +8,7 @@ from typing import Any, ContextManager
 import torch
 
 from cpshard import ops
+from cpshard.attention.tokens import register_tokens
 from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, sequence_dim
 from cpshard.blockdiag.state import BlockDiagState, Segment, activated
 from cpshard.comm import GroupLike, resolve_group
@@ -49,7 +50,8 @@ def make_cp_blockdiag_batch_and_ctx(
     ``batch.targets`` (:mod:`cpshard.targets`); the caller's batch is not modified. Entering
     ``train_ctx()`` makes :func:`cp_blockdiag_sdpa` attend causally within each document across
     the CP group. ``tp_mesh`` is accepted for signature compatibility and unused. Batch size > 1
-    is supported.
+    is supported. The batch's ``position_ids`` are registered as this step's tokens: CP attention
+    given them (:mod:`cpshard.attention.tokens`) raises under another context or outside any.
     """
     what = "cpshard.make_cp_blockdiag_batch_and_ctx"
     g = resolve_group(cp_mesh, what)
@@ -114,5 +116,6 @@ def make_cp_blockdiag_batch_and_ctx(
         segments=tuple(segments[rank]),
     )
     state.place_on(ref.device)  # the attention's metadata on the batch's device, once per step
+    register_tokens(out["position_ids"], state)  # attention checks whose tokens they are
 
     return lambda: activated(state), ShardedBatch(out, targets)

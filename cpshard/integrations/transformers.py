@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from cpshard.attention.api import cp_attention
+from cpshard.attention.tokens import check_outside
 from cpshard.blockdiag import active_state
 from cpshard.blockdiag.state import current
 from cpshard.vision import maybe_distribute_visual
@@ -60,9 +61,11 @@ def _cp_attention(
     is_causal: bool,
     scale: float | None,
     sliding_window: int | None,
+    position_ids: torch.Tensor | None,
 ) -> torch.Tensor:
     """The active CP attention, ``[B, H, L, D]`` in and out: causal (or bidirectional) within
-    documents, with the module's sliding window; what it cannot do exactly, it refuses."""
+    documents, with the module's sliding window; what it cannot do exactly (or tokens sharded for
+    another context, by their ``position_ids``), it refuses."""
     return cp_attention(
         query,
         key,
@@ -73,6 +76,7 @@ def _cp_attention(
         scale=scale,
         enable_gqa=query.shape[1] != key.shape[1],
         window=sliding_window,
+        position_ids=position_ids,
     )
 
 
@@ -107,8 +111,14 @@ def cpshard_attention(
     Under CP, ``is_causal`` (else the module's ``is_causal``), ``scaling``, GQA (from the head
     counts) and the sliding window (the call's ``sliding_window``, else the module's) go to the
     CP attention, which refuses what it cannot do exactly; so do a mask, dropout, and the
-    arguments that alter attention (``softcap``, sinks, ``position_bias``)."""
+    arguments that alter attention (``softcap``, sinks, ``position_bias``).
+
+    The model's ``position_ids`` (transformers passes them in ``kwargs``) tell whose tokens
+    these are: a sharded batch's raise under another step's or layout's context, and outside any
+    context (:mod:`cpshard.attention.tokens`)."""
+    position_ids = kwargs.get("position_ids")
     if not _cp_active():
+        check_outside(position_ids, _WHAT)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
@@ -121,7 +131,9 @@ def cpshard_attention(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    out = _cp_attention(query, key, value, attention_mask, dropout, causal, scaling, window)
+    out = _cp_attention(
+        query, key, value, attention_mask, dropout, causal, scaling, window, position_ids
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

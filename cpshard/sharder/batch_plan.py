@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from cpshard.attention.state import layout_state
+from cpshard.attention.tokens import register_tokens
 from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, pad_value
 from cpshard.blockdiag.state import activated
 from cpshard.comm import GroupLike, resolve_group
@@ -58,7 +59,9 @@ class _BatchPlanning:
         agree(g, what, problem, fields)
         padded_docs = pad_sequence("_packed_seq_ids", plan.documents, 1, plan.layout.padded_seq_len)
         state = layout_state(g, plan.layout, padded_docs, plan.device)
-        return lambda: activated(state), plan.apply(g.rank), plan.layout
+        sharded = plan.apply(g.rank)
+        register_tokens(sharded["position_ids"], state)  # attention checks whose tokens they are
+        return lambda: activated(state), sharded, plan.layout
 
     def _plan_batch(
         self, batch: object, loss_mask, padding_token_id: int, world: int

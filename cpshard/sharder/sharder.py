@@ -192,7 +192,9 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
     ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any]]:
         """Shard ``batch`` (pad, shard every sequence-aligned tensor) and keep its layout in
         :attr:`shard_layout` for the token verbs. Returns ``(ctx_factory, sharded_batch)``; the
-        input batch is not modified."""
+        input batch is not modified. The built-in ``shard_batch`` registers the sharded
+        ``position_ids`` as this step's tokens: CP attention given them
+        (:mod:`cpshard.attention.tokens`) raises under another context or outside any."""
         result = self.shard_batch(
             self._cp_mesh,
             self._tp_mesh,

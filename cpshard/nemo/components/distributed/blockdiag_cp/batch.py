@@ -65,7 +65,9 @@ def make_cp_blockdiag_batch_and_ctx(
         first_pad = seq_len - resolve_group(cp_mesh, _WHAT).rank * local  # local index
         if first_pad < local:
             keep = torch.arange(local, device=pos.device) < first_pad
-            out["position_ids"] = torch.where(keep, pos, torch.zeros_like(pos))
+            # In place: ``pos`` is this step's own padded copy (never the caller's tensor), the
+            # one registered as the step's tokens (cpshard.attention.tokens).
+            pos.masked_fill_(~keep, 0)
     batch.clear()
     batch.update(out)
     return train_ctx, batch

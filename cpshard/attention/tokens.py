@@ -1,0 +1,77 @@
+"""Which step's CP attention context a sharded batch's tokens belong to.
+
+The producers of a CP step's batch (``ContextParallelSharder``'s built-in ``shard_batch``,
+``make_cp_blockdiag_batch_and_ctx``) register the ``position_ids`` tensor they put in the sharded
+batch against the step's attention state. The attention entry points that see the model's
+``position_ids`` (:func:`cpshard.cp_attention` with ``position_ids=``, the transformers
+``"cpshard"`` attention) look it up: tokens sharded for another step or layout than the active
+context's, or sharded tokens attended with no context active, raise instead of attending wrongly
+without an error (a ``stripe`` batch under the block-diagonal context has the same local length,
+so the shape checks pass).
+
+The lookup follows the tensor object through an identity map that keeps neither the tensor nor
+the state alive: a host-side dict lookup, no device read, nothing that syncs. Tensors nobody
+registered are not checked: position ids a model derives itself (Qwen3-VL's mRoPE), or a copy
+of the batch's (``.to(device)`` onto another device). Under ``torch.compile`` tracing the lookup
+is skipped (a traced graph has no tensor identity to follow); eager calls check.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:  # the blockdiag modules import this one
+    from cpshard.blockdiag.state import AttentionState
+
+
+@dataclass(frozen=True)
+class _Origin:
+    """The step a registered ``position_ids`` tensor was sharded for."""
+
+    state: weakref.ref[AttentionState]
+    layout: str
+    rank: int
+
+
+_origins: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def register_tokens(position_ids: torch.Tensor, state: AttentionState) -> None:
+    """Record ``position_ids`` (of a sharded batch) as tokens of ``state``'s step."""
+    _origins[position_ids] = _Origin(weakref.ref(state), state.layout, state.group.rank)
+
+
+def token_problem(position_ids: torch.Tensor | None, state: AttentionState | None) -> str | None:
+    """Why attention under ``state`` (the active one, None outside any context) must not run on
+    tokens whose positions are ``position_ids``, or None (also for unregistered tensors)."""
+    if position_ids is None or torch.compiler.is_compiling():
+        return None
+    origin = _origins.get(position_ids)
+    if origin is None:
+        return None
+    if state is None:
+        return (
+            f"position_ids: sharded tokens passed outside their step's CP attention context (a "
+            f"{origin.layout!r} batch); run the model inside the context it came with"
+        )
+    if origin.state() is state:
+        return None
+    whose = "another step's" if origin.layout == state.layout else "a"
+    return (
+        f"position_ids: tokens of {whose} {origin.layout!r} sharded batch attended under the "
+        f"active {state.layout!r} CP attention context; run the model on the batch the context "
+        "came with"
+    )
+
+
+def check_outside(position_ids: torch.Tensor | None, what: str) -> None:
+    """Raise ``ValueError`` (naming ``what`` and the rank) when ``position_ids`` are a sharded
+    batch's while no CP attention context is active."""
+    problem = token_problem(position_ids, None)
+    if problem is not None:
+        raise ValueError(f"{what}: rank {_origins[position_ids].rank}: {problem}")
