@@ -101,6 +101,17 @@ def _runs(first: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Ten
     return rows, cu.to(torch.int32)
 
 
+def _overlapping(first: list[int], lengths: list[int]) -> bool:
+    """Whether two of the row ranges ``[first[i], first[i] + lengths[i])`` share a row: sorted
+    by start, a range that starts before an earlier one ends (per range, not per row: a
+    bidirectional stripe step has millions of key rows but thousands of ranges)."""
+    starts = torch.tensor(first, dtype=torch.int64)
+    lens = torch.tensor(lengths, dtype=torch.int64)
+    starts, order = torch.sort(starts[lens > 0])
+    ends = (starts + lens[lens > 0][order]).cummax(0).values
+    return bool((starts[1:] < ends[:-1]).any())
+
+
 def pinned(t: torch.Tensor) -> torch.Tensor:
     """``t`` in page-locked memory when CUDA is available (so device copies can be async)."""
     return t.pin_memory() if torch.cuda.is_available() else t
@@ -111,12 +122,13 @@ def pack(spans: Sequence[Span], local_len: int, key_len: int, causal: bool) -> P
     keys (host tensors, pinned when CUDA is available)."""
     q_rows, cu_q = _runs([s.row * local_len + s.q for s in spans], [s.n for s in spans])
     k_lens = [s.split + (s.n if causal else 0) - s.k for s in spans]
-    k_rows, cu_k = _runs([s.row * key_len + s.k for s in spans], k_lens)
+    k_first = [s.row * key_len + s.k for s in spans]
+    k_rows, cu_k = _runs(k_first, k_lens)
     return Packing(
         *map(pinned, (q_rows, k_rows, cu_q, cu_k)),
         max((s.n for s in spans), default=0),
         max(k_lens, default=0),
-        k_rows.numel() != torch.unique(k_rows).numel(),
+        _overlapping(k_first, k_lens),
         causal,
     )
 
