@@ -101,7 +101,7 @@ def cp_cross_entropy(
     Arguments are checked locally; in checked mode (:func:`cpshard.check_mode`) one consensus
     round also makes every rank raise for a problem on any rank, and for ``ignore_index``,
     dtypes, vocabulary size, device type or the presence of ``num_labelled`` differing across
-    ranks (which would leave the ranks out of step in the count's all-reduce)."""
+    ranks (which would hang or break the count's all-reduce, or silently mix different losses)."""
     what = "cpshard.cp_cross_entropy"
     g = resolve_group(group, what)
     problem = _cross_entropy_problem(logits, labels, ignore_index, num_labelled)
