@@ -4,17 +4,28 @@ A tiny model that mixes tokens across the sequence (a causal running mean over t
 sequence), sharded contiguously: with ``cp_cross_entropy`` + ``reduce_cp_gradients(loss="split")``
 every rank's loss sum and parameter gradients equal the single-process model's; the
 ``"replicated"`` rule averages instead; labels with ignored tokens, a rank without any labelled
-token and a batch without any are covered.
+token and a batch without any are covered, in both check modes.
+
+The validation model (SPEC §3): by default both functions check their local arguments only and
+issue nothing but their all-reduce; in checked mode one consensus round makes every rank raise
+for bad input on one rank, and for arguments that differ across ranks.
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cpshard import cp_cross_entropy, gather_sequence, reduce_cp_gradients
+from cpshard import check_mode, cp_cross_entropy, gather_sequence, reduce_cp_gradients
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_transport_modes import _counting  # noqa: E402
 
 F64 = torch.float64
 V, H, B = 11, 6, 2
@@ -47,6 +58,15 @@ def _labels(kind: str, seq: int, world: int) -> torch.Tensor:
 
 
 def _check(rank: int, world: int) -> list[str]:
+    """Every label kind and rule in both check modes: the problems found (none expected)."""
+    problems = []
+    for mode in ("step", "call"):
+        with check_mode(mode):
+            problems += [f"{mode} mode: {p}" for p in _check_kinds(rank, world)]
+    return problems
+
+
+def _check_kinds(rank: int, world: int) -> list[str]:
     group = dist.group.WORLD
     problems = []
     seq = 4 * world
@@ -91,14 +111,148 @@ def test_loss_and_gradients_equal_single_process(pools, world):
         assert problems == [], (rank, problems)
 
 
-def test_bad_arguments():
-    logits = torch.zeros(2, 3, V)
-    with pytest.raises(ValueError, match="rank 0: logits"):
-        cp_cross_entropy(logits, torch.zeros(2, 4, dtype=torch.long), None)
-    with pytest.raises(TypeError, match="labels must be integers"):
-        cp_cross_entropy(logits, torch.zeros(2, 3), None)
-    with pytest.raises(TypeError, match="must be tensors"):
-        cp_cross_entropy([1], torch.zeros(2, 3), None)
-    with pytest.raises(ValueError, match="loss must be one of"):
-        reduce_cp_gradients(torch.nn.Linear(2, 2), None, loss="mean")
-    assert float(cp_cross_entropy(logits, torch.full((2, 3), -100), None)) == 0.0
+# --------------------------------------------------------------------------- argument checks
+
+Args = dict[str, object]
+
+
+def _loss_args() -> Args:
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "logits": torch.randn(B, 3, V, dtype=F64, generator=gen),
+        "labels": torch.randint(0, V, (B, 3), generator=gen),
+        "ignore_index": -100,
+        "num_labelled": None,
+    }
+
+
+def _gradient_args() -> Args:
+    params = list(_model().parameters())
+    for p in params[:-2]:  # the last parameters keep no gradient: zeros
+        p.grad = torch.ones_like(p)
+    return {"parameters": params, "loss": "split"}
+
+
+def _replace_parameter(args: Args, i: int, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    args["parameters"][i] = torch.nn.Parameter(make(args["parameters"][i].detach()))
+
+
+# case -> (function, how the bad rank spoils its arguments, what the messages say). A local
+# problem: the bad rank's message says it after "rank {bad}: ", the others name rank {bad}; a
+# cross-rank mismatch (no local check sees it): every rank says "{it} differs on rank {bad}".
+LOCAL, MISMATCH = "local", "mismatch"
+CASES: dict[str, tuple[str, Callable[[Args], None], str, str]] = {
+    "logits_shape": ("loss", lambda a: a.update(labels=a["labels"][:, :2]), LOCAL, "logits (2, 3, 11) must be labels (2, 2)"),
+    "logits_not_tensor": ("loss", lambda a: a.update(logits=[1.0]), LOCAL, "logits must be a torch.Tensor"),
+    "logits_integer": ("loss", lambda a: a.update(logits=a["labels"].unsqueeze(-1).expand(B, 3, V)), LOCAL, "logits must be floating point"),
+    "labels_float": ("loss", lambda a: a.update(labels=a["labels"].double()), LOCAL, "labels must be integers"),
+    "ignore_index_not_int": ("loss", lambda a: a.update(ignore_index=-100.0), LOCAL, "ignore_index must be an int"),
+    "num_labelled_negative": ("loss", lambda a: a.update(num_labelled=-1), LOCAL, "num_labelled must be"),
+    "num_labelled_not_scalar": ("loss", lambda a: a.update(num_labelled=torch.ones(2)), LOCAL, "num_labelled must be"),
+    "ignore_index_differs": ("loss", lambda a: a.update(ignore_index=0), MISMATCH, "ignore_index"),
+    "labels_dtype_differs": ("loss", lambda a: a.update(labels=a["labels"].int()), MISMATCH, "labels dtype"),
+    "logits_dtype_differs": ("loss", lambda a: a.update(logits=a["logits"].float()), MISMATCH, "logits dtype"),
+    "vocabulary_differs": ("loss", lambda a: a.update(logits=a["logits"][..., :-1]), MISMATCH, "vocabulary size"),
+    "num_labelled_on_one_rank": ("loss", lambda a: a.update(num_labelled=torch.tensor(5)), MISMATCH, "num_labelled given"),
+    "loss_unknown": ("grads", lambda a: a.update(loss="mean"), LOCAL, "loss must be one of"),
+    "parameters_not_tensors": ("grads", lambda a: a["parameters"].insert(1, "w"), LOCAL, "parameters[1] must be a tensor"),
+    "parameters_lone_tensor": ("grads", lambda a: a.update(parameters=torch.ones(2)), LOCAL, "parameters must be a Module"),
+    "loss_differs": ("grads", lambda a: a.update(loss="replicated"), MISMATCH, "loss"),
+    "parameter_frozen": ("grads", lambda a: a["parameters"][0].requires_grad_(False), MISMATCH, "trainable parameter count"),
+    "parameter_shape_differs": ("grads", lambda a: _replace_parameter(a, 1, lambda p: p.t()), MISMATCH, "parameter shapes"),
+    "parameter_dtype_differs": ("grads", lambda a: _replace_parameter(a, 2, lambda p: p.float()), MISMATCH, "parameter dtypes"),
+}
+
+
+def _call(case: str, spoil: bool, group) -> None:
+    """Call the case's function with valid arguments, spoiled first where ``spoil``."""
+    function, spoiler, _, _ = CASES[case]
+    args = _loss_args() if function == "loss" else _gradient_args()
+    if spoil:
+        spoiler(args)
+    if function == "loss":
+        cp_cross_entropy(group=group, **args)
+    else:
+        reduce_cp_gradients(group=group, **args)
+
+
+def _every_case_bad_on_one_rank(rank: int, world: int, bad: int) -> dict[str, tuple[str, str]]:
+    """Checked mode: each case once, spoiled on rank ``bad``; what this rank raised, per case.
+    Every rank raising keeps the group in step for the next case (checked at the end)."""
+    out = {}
+    with check_mode("call"):
+        for case in CASES:
+            try:
+                _call(case, rank == bad, dist.group.WORLD)
+                out[case] = ("", "no error")
+            except Exception as exc:  # noqa: BLE001 - any type is reported to the test
+                out[case] = (type(exc).__name__, str(exc))
+        _call("loss_unknown", False, dist.group.WORLD)  # the group is still in step
+    return out
+
+
+@pytest.mark.parametrize("world,bad", [(2, 1), (3, 0), (4, 2)])
+def test_checked_mode_every_rank_raises(pools, world, bad):
+    results = pools(world).run(_every_case_bad_on_one_rank, bad, timeout=120)
+    for case, (function, _, kind, says) in CASES.items():
+        what = "cpshard.cp_cross_entropy" if function == "loss" else "cpshard.reduce_cp_gradients"
+        for rank, out in enumerate(results):
+            error, message = out[case]
+            assert error == "ValueError" and message.startswith(f"{what}: "), (case, rank, error, message)
+            if kind == MISMATCH:
+                expected = f"{says} differs on rank {bad} "
+            else:
+                expected = f"rank {bad}: {says}" if rank == bad else f"rank {bad} failed its checks"
+            assert expected in message, (case, rank, message)
+
+
+def _collectives(rank: int, world: int) -> dict[str, dict[str, int]]:
+    """The torch.distributed calls of each steady-state call, in both check modes."""
+    group = dist.group.WORLD
+    args = _loss_args()
+    model = _model()
+    model["emb"].weight.grad = torch.ones_like(model["emb"].weight)
+    functions = {
+        "cp_cross_entropy": lambda: cp_cross_entropy(group=group, **args),
+        "cp_cross_entropy given num_labelled": lambda: cp_cross_entropy(
+            group=group, **dict(args, num_labelled=torch.tensor(6 * world))
+        ),
+        "reduce_cp_gradients": lambda: reduce_cp_gradients(model, group),
+    }
+    out = {}
+    for mode in ("step", "call"):
+        with check_mode(mode):
+            for name, fn in functions.items():
+                fn()  # warm-up: the steady state is what is counted
+                with _counting() as seen:
+                    fn()
+                out[f"{name} {mode}"] = dict(seen)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_default_mode_issues_only_the_reduction(pools, world):
+    for counts in pools(world).run(_collectives, timeout=60):
+        # default: the count's all-reduce (none when given), one all-reduce of the gradients (one
+        # dtype and device); checked mode: one consensus round (a host-channel all-to-all) more
+        assert counts["cp_cross_entropy step"] == {"all_reduce": 1}, counts
+        assert counts["cp_cross_entropy given num_labelled step"] == {}, counts
+        assert counts["reduce_cp_gradients step"] == {"all_reduce": 1}, counts
+        for name in ("cp_cross_entropy", "cp_cross_entropy given num_labelled", "reduce_cp_gradients"):
+            expected = dict(counts[f"{name} step"], all_to_all_single=1)
+            assert counts[f"{name} call"] == expected, (name, counts)
+
+
+@pytest.mark.parametrize("case", [c for c, (_, _, kind, _) in CASES.items() if kind == LOCAL])
+@pytest.mark.parametrize("mode", ["step", "call"])
+def test_local_problem_names_rank_and_argument(case, mode):
+    """A single rank (group None): in either mode a local problem raises at once, naming the
+    rank and the argument."""
+    with check_mode(mode), pytest.raises(ValueError, match=r"rank 0: ") as raised:
+        _call(case, True, None)
+    assert CASES[case][3] in str(raised.value)
+
+
+def test_no_labelled_token_gives_zero():
+    args = dict(_loss_args(), labels=torch.full((B, 3), -100))
+    assert float(cp_cross_entropy(group=None, **args)) == 0.0
