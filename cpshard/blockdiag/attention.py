@@ -250,18 +250,22 @@ class _Loop:
             rows = (slice(it.row, it.row + 1), slice(None), slice(it.q, it.q + it.n))
             yield rows, _parts(it, self.state.causal, self.blocks, self.dtype)
 
+    def _keys(self, t: T, at: tuple[slice, slice, slice]) -> T:
+        """A part's keys or values, KV heads repeated for the queries' heads: per part, so
+        the repeat never holds the whole key buffer."""
+        return _repeat(t[at], self.heads).contiguous()
+
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
-        k, v = _repeat(k, self.heads), _repeat(v, self.heads)
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=_lse_dtype(q.dtype))
         for rows, parts in self._items():
-            qs, row = q[rows].contiguous(), rows[0]
-            results = [
-                self.kern.forward(
-                    qs, k[row, :, keys].contiguous(), v[row, :, keys].contiguous(), how, scale
+            qs = q[rows].contiguous()
+            results = []
+            for keys, how in parts:
+                at = (rows[0], slice(None), keys)
+                results.append(
+                    self.kern.forward(qs, self._keys(k, at), self._keys(v, at), how, scale)
                 )
-                for keys, how in parts
-            ]
             if len(results) == 1:
                 out[rows], lse[rows] = results[0]
                 continue
@@ -274,19 +278,18 @@ class _Loop:
 
     def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
         kv_heads = k.shape[1]
-        k, v = _repeat(k, self.heads), _repeat(v, self.heads)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for rows, parts in self._items():
             g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
             for keys, how in parts:
                 at = (rows[0], slice(None), keys)
                 dqs, dks, dvs = self.kern.backward(
-                    g, qs, k[at].contiguous(), v[at].contiguous(), os_, ls, how, scale
+                    g, qs, self._keys(k, at), self._keys(v, at), os_, ls, how, scale
                 )
                 dq[rows] += dqs
-                dk[at] += dks
-                dv[at] += dvs
-        return dq, _fold(dk, kv_heads), _fold(dv, kv_heads)
+                dk[at] += _fold(dks, kv_heads)
+                dv[at] += _fold(dvs, kv_heads)
+        return dq, dk, dv
 
 
 # ------------------------------------------------------------------ the varlen path
