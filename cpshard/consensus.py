@@ -87,6 +87,11 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000
 
 
+def device_code(t: torch.Tensor) -> int:
+    """The tensor's device type as a consensus value: 0 on the CPU, 1 on an accelerator."""
+    return 0 if t.device.type == "cpu" else 1
+
+
 _FNV_PRIME = 1099511628211
 _MASK = (1 << 64) - 1
 

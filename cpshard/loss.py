@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.comm.reduce import all_reduce_sum_
-from cpshard.consensus import check_call, digest, dtype_code
+from cpshard.consensus import check_call, device_code, digest, dtype_code
 
 IGNORE_INDEX = -100
 _RULES = ("split", "replicated")
@@ -31,11 +31,6 @@ _RULES = ("split", "replicated")
 def _is_int(value: object) -> bool:
     """Whether value is a Python int (a bool is not a count nor a label)."""
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _device_code(t: torch.Tensor) -> int:
-    """The device type as a consensus value (0 = CPU, 1 = accelerator), like the transport's."""
-    return 0 if t.device.type == "cpu" else 1
 
 
 def _cross_entropy_problem(
@@ -78,7 +73,7 @@ def _cross_entropy_fields(
         "labels dtype": [dtype_code(labels.dtype)],
         "logits dtype": [dtype_code(logits.dtype)],
         "vocabulary size": [logits.shape[-1]],
-        "device type": [_device_code(logits)],
+        "device type": [device_code(logits)],
     }
 
 
@@ -108,7 +103,9 @@ def cp_cross_entropy(
     check_call(g, what, problem, _cross_entropy_fields(logits, labels, ignore_index, num_labelled))
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_labels = labels.reshape(-1)
-    local_sum = F.cross_entropy(flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum")
+    local_sum = F.cross_entropy(
+        flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum"
+    )
     if num_labelled is None:
         count = (flat_labels != ignore_index).sum().to(local_sum.dtype)
         all_reduce_sum_([count], g)
@@ -123,7 +120,10 @@ def _parameters(parameters: object) -> tuple[list[torch.Tensor], str | None]:
     if isinstance(parameters, torch.nn.Module):
         return list(parameters.parameters()), None
     if isinstance(parameters, torch.Tensor) or not isinstance(parameters, Iterable):
-        return [], f"parameters must be a Module or an iterable of tensors, got {type(parameters).__name__}"
+        return (
+            [],
+            f"parameters must be a Module or an iterable of tensors, got {type(parameters).__name__}",
+        )
     params = list(parameters)
     for i, p in enumerate(params):
         if not isinstance(p, torch.Tensor):
@@ -131,7 +131,9 @@ def _parameters(parameters: object) -> tuple[list[torch.Tensor], str | None]:
     return params, None
 
 
-def _gradient_fields(loss: str, trainable: list[torch.Tensor]) -> Callable[[], Mapping[str, Sequence[int]]]:
+def _gradient_fields(
+    loss: str, trainable: list[torch.Tensor]
+) -> Callable[[], Mapping[str, Sequence[int]]]:
     """What every rank's :func:`reduce_cp_gradients` must agree on (checked mode only): the rule
     and the gradients' count, shapes, dtypes and device types, which decide the all-reduce."""
     return lambda: {
@@ -139,7 +141,7 @@ def _gradient_fields(loss: str, trainable: list[torch.Tensor]) -> Callable[[], M
         "trainable parameter count": [len(trainable)],
         "parameter shapes": digest([s for p in trainable for s in (p.dim(), *p.shape)]),
         "parameter dtypes": digest([dtype_code(p.dtype) for p in trainable]),
-        "parameter device types": digest([_device_code(p) for p in trainable]),
+        "parameter device types": digest([device_code(p) for p in trainable]),
     }
 
 

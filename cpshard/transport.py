@@ -26,7 +26,7 @@ import torch
 from cpshard import ops
 from cpshard.comm import Group, GroupLike, resolve_group
 from cpshard.comm.collectives import all_gather_v, halo_exchange
-from cpshard.consensus import check_call, digest, dtype_code, fingerprint
+from cpshard.consensus import check_call, device_code, digest, dtype_code, fingerprint
 
 _MAX_DIMS = 8
 
@@ -53,7 +53,7 @@ def _dim_problem(x: object, dim: int, name: str) -> str | None:
 def _common_fields(x: torch.Tensor, dim: int, equal_shape: bool) -> dict[str, list[int]]:
     return {
         "dtype": [dtype_code(x.dtype)],
-        "device type": [0 if x.device.type == "cpu" else 1],
+        "device type": [device_code(x)],
         "token dim": [dim],
         # ranks that differ here would block in the backward collective
         "requires_grad": [int(x.requires_grad and torch.is_grad_enabled())],
