@@ -613,10 +613,11 @@ def _rounds_and_transfers(rank: int, world: int) -> dict[str, list[int]]:
 
 
 def test_default_mode_issues_only_the_halo_transfers(pools) -> None:
-    """By default a call (forward + backward) issues its halo exchange and return and nothing
-    else, on every rank (an all-padding one included); checked mode adds one consensus round."""
+    """By default a call issues its halo exchange in the forward, and in the backward the
+    exchange again (only this rank's K/V are saved) and the return, nothing else, on every rank
+    (an all-padding one included); checked mode adds one consensus round."""
     for got in pools(4).run(_rounds_and_transfers, timeout=60):
-        assert got == {"step": [0, 1, 1], "call": [1, 1, 1]}, got
+        assert got == {"step": [0, 2, 1], "call": [1, 2, 1]}, got
 
 
 def test_opcheck_attention_ops() -> None:

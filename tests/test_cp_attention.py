@@ -246,15 +246,17 @@ def _transfers(rank: int, world: int) -> dict[str, list[int]]:
 
 
 def test_default_mode_issues_only_the_exchange_and_its_reverse(pools) -> None:
-    """By default a call (forward + backward) issues its all-to-all-v and the reverse one and
-    nothing else on every rank; checked mode adds one consensus round."""
+    """By default a call issues its all-to-all-v in the forward, and in the backward the same
+    one again (only this rank's K/V are saved) and the reverse one, nothing else, on every
+    rank; checked mode adds one consensus round."""
     for got in pools(4).run(_transfers, timeout=60):
-        assert got == {"step": [0, 2], "call": [1, 2]}, got
+        assert got == {"step": [0, 3], "call": [1, 3]}, got
 
 
-def _compiled_vs_eager(rank: int, world: int, layout: str) -> list[int]:
-    """cp_attention compiled once (fullgraph) over two batches with different documents:
-    outputs and gradients equal eager; returns the compile counts."""
+def _compiled_vs_eager(rank: int, world: int, layout: str, causal: bool) -> list[int]:
+    """cp_attention (``is_causal=causal``: the step's causal state or its bidirectional twin)
+    compiled once (fullgraph) over two batches with different documents: outputs and gradients
+    equal eager; returns the compile counts."""
     import torch._dynamo
     import torch.distributed as dist
     from torch._dynamo.testing import CompileCounterWithBackend
@@ -265,7 +267,7 @@ def _compiled_vs_eager(rank: int, world: int, layout: str) -> list[int]:
     counter = CompileCounterWithBackend("aot_eager")
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return cp_attention(q, k, v, enable_gqa=True) * 2
+        return cp_attention(q, k, v, is_causal=causal, enable_gqa=True) * 2
 
     compiled = torch.compile(attend, backend=counter, fullgraph=True)
     plans = set()
@@ -281,10 +283,13 @@ def _compiled_vs_eager(rank: int, world: int, layout: str) -> list[int]:
     return [counter.frame_count, counter.op_count]
 
 
-@pytest.mark.parametrize("layout", ["head_tail", "balanced"])
-def test_compiled_does_not_recompile_per_batch(pools, layout: str) -> None:
-    """The step's plan is data behind its key, not a guard: one compile for both batches."""
-    counts = pools(2).run(_compiled_vs_eager, layout, timeout=400)
+@pytest.mark.parametrize(
+    ("layout", "causal"), [("head_tail", True), ("balanced", True), ("stripe", False)]
+)
+def test_compiled_does_not_recompile_per_batch(pools, layout: str, causal: bool) -> None:
+    """The step's plan is data behind its key, not a guard: one compile for both batches (the
+    bidirectional twin's too)."""
+    counts = pools(2).run(_compiled_vs_eager, layout, causal, timeout=400)
     assert all(frames == 1 for frames, _ in counts), counts
 
 
@@ -373,6 +378,38 @@ def test_hot_path_reads_no_tensor_data_on_host(pools, path: str) -> None:
     """The exchange and the attention, forward and backward, read no tensor data on the host
     and rebuild no metadata (the step's tables and packing were built at shard time)."""
     assert pools(2).run(_host_reads, path, timeout=120) == [[], []]
+
+
+def _saved_rows(rank: int, world: int, layout: str) -> list[int]:
+    """This rank's shard length, its key buffer's rows, and the largest token dim among the
+    tensors one cp_attention call saves for backward."""
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder, cp_attention
+
+    doc, q, k, v, _ = _batch("one_doc", 1, 48, 4, 2)
+    sharder = ContextParallelSharder(dist.group.WORLD, layout)
+    ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    qkv = tuple(_sharded(sharder, t).requires_grad_() for t in (q, k, v))
+    saved: list[int] = []
+
+    def keep(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.shape[2] if t.dim() == 4 else 0)
+        return t
+
+    with ctx(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        state = active_state()
+        cp_attention(*qkv, enable_gqa=True).sum().backward()
+    return [qkv[0].shape[2], state.key_len, max(saved)]
+
+
+@pytest.mark.parametrize("layout", ["stripe", "contiguous"])
+def test_backward_keeps_only_the_ranks_own_kv(pools, layout: str) -> None:
+    """A layer saves its own K/V rows for backward, not the exchanged key buffer (up to W times
+    larger: one document, W = 4); the backward exchanges again."""
+    got = pools(4).run(_saved_rows, layout, timeout=60)
+    assert max(rows for _, rows, _ in got) > 2 * got[0][0], got  # the buffer is large
+    assert all(most == local for local, _, most in got), got
 
 
 def _scaled(rank: int, world: int) -> torch.Tensor:

@@ -87,6 +87,11 @@ class LayoutState(AttentionState):
 
         return layout_exchange(kv, self.key)
 
+    def restore(self, grad: torch.Tensor, length: int) -> torch.Tensor:
+        from cpshard.attention.exchange import layout_exchange_return
+
+        return layout_exchange_return(grad, self.key, length)
+
 
 def document_starts(doc: torch.Tensor) -> torch.Tensor:
     """``[B, P]``: the position where each token's run of one id (its document) starts."""

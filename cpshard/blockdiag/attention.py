@@ -11,15 +11,18 @@ document containing that token reaches back to (the max over batch rows); a shar
 state (:mod:`cpshard.attention`) with one all-to-all-v of the rows its runs reach.
 
 ``torch.library`` custom ops do the work, each with a fake kernel and a backward op, so that
-``torch.compile`` traces a call as two opaque nodes and never sees the step's spans:
+``torch.compile`` traces a call as one opaque node (and its backward as another) and never sees
+the step's spans:
 
-* the state's exchange, here ``cpshard::blockdiag_halo(kv, key)``: K and V (concatenated on the
-  last dim) with the halo in front (the transport's ``halo_exchange``); its length is data (an
-  unbacked size under compile). Backward: ``cpshard::blockdiag_halo_return`` (the transport's
-  ``halo_return``: each halo row's gradient goes back to its owner), which an all-padding rank
-  joins too.
-* ``cpshard::blockdiag_attention(q, kv_ext, key, d_k, scale)`` -> ``(out, lse)``. Backward:
-  ``cpshard::blockdiag_attention_backward`` from the saved output and log-sum-exp.
+* ``cpshard::blockdiag_attention(q, kv, key, d_k, scale)`` -> ``(out, lse)``: the state's
+  exchange builds the key buffer from this rank's K and V (concatenated on the last dim) —
+  here ``cpshard::blockdiag_halo(kv, key)``: the halo in front (the transport's
+  ``halo_exchange``) — and the spans attend it. It saves only this rank's own K/V: backward
+  (``cpshard::blockdiag_attention_backward``, from the saved output and log-sum-exp) runs the
+  exchange again and sends the buffer's gradients back to their owners
+  (``cpshard::blockdiag_halo_return``, the transport's ``halo_return``; an all-padding rank
+  joins too). A model's layers thus keep their own K/V for backward, not the exchanged buffer
+  (up to W times larger for long documents or ``stripe``), for one more exchange per layer.
 
 ``key`` is the step state's CPU scalar key (:func:`cpshard.blockdiag.state.state_for`): the
 spans, the exchange plan and the varlen packing were computed once per step and moved to the
@@ -57,7 +60,7 @@ import torch.nn.functional as F
 from cpshard.blockdiag.blocks import Block, Blocks
 from cpshard.blockdiag.state import AttentionState, Packing, Span, active_state, state_for
 from cpshard.comm.collectives import halo_exchange, halo_return
-from cpshard.consensus import check_call, digest, dtype_code
+from cpshard.consensus import check_call, device_code, digest, dtype_code
 from cpshard.transport import HALO, call_key
 
 _WHAT = "cpshard.cp_blockdiag_sdpa"
@@ -366,8 +369,8 @@ def _implementation(state: AttentionState, q: torch.Tensor, d_k: int, d_v: int) 
 # ------------------------------------------------------------------ the custom ops
 
 
-def _split(kv_ext: torch.Tensor, d_k: int) -> Tensors:
-    return kv_ext[..., :d_k], kv_ext[..., d_k:]
+def _split(kv: torch.Tensor, d_k: int) -> Tensors:
+    return kv[..., :d_k], kv[..., d_k:]
 
 
 def _repeat(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -436,20 +439,22 @@ register_exchange_autograd(blockdiag_halo, blockdiag_halo_return)
 
 @torch.library.custom_op("cpshard::blockdiag_attention", mutates_args=())
 def blockdiag_attention(
-    q: torch.Tensor, kv_ext: torch.Tensor, key: torch.Tensor, d_k: int, scale: float | None
+    q: torch.Tensor, kv: torch.Tensor, key: torch.Tensor, d_k: int, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-document causal attention of q ``[B, Hq, L, d_k]`` over the halo-extended
-    ``kv_ext`` ``[B, Hkv, halo + L, d_k + d_v]``: the output ``[B, Hq, L, d_v]`` (zeros on pad
-    rows) and its log-sum-exp ``[B, Hq, L]`` (-inf on pad rows)."""
-    k, v = _split(kv_ext, d_k)
-    return _implementation(state_for(key), q, d_k, v.shape[-1]).forward(q, k, v, scale)
+    """Per-document causal attention of q ``[B, Hq, L, d_k]`` over the key buffer the step's
+    exchange builds from this rank's ``kv`` ``[B, Hkv, L, d_k + d_v]``: the output
+    ``[B, Hq, L, d_v]`` (zeros on pad rows) and its log-sum-exp ``[B, Hq, L]`` (-inf on pad
+    rows)."""
+    state = state_for(key)
+    k, v = _split(state.extend(kv), d_k)
+    return _implementation(state, q, d_k, v.shape[-1]).forward(q, k, v, scale)
 
 
 @blockdiag_attention.register_fake
 def _blockdiag_attention_fake(
-    q: T, kv_ext: T, key: T, d_k: int, scale: float | None
+    q: T, kv: T, key: T, d_k: int, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = q.new_empty(*q.shape[:3], kv_ext.shape[3] - d_k)
+    out = q.new_empty(*q.shape[:3], kv.shape[3] - d_k)
     return out, q.new_empty(q.shape[:3], dtype=_lse_dtype(q.dtype))
 
 
@@ -457,36 +462,38 @@ def _blockdiag_attention_fake(
 def blockdiag_attention_backward(
     grad: torch.Tensor,
     q: torch.Tensor,
-    kv_ext: torch.Tensor,
+    kv: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     key: torch.Tensor,
     d_k: int,
     scale: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of q and of ``kv_ext`` (zeros where no query attends: an all-padding rank
-    still returns its halo's gradient, so it joins the return exchange its peers wait for)."""
-    k, v = _split(kv_ext, d_k)
-    impl = _implementation(state_for(key), q, d_k, v.shape[-1])
+    """Gradients of q and of this rank's ``kv``: the exchange again, the spans' backward over
+    the buffer, and the buffer's gradients returned to their owners (zeros where no query
+    attends: an all-padding rank still joins both exchanges its peers wait for)."""
+    state = state_for(key)
+    k, v = _split(state.extend(kv), d_k)
+    impl = _implementation(state, q, d_k, v.shape[-1])
     dq, dk, dv = impl.backward(grad.contiguous(), q, k, v, out, lse, scale)
-    return dq, torch.cat([dk, dv], dim=-1)
+    return dq, state.restore(torch.cat([dk, dv], dim=-1), kv.shape[2])
 
 
 @blockdiag_attention_backward.register_fake
 def _blockdiag_attention_backward_fake(
-    grad: T, q: T, kv_ext: T, out: T, lse: T, key: T, d_k: int, scale: float | None
+    grad: T, q: T, kv: T, out: T, lse: T, key: T, d_k: int, scale: float | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(kv_ext)
+    return torch.empty_like(q), torch.empty_like(kv)
 
 
 def _keep_attention(ctx, inputs, output) -> None:
-    q, kv_ext, key, ctx.d_k, ctx.scale = inputs
-    ctx.save_for_backward(q, kv_ext, key, *output)
+    q, kv, key, ctx.d_k, ctx.scale = inputs
+    ctx.save_for_backward(q, kv, key, *output)
 
 
 def _blockdiag_attention_grad(ctx, grad: torch.Tensor, grad_lse: torch.Tensor | None):
-    q, kv_ext, key, out, lse = ctx.saved_tensors
-    dq, dkv = blockdiag_attention_backward(grad, q, kv_ext, out, lse, key, ctx.d_k, ctx.scale)
+    q, kv, key, out, lse = ctx.saved_tensors
+    dq, dkv = blockdiag_attention_backward(grad, q, kv, out, lse, key, ctx.d_k, ctx.scale)
     return dq, dkv, None, None, None
 
 
@@ -549,7 +556,7 @@ def _fields(
     return lambda: {
         "layout": digest([ord(c) for c in state.layout]),
         "dtype": [dtype_code(q.dtype)],
-        "device type": [0 if q.device.type == "cpu" else 1],
+        "device type": [device_code(q)],
         "q, k, v heads and dims": [q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]],
         # ranks that differ here would block in the backward exchange
         "requires_grad": [int(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))],
@@ -574,7 +581,7 @@ def attend(
     the shape checks (locally, or on every rank in checked mode)."""
     problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
     check_call(state.group, what, problem, _fields(state, query, key, value))
-    kv = state.extend(torch.cat([key, value], dim=-1))
+    kv = torch.cat([key, value], dim=-1)
     out, _ = blockdiag_attention(query, kv, state.key, key.shape[-1], scale)
     return out
 

@@ -217,7 +217,12 @@ class AttentionState:
 
     def extend(self, kv: torch.Tensor) -> torch.Tensor:
         """This rank's K/V ``[B, H, L, D]`` -> the key buffer ``[B, H, key_len, D]`` the spans
-        index (a custom op: the step's exchange, differentiable)."""
+        index (the step's exchange, a custom op)."""
+        raise NotImplementedError
+
+    def restore(self, grad: torch.Tensor, length: int) -> torch.Tensor:
+        """Adjoint of :meth:`extend`: the key buffer's gradient ``[B, H, key_len, D]`` -> this
+        rank's ``[B, H, length, D]``, each row's gradients added by its owner."""
         raise NotImplementedError
 
     def packing_on(self, device: torch.device) -> Packing | None:
@@ -272,6 +277,11 @@ class BlockDiagState(AttentionState):
         from cpshard.blockdiag.attention import blockdiag_halo  # the ops module imports this one
 
         return blockdiag_halo(kv, self.key) if self.group.world > 1 else kv
+
+    def restore(self, grad: torch.Tensor, length: int) -> torch.Tensor:
+        from cpshard.blockdiag.attention import blockdiag_halo_return
+
+        return blockdiag_halo_return(grad, self.key, length) if self.group.world > 1 else grad
 
 
 def state_for(key: torch.Tensor) -> AttentionState:
