@@ -355,6 +355,8 @@ def test_attention_bench_section_quick_run(run_bench) -> None:
     for r in rows:
         assert r["ours_fwd_bwd_s"] > 0 and r["base_fwd_bwd_s"] > 0
         assert r["ours_fwd_bwd_peak_bytes"] > 0 and r["base_fwd_bwd_peak_bytes"] > 0
+        # the forward keeps this rank's K/V (not the exchanged buffer), the baseline all of it
+        assert 0 < r["ours_saved_bytes"] < r["base_saved_bytes"]
         assert 0 <= r["ours_kv_rows_received_max"] <= r["base_kv_rows_received"]
         assert len(r["pairs_per_rank"]) == 2 and r["pairs_max_over_mean"] >= 1
 

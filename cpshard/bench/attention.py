@@ -6,9 +6,9 @@ builds this rank's dense per-document causal mask ``[L, S]`` over the gathered (
 keys and calls SDPA. cpshard receives only the K/V rows its queries reach (one all-to-all-v)
 and attends per run of its tokens. One batch row of S = 16384 tokens (``--quick``: 512) in
 documents of 256-768 tokens (~512 on average; ``--quick``: 16-48), 8 query / 2 KV heads, head
-dim 64, one step forward + backward per layout. Per-rank compute is the number of (query, key)
-pairs a rank's queries attend: its max over ranks divided by the mean shows the layout's
-balance.
+dim 64, one step forward + backward per layout, and the bytes each forward keeps for its
+backward. Per-rank compute is the number of (query, key) pairs a rank's queries attend: its
+max over ranks divided by the mean shows the layout's balance.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from cpshard.bench.blockdiag import (
     fwd_bwd_figures,
     random_qkv,
 )
+from cpshard.bench.memory import saved_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.blockdiag.state import active_state
 from cpshard.layout import LAYOUTS
@@ -102,6 +103,8 @@ def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
         "pairs_per_rank": pairs,
         "pairs_max_over_mean": max(pairs) * len(pairs) / max(1, sum(pairs)),
     }
+    for who, fn in (("ours", ours), ("base", base)):
+        out[f"{who}_saved_bytes"] = saved_bytes(rt, lambda fn=fn: fn(q, k, v), (q, k, v))
     return {**out, **fwd_bwd_figures(rt, {"ours": ours, "base": base}, (q, k, v), grad)}
 
 
@@ -123,9 +126,12 @@ def render(rows: list[dict]) -> str:
         "#   all-to-all-v)  vs  full K/V all-gather + dense per-document causal mask + SDPA;",
         f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, {HEADS} "
         f"query / {KV_HEADS} KV heads, head dim {HEAD_DIM}; median ms (max over ranks), peak",
-        "#   extra MiB, K/V rows received (max over ranks), attended pairs max/mean over ranks",
+        "#   extra MiB of fwd+bwd, MiB the forward keeps for the backward beyond q/k/v (a model",
+        "#   layer holds it until its backward), K/V rows received (max over ranks), attended",
+        "#   pairs max/mean over ranks",
         f"#{'layout':>22} {'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'cpshard MiB':>12} "
-        f"{'base MiB':>9} {'kv rows':>8} {'base rows':>9} {'max/mean':>9}",
+        f"{'base MiB':>9} {'kept MiB':>9} {'base kept':>9} {'kv rows':>8} {'base rows':>9} "
+        f"{'max/mean':>9}",
     ]
     fmt = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
     for r in rows:
@@ -133,7 +139,8 @@ def render(rows: list[dict]) -> str:
             f" {r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
             f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} "
             f"{r['speedup']:>8.2f} {fmt(r['ours_fwd_bwd_peak_bytes']):>12} "
-            f"{fmt(r['base_fwd_bwd_peak_bytes']):>9} {r['ours_kv_rows_received_max']:>8} "
+            f"{fmt(r['base_fwd_bwd_peak_bytes']):>9} {fmt(r['ours_saved_bytes']):>9} "
+            f"{fmt(r['base_saved_bytes']):>9} {r['ours_kv_rows_received_max']:>8} "
             f"{r['base_kv_rows_received']:>9} {r['pairs_max_over_mean']:>9.2f}"
         )
     return "\n".join(out)

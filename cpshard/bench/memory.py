@@ -94,3 +94,25 @@ def peak_extra_bytes(
     t = torch.tensor([local], dtype=torch.int64, device=rt.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.pg)
     return int(t.item())
+
+
+def saved_bytes(
+    rt: Runtime, forward: Callable[[], object], inputs: tuple[torch.Tensor, ...]
+) -> int:
+    """Bytes ``forward``'s autograd graph keeps for the backward beyond ``inputs`` (what a model
+    layer holds from its forward until its backward), max over ranks: the distinct storages of
+    the tensors it saves, counted once."""
+    own = {t.untyped_storage().data_ptr() for t in inputs}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    t = torch.tensor([sum(kept.values())], dtype=torch.int64, device=rt.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.pg)
+    return int(t.item())
