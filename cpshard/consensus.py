@@ -9,11 +9,11 @@ raises the same way.
 When it runs (the validation model):
 
 * **per step**, always: the entry points that see a step's host metadata
-  (``ContextParallelSharder.shard``, ``make_cp_blockdiag_batch_and_ctx``, the vision plan) run
-  one round;
+  (``ContextParallelSharder.shard``, ``make_cp_blockdiag_batch_and_ctx``, the vision plan) and
+  ``reduce_cp_gradients`` run one round;
 * **per call**, only in checked mode: the per-call functions (``gather_*``,
-  ``cp_blockdiag_sdpa``, ``cp_cross_entropy``, ``reduce_cp_gradients``) otherwise check their local arguments only and issue nothing but their
-  data transfer. Checked mode is on when ``CPSHARD_CHECKS=call`` or
+  ``cp_blockdiag_sdpa``, ``cp_attention``, ``cp_cross_entropy``) otherwise check their local
+  arguments only and issue nothing but their data transfer. Checked mode is on when ``CPSHARD_CHECKS=call`` or
   ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` is set at import, or inside :func:`check_mode`.
 """
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.comm.reduce import all_reduce_sum_
-from cpshard.consensus import check_call, device_code, digest, dtype_code
+from cpshard.consensus import agree, check_call, device_code, digest, dtype_code
 
 IGNORE_INDEX = -100
 _RULES = ("split", "replicated")
@@ -131,12 +131,10 @@ def _parameters(parameters: object) -> tuple[list[torch.Tensor], str | None]:
     return params, None
 
 
-def _gradient_fields(
-    loss: str, trainable: list[torch.Tensor]
-) -> Callable[[], Mapping[str, Sequence[int]]]:
-    """What every rank's :func:`reduce_cp_gradients` must agree on (checked mode only): the rule
-    and the gradients' count, shapes, dtypes and device types, which decide the all-reduce."""
-    return lambda: {
+def _gradient_fields(loss: str, trainable: list[torch.Tensor]) -> dict[str, Sequence[int]]:
+    """What every rank's :func:`reduce_cp_gradients` must agree on: the rule and the gradients'
+    count, shapes, dtypes and device types, which decide the all-reduce."""
+    return {
         "loss": [_RULES.index(loss)],
         "trainable parameter count": [len(trainable)],
         "parameter shapes": digest([s for p in trainable for s in (p.dim(), *p.shape)]),
@@ -157,16 +155,17 @@ def reduce_cp_gradients(
     rank must pass the same parameters in the same order; a parameter without a gradient on
     this rank counts as zeros, so ranks whose tokens never reached a parameter stay in step.
 
-    Arguments are checked locally; in checked mode (:func:`cpshard.check_mode`) one consensus
-    round also makes every rank raise for a problem on any rank, and for a ``loss`` rule or
-    trainable parameters (count, shapes, dtypes, device types) differing across ranks."""
+    Once per step, so checked like the other per-step entry points, in every mode: one
+    consensus round over the host channel makes every rank raise for a problem on any rank, and
+    for a ``loss`` rule or trainable parameters (count, shapes, dtypes, device types) differing
+    across ranks, which the gradients' all-reduce would otherwise mix without an error."""
     what = "cpshard.reduce_cp_gradients"
     g = resolve_group(group, what)
     params, problem = _parameters(parameters)
     if problem is None and loss not in _RULES:
         problem = f"loss must be one of {_RULES}, got {loss!r}"
     trainable = [p for p in params if p.requires_grad] if problem is None else []
-    check_call(g, what, problem, _gradient_fields(loss, trainable))
+    agree(g, what, problem, None if problem is not None else _gradient_fields(loss, trainable))
     for p in trainable:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

@@ -176,12 +176,15 @@ def _call(case: str, spoil: bool, group) -> None:
         reduce_cp_gradients(group=group, **args)
 
 
-def _every_case_bad_on_one_rank(rank: int, world: int, bad: int) -> dict[str, tuple[str, str]]:
-    """Checked mode: each case once, spoiled on rank ``bad``; what this rank raised, per case.
-    Every rank raising keeps the group in step for the next case (checked at the end)."""
+def _every_case_bad_on_one_rank(
+    rank: int, world: int, bad: int, mode: str, functions: tuple[str, ...]
+) -> dict[str, tuple[str, str]]:
+    """In check ``mode``: each case of ``functions`` once, spoiled on rank ``bad``; what this
+    rank raised, per case. Every rank raising keeps the group in step for the next case (checked
+    at the end)."""
     out = {}
-    with check_mode("call"):
-        for case in CASES:
+    with check_mode(mode):
+        for case in (c for c, (function, *_) in CASES.items() if function in functions):
             try:
                 _call(case, rank == bad, dist.group.WORLD)
                 out[case] = ("", "no error")
@@ -191,10 +194,22 @@ def _every_case_bad_on_one_rank(rank: int, world: int, bad: int) -> dict[str, tu
     return out
 
 
-@pytest.mark.parametrize("world,bad", [(2, 1), (3, 0), (4, 2)])
-def test_checked_mode_every_rank_raises(pools, world, bad):
-    results = pools(world).run(_every_case_bad_on_one_rank, bad, timeout=120)
+@pytest.mark.parametrize(
+    "world,bad,mode,functions",
+    [
+        (2, 1, "call", ("loss", "grads")),
+        (3, 0, "call", ("loss", "grads")),
+        (4, 2, "call", ("loss", "grads")),
+        # reduce_cp_gradients runs once per step: its consensus round is always on
+        (3, 2, "step", ("grads",)),
+    ],
+)
+def test_every_rank_raises(pools, world, bad, mode, functions):
+    """Checked mode: both functions; default mode: reduce_cp_gradients."""
+    results = pools(world).run(_every_case_bad_on_one_rank, bad, mode, functions, timeout=120)
     for case, (function, _, kind, says) in CASES.items():
+        if function not in functions:
+            continue
         what = "cpshard.cp_cross_entropy" if function == "loss" else "cpshard.reduce_cp_gradients"
         for rank, out in enumerate(results):
             error, message = out[case]
@@ -233,14 +248,19 @@ def _collectives(rank: int, world: int) -> dict[str, dict[str, int]]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_default_mode_issues_only_the_reduction(pools, world):
     for counts in pools(world).run(_collectives, timeout=60):
-        # default: the count's all-reduce (none when given), one all-reduce of the gradients (one
-        # dtype and device); checked mode: one consensus round (a host-channel all-to-all) more
+        # default: the count's all-reduce (none when given); checked mode: one consensus round
+        # (a host-channel all-to-all) more. reduce_cp_gradients (once per step): its consensus
+        # round in both modes and one all-reduce of the gradients (one dtype and device)
         assert counts["cp_cross_entropy step"] == {"all_reduce": 1}, counts
         assert counts["cp_cross_entropy given num_labelled step"] == {}, counts
-        assert counts["reduce_cp_gradients step"] == {"all_reduce": 1}, counts
-        for name in ("cp_cross_entropy", "cp_cross_entropy given num_labelled", "reduce_cp_gradients"):
+        for name in ("cp_cross_entropy", "cp_cross_entropy given num_labelled"):
             expected = dict(counts[f"{name} step"], all_to_all_single=1)
             assert counts[f"{name} call"] == expected, (name, counts)
+        for mode in ("step", "call"):
+            assert counts[f"reduce_cp_gradients {mode}"] == {
+                "all_to_all_single": 1,
+                "all_reduce": 1,
+            }, counts
 
 
 @pytest.mark.parametrize("case", [c for c, (_, _, kind, _) in CASES.items() if kind == LOCAL])
