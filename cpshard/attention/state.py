@@ -79,6 +79,10 @@ class LayoutState(AttentionState):
         assert self.tables is not None
         return cached_on(self._tables_on, device, self.tables)
 
+    def place_on(self, device: torch.device) -> None:
+        super().place_on(device)
+        self.tables_on(device)
+
     def bidirectional(self) -> LayoutState | None:
         return self.twin if self.causal else self
 
@@ -192,5 +196,4 @@ def layout_state(
     if device is not None:  # the attention's metadata on the batch's device, once per step
         for s in (state, both):
             s.place_on(device)
-            s.tables_on(device)
     return state
