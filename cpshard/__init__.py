@@ -1,8 +1,8 @@
 """cpshard: context-parallel sharding building blocks for long-context LLM and VLM training."""
 
 from cpshard._build import BuildInfo, build_info
-from cpshard.attention import cp_attention
-from cpshard.blockdiag import cp_blockdiag_sdpa, document_ids, make_cp_blockdiag_batch_and_ctx
+from cpshard.attention import cp_attention, cp_blockdiag_sdpa
+from cpshard.batch import BatchTargets, ShardedBatch, document_ids
 from cpshard.consensus import check_mode, current_check_mode, raise_on_any_rank
 from cpshard.ops import (
     DocumentSegments,
@@ -23,8 +23,7 @@ from cpshard.layout import (
     make_layout,
     rank_major_inverse,
 )
-from cpshard.sharder import ContextParallelSharder
-from cpshard.targets import BatchTargets, ShardedBatch
+from cpshard.sharder import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
 from cpshard.transport import gather_halo, gather_metadata, gather_ragged, gather_sequence
 from cpshard.vision import (
     CpVisionFrameShardingConfig,

@@ -33,6 +33,9 @@ from collections.abc import Sequence
 
 import torch
 
+from cpshard.batch.runs import document_runs
+from cpshard.validation import is_int
+
 __all__ = [
     "attended_pairs",
     "document_runs",
@@ -58,25 +61,12 @@ def _check_doc_ids(doc_ids: torch.Tensor, world: int, what: str) -> None:
         raise ValueError(f"{what}: doc_ids must be [B, P], got shape {tuple(doc_ids.shape)}")
     if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex:
         raise TypeError(f"{what}: doc_ids must hold integers or bools, got {doc_ids.dtype}")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+    if not is_int(world) or world < 1:
         raise ValueError(f"{what}: world must be a positive int, got {world!r}")
     if doc_ids.shape[1] % world:
         raise ValueError(
             f"{what}: the padded length P = {doc_ids.shape[1]} is not a multiple of world = {world}"
         )
-
-
-def document_runs(row: torch.Tensor) -> list[tuple[int, int, int]]:
-    """Maximal runs of one id in a 1-D row: ``(start, length, id)`` in position order."""
-    row = row.detach().to("cpu", torch.int64)
-    n = row.numel()
-    if n == 0:
-        return []
-    change = torch.ones(n, dtype=torch.bool)
-    change[1:] = row[1:] != row[:-1]
-    starts = torch.nonzero(change).flatten()
-    ends = torch.cat([starts[1:], torch.tensor([n])])
-    return list(zip(starts.tolist(), (ends - starts).tolist(), row[starts].tolist(), strict=True))
 
 
 def _chunk_rank(k: int, world: int) -> int:
@@ -125,7 +115,7 @@ def plan_per_document_head_tail(
     what = "cpshard.balance.plan_per_document_head_tail"
     _check_doc_ids(doc_ids, world, what)
     chunks = 2 * world if num_chunks is None else num_chunks
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or chunks % world:
+    if not is_int(chunks) or chunks < 1 or chunks % world:
         raise ValueError(
             f"{what}: num_chunks must be a positive multiple of world = {world}, got {num_chunks!r}"
         )

@@ -19,9 +19,7 @@ When it runs (the validation model):
 
 from __future__ import annotations
 
-import hashlib
 import os
-import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -29,6 +27,7 @@ from contextlib import contextmanager
 import torch
 
 from cpshard.comm import Group, GroupLike, all_gather_small, resolve_group
+from cpshard.scoped import ScopedValue
 
 CHECK_MODES = ("step", "call")
 
@@ -43,81 +42,30 @@ def _mode_from_env() -> str:
     return mode
 
 
-class _CheckMode:
-    """The process's check mode (a documented scope holder, restored by token)."""
-
-    def __init__(self) -> None:
-        self.value = _mode_from_env()
-
-
-_check = _CheckMode()
+# The process's check mode (one of the documented scopes).
+_check: ScopedValue[str] = ScopedValue(_mode_from_env(), "cpshard.check_mode")
 
 
 def current_check_mode() -> str:
     """``"step"`` (default: cross-rank checks once per step) or ``"call"`` (checked mode: also
     one consensus round before every per-call transfer)."""
-    return _check.value
+    return _check.get()
 
 
 @contextmanager
 def check_mode(mode: str) -> Iterator[None]:
     """Run the block in check mode ``mode`` (``"step"`` or ``"call"``), then restore the previous
-    one. Every rank of a group must use the same mode (a per-call round is a collective)."""
+    one (by token, so nested blocks restore in order). Every rank of a group must use the same
+    mode (a per-call round is a collective)."""
     if mode not in CHECK_MODES:
         raise ValueError(f"cpshard.check_mode: mode must be one of {CHECK_MODES}, got {mode!r}")
-    previous, _check.value = _check.value, mode
-    try:
+    with _check.scope(mode):
         yield
-    finally:
-        _check.value = previous
-
-_DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
-]
 
 
 # Every rank sends this many integers, whatever its arguments, so the exchange itself never
 # mismatches.
 _CAPACITY = 64
-
-
-def dtype_code(dtype: torch.dtype) -> int:
-    """A small integer that names dtype identically on every rank (and in every process)."""
-    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000
-
-
-def device_code(t: torch.Tensor) -> int:
-    """The tensor's device type as a consensus value: 0 on the CPU, 1 on an accelerator."""
-    return 0 if t.device.type == "cpu" else 1
-
-
-_FNV_PRIME = 1099511628211
-_MASK = (1 << 64) - 1
-
-
-def fingerprint(values: Sequence[int]) -> int:
-    """A 63-bit FNV-1a style fingerprint of a sequence of ints, equal in every process for equal
-    values (plain integer arithmetic, so ``torch.compile`` folds it into a constant)."""
-    h = 14695981039346656037
-    for v in values:
-        h = ((h ^ (int(v) & _MASK)) * _FNV_PRIME) & _MASK
-    return h >> 1
-
-
-def digest(values: Sequence[int] | torch.Tensor | None) -> list[int]:
-    """A consensus field for a list of ints or an integer tensor (any device; ``None`` allowed):
-    62 bits of a hash and the length, equal on every rank iff the values are (w.h.p.)."""
-    if values is None:
-        return [0, 0]
-    if isinstance(values, torch.Tensor):
-        data = values.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
-        n = values.numel()
-    else:
-        data = repr([int(v) for v in values]).encode()
-        n = len(values)
-    h = hashlib.blake2b(data, digest_size=8).digest()
-    return [int.from_bytes(h, "little") >> 2, n]
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -188,7 +136,7 @@ def check_call(
     ``fields()``); otherwise a local ``local_error`` raises on this rank alone and nothing is
     exchanged (the peers then fail in the transfer itself, by an error or the group's timeout).
     """
-    if _check.value == "call" and group.world > 1:
+    if _check.get() == "call" and group.world > 1:
         agree(group, what, local_error, None if fields is None or local_error is not None else fields())
     elif local_error is not None:
         raise ValueError(f"{what}: rank {group.rank}: {local_error}")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard import balance
+from cpshard.validation import check_int
 
 __all__ = [
     "CLOSED_FORM_LAYOUTS",
@@ -62,14 +63,6 @@ _CHUNKED = ("head_tail", "per_document_head_tail")  # the layouts that take num_
 _WHAT = "cpshard.layout"
 
 
-def _int(value: object, name: str, what: str, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{what}: {name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{what}: {name} must be >= {low}, got {value}")
-    return value
-
-
 def canonical_layout_name(name: object, what: str = _WHAT) -> str:
     """The canonical name of a built-in layout (aliases resolved); ValueError for unknown names."""
     if not isinstance(name, str):
@@ -92,7 +85,7 @@ def resolve_num_chunks(
 ) -> int | None:
     """``num_chunks`` checked for ``layout`` (default ``2W`` where it applies, None elsewhere)."""
     name = canonical_layout_name(layout, what)
-    world = _int(world, "world", what, low=1)
+    world = check_int(world, "world", what, low=1)
     if name not in _CHUNKED:
         if num_chunks is not None:
             raise ValueError(
@@ -101,7 +94,7 @@ def resolve_num_chunks(
         return None
     if num_chunks is None:
         return 2 * world
-    num_chunks = _int(num_chunks, "num_chunks", what, low=1)
+    num_chunks = check_int(num_chunks, "num_chunks", what, low=1)
     if num_chunks % world:
         raise ValueError(
             f"{what}: num_chunks = {num_chunks} must be a positive multiple of world = {world}"
@@ -114,7 +107,7 @@ def pad_multiple(layout: str, world: int, num_chunks: int | None = None, rank_mu
     length is also a multiple of ``rank_multiple`` (e.g. a model's compression ratio)."""
     name = canonical_layout_name(layout)
     chunks = resolve_num_chunks(name, world, num_chunks)
-    rank_multiple = _int(rank_multiple, "rank_multiple", _WHAT, low=1)
+    rank_multiple = check_int(rank_multiple, "rank_multiple", _WHAT, low=1)
     return math.lcm(chunks if name == "head_tail" else world, world * rank_multiple)
 
 
@@ -122,7 +115,7 @@ def padded_seq_len(
     seq_len: int, layout: str, world: int, num_chunks: int | None = None, rank_multiple: int = 1
 ) -> int:
     """``seq_len`` rounded up to :func:`pad_multiple`."""
-    seq_len = _int(seq_len, "seq_len", _WHAT)
+    seq_len = check_int(seq_len, "seq_len", _WHAT, 0)
     m = pad_multiple(layout, world, num_chunks, rank_multiple)
     return -(-seq_len // m) * m
 
@@ -145,10 +138,10 @@ def _closed_form(
             f"{what}: layout {name!r} is data-dependent: its indices come with the ShardLayout "
             "that make_layout / ContextParallelSharder.shard computes from the batch's documents"
         )
-    world = _int(world, "world", what, low=1)
-    padded = _int(padded, "padded_seq_len", what)
+    world = check_int(world, "world", what, low=1)
+    padded = check_int(padded, "padded_seq_len", what, 0)
     if rank is not None:
-        rank = _int(rank, "rank", what)
+        rank = check_int(rank, "rank", what, 0)
         if rank >= world:
             raise ValueError(f"{what}: rank = {rank} is out of range for world = {world}")
     chunks = resolve_num_chunks(name, world, num_chunks, what)
@@ -270,18 +263,18 @@ class ShardLayout:
         what = "cpshard.ShardLayout"
         if not isinstance(self.name, str) or not self.name:
             raise TypeError(f"{what}: name must be a non-empty str, got {self.name!r}")
-        world = _int(self.world_size, "world_size", what, low=1)
-        original = _int(self.original_seq_len, "original_seq_len", what)
-        padded = _int(self.padded_seq_len, "padded_seq_len", what)
+        world = check_int(self.world_size, "world_size", what, low=1)
+        original = check_int(self.original_seq_len, "original_seq_len", what, 0)
+        padded = check_int(self.padded_seq_len, "padded_seq_len", what, 0)
         if self.num_chunks is not None:
-            _int(self.num_chunks, "num_chunks", what, low=1)
+            check_int(self.num_chunks, "num_chunks", what, low=1)
         if self.input_row_shape is not None and self.position_map is not None:
             raise ValueError(f"{what}: give input_row_shape (THD) or position_map, not both")
         if self.input_row_shape is not None:
             shape = self.input_row_shape
             if not isinstance(shape, Sequence) or len(shape) != 2:
                 raise ValueError(f"{what}: input_row_shape must be (B, S), got {shape!r}")
-            rows, cols = (_int(v, "input_row_shape", what) for v in shape)
+            rows, cols = (check_int(v, "input_row_shape", what, 0) for v in shape)
             object.__setattr__(self, "input_row_shape", (rows, cols))
             if rows * cols != original:
                 raise ValueError(
@@ -392,7 +385,7 @@ class ShardLayout:
     def indices(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """``rank``'s global positions: ``[L]``, or ``[B, L]`` for a per-row layout."""
         what = "cpshard.ShardLayout.indices"
-        rank = _int(rank, "rank", what)
+        rank = check_int(rank, "rank", what, 0)
         if rank >= self.world_size:
             raise ValueError(
                 f"{what}: rank = {rank} is out of range for world_size = {self.world_size}"
@@ -480,8 +473,8 @@ def make_layout(
     ``rank_multiple``: pad further so that every rank's shard length is a multiple of it."""
     what = "cpshard.make_layout"
     name = canonical_layout_name(layout, what)
-    world = _int(world, "world", what, low=1)
-    seq_len = _int(seq_len, "seq_len", what)
+    world = check_int(world, "world", what, low=1)
+    seq_len = check_int(seq_len, "seq_len", what, 0)
     chunks = resolve_num_chunks(name, world, num_chunks, what)
     padded = padded_seq_len(seq_len, name, world, num_chunks, rank_multiple)
     if name in CLOSED_FORM_LAYOUTS:

@@ -22,15 +22,12 @@ import torch.nn.functional as F
 
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.comm.reduce import all_reduce_sum_
-from cpshard.consensus import agree, check_call, device_code, digest, dtype_code
+from cpshard.batch.padding import IGNORE_INDEX
+from cpshard.consensus import agree, check_call
+from cpshard.fingerprints import device_code, digest, dtype_code
+from cpshard.validation import is_int
 
-IGNORE_INDEX = -100
 _RULES = ("split", "replicated")
-
-
-def _is_int(value: object) -> bool:
-    """Whether value is a Python int (a bool is not a count nor a label)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _cross_entropy_problem(
@@ -50,14 +47,14 @@ def _cross_entropy_problem(
         return f"labels must be integers, got {labels.dtype}"
     if labels.device != logits.device:
         return f"labels are on {labels.device} but logits on {logits.device}"
-    if not _is_int(ignore_index):
+    if not is_int(ignore_index):
         return f"ignore_index must be an int, got {type(ignore_index).__name__}"
     if num_labelled is None:
         return None
     if isinstance(num_labelled, torch.Tensor):
         if num_labelled.numel() != 1 or num_labelled.dtype == torch.bool:
             return f"num_labelled must be a one-element count, got {num_labelled.dtype} {tuple(num_labelled.shape)}"
-    elif not _is_int(num_labelled) or num_labelled < 0:
+    elif not is_int(num_labelled) or num_labelled < 0:
         return f"num_labelled must be a tensor, an int >= 0 or None, got {num_labelled!r}"
     return None
 

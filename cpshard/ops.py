@@ -17,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 from cpshard import _C  # noqa: F401  (loads the library that registers torch.ops.cpshard)
+from cpshard.validation import is_int
 
 _ops = torch.ops.cpshard
 
@@ -31,7 +32,7 @@ def _counts(counts: Sequence[int], what: str) -> list[int]:
         raise TypeError(f"{what}: counts must be a sequence of ints, got {type(counts).__name__}")
     out = []
     for r, c in enumerate(counts):
-        if isinstance(c, bool) or not isinstance(c, int):
+        if not is_int(c):
             raise TypeError(f"{what}: counts[{r}] must be an int, got {type(c).__name__}")
         if c < 0:
             raise ValueError(f"{what}: counts[{r}] = {c} is negative")
@@ -63,7 +64,7 @@ def _tensor(x: object, name: str, what: str) -> torch.Tensor:
 
 def _dim(dim: int, ndim: int, name: str, what: str) -> int:
     """dim wrapped into [0, ndim), or a ValueError naming the argument."""
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if not is_int(dim):
         raise TypeError(f"{what}: {name} must be an int, got {type(dim).__name__}")
     if not -ndim <= dim < ndim:
         raise ValueError(f"{what}: {name}={dim} is out of range for a {ndim}-d tensor")
@@ -74,7 +75,7 @@ def _pad_to(pad_to: int | None, counts: list[int], what: str) -> int:
     """The native pad argument: -1 for exact offsets (None), else a length >= every count."""
     if pad_to is None:
         return -1
-    if isinstance(pad_to, bool) or not isinstance(pad_to, int):
+    if not is_int(pad_to):
         raise TypeError(f"{what}: pad_to must be an int or None, got {type(pad_to).__name__}")
     if pad_to < max(counts):
         raise ValueError(f"{what}: pad_to={pad_to} is smaller than the largest count {max(counts)}")
@@ -208,7 +209,7 @@ def deinterleave_sequence(x: torch.Tensor, world: int, dim: int = 1) -> torch.Te
     _tensor(x, "x", what)
     if x.dim() == 0:
         raise ValueError(f"{what}: x must have at least one dimension")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+    if not is_int(world) or world < 1:
         raise ValueError(f"{what}: world must be a positive int, got {world!r}")
     dim = _dim(dim, x.dim(), "dim", what)
     if x.shape[dim] % world:
@@ -247,7 +248,7 @@ def index_scatter_add(grad: torch.Tensor, index: torch.Tensor, dim: int, dim_siz
     if grad.dtype == torch.bool:
         raise TypeError(f"{what}: grad must be numeric, got torch.bool")
     dim = _dim(dim, grad.dim(), "dim", what)
-    if isinstance(dim_size, bool) or not isinstance(dim_size, int) or dim_size < 0:
+    if not is_int(dim_size) or dim_size < 0:
         raise ValueError(f"{what}: dim_size must be a non-negative int, got {dim_size!r}")
     index = _index(index, grad, what)
     if index.numel() != grad.shape[dim]:
@@ -278,7 +279,7 @@ def document_segments(doc_ids: torch.Tensor, start: int, end: int) -> DocumentSe
     if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex:
         raise TypeError(f"{what}: doc_ids must hold integers or bools, got {doc_ids.dtype}")
     for name, v in (("start", start), ("end", end)):
-        if isinstance(v, bool) or not isinstance(v, int):
+        if not is_int(v):
             raise TypeError(f"{what}: {name} must be an int, got {type(v).__name__}")
     if not 0 <= start <= end <= doc_ids.shape[1]:
         raise ValueError(f"{what}: need 0 <= start <= end <= S, got start={start}, end={end}, S={doc_ids.shape[1]}")

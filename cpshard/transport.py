@@ -26,7 +26,9 @@ import torch
 from cpshard import ops
 from cpshard.comm import Group, GroupLike, resolve_group
 from cpshard.comm.collectives import all_gather_v, halo_exchange
-from cpshard.consensus import check_call, device_code, digest, dtype_code, fingerprint
+from cpshard.consensus import check_call
+from cpshard.fingerprints import GATHER, HALO, device_code, digest, dtype_code, tensor_call_key
+from cpshard.validation import is_int
 
 _MAX_DIMS = 8
 
@@ -41,7 +43,7 @@ def _dim_problem(x: object, dim: int, name: str) -> str | None:
     """The local problem with x and its token dim (argument ``name``), or None."""
     if not isinstance(x, torch.Tensor):
         return f"x must be a torch.Tensor, got {type(x).__name__}"
-    if isinstance(dim, bool) or not isinstance(dim, int):
+    if not is_int(dim):
         return f"{name} must be an int, got {type(dim).__name__}"
     if x.dim() == 0 or not -x.dim() <= dim < x.dim():
         return f"{name}={dim} is out of range for x of shape {tuple(x.shape)}"
@@ -63,31 +65,6 @@ def _common_fields(x: torch.Tensor, dim: int, equal_shape: bool) -> dict[str, li
     }
 
 
-# The kinds of call a fingerprint names (a gather and a halo exchange never match each other).
-GATHER, HALO, EXCHANGE = 1, 2, 3
-
-
-def call_key(
-    kind: int,
-    dtype: torch.dtype,
-    shape: Sequence[int],
-    dim: int,
-    backward: bool,
-    token_dim_varies: bool,
-    values: Sequence[int],
-) -> int:
-    """The fingerprint of what every rank must pass alike (see ``TorchTransport.send_recv``):
-    the kind of call, dtype, token dim, shape (the token dim aside where it may vary), whether a
-    backward will follow, and ``values`` (counts or halo sizes)."""
-    sizes = [-1 if token_dim_varies and i == dim else int(s) for i, s in enumerate(shape)]
-    return fingerprint([kind, dtype_code(dtype), dim, int(backward), len(sizes), *sizes, *values])
-
-
-def _key_of(kind: int, x: torch.Tensor, dim: int, token_dim_varies: bool, values: Sequence[int]) -> int:
-    backward = x.requires_grad and torch.is_grad_enabled()
-    return call_key(kind, x.dtype, x.shape, dim, backward, token_dim_varies, values)
-
-
 def _gather_blocks(x: torch.Tensor, group: Group, counts: Sequence[int], dim: int) -> torch.Tensor:
     """Rank r's block of ``counts[r]`` tokens along ``dim``, concatenated in rank order.
 
@@ -98,7 +75,7 @@ def _gather_blocks(x: torch.Tensor, group: Group, counts: Sequence[int], dim: in
     row = math.prod(shape[:dim]) * math.prod(shape[dim + 1 :])  # elements per token
     sizes = [c * row for c in counts]
     out_shape = shape[:dim] + [sum(counts)] + shape[dim + 1 :]
-    flat = all_gather_v(x, group.name, sizes, _key_of(GATHER, x, dim, True, counts))
+    flat = all_gather_v(x, group.name, sizes, tensor_call_key(GATHER, x, dim, True, counts))
     if math.prod(shape[:dim]) == 1:  # a rank's slot of the output is contiguous
         return flat.view(out_shape)
     if all(c == counts[0] for c in counts):
@@ -155,7 +132,7 @@ def _counts_problem(counts: object, world: int) -> str | None:
     if len(counts) != world:
         return f"counts has {len(counts)} entries but the group has {world} ranks"
     for r, c in enumerate(counts):
-        if isinstance(c, bool) or not isinstance(c, int):
+        if not is_int(c):
             return f"counts[{r}] must be an int, got {type(c).__name__}"
         if c < 0:
             return f"counts[{r}] = {c} is negative"
@@ -195,11 +172,11 @@ def _halo_problem(halo_size: object, left_padding: object, world: int) -> str | 
     else:
         values = [halo_size]
     for v in values:
-        if isinstance(v, bool) or not isinstance(v, int):
+        if not is_int(v):
             return f"halo_size must be an int or a list of ints, got {v!r}"
         if v < 0:
             return f"halo_size={v} must be >= 0"
-    if isinstance(left_padding, bool) or not isinstance(left_padding, int) or left_padding < 0:
+    if not is_int(left_padding) or left_padding < 0:
         return f"left_padding must be an int >= 0, got {left_padding!r}"
     return None
 
@@ -247,5 +224,5 @@ def exchange_halo(
         return {**_common_fields(x, dim, equal_shape=True), "halo_size": digest(halos)}
 
     check_call(g, what, None, fields)
-    key = _key_of(HALO, x, dim, False, halos)
+    key = tensor_call_key(HALO, x, dim, False, halos)
     return halo_exchange(x, g.name, halos, left_padding, dim, key)

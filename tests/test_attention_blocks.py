@@ -1,4 +1,4 @@
-"""The loop's blocks of short runs (:mod:`cpshard.blockdiag.blocks`) and the packing's overlap
+"""The loop's blocks of short runs (:mod:`cpshard.attention.blocks`) and the packing's overlap
 test, against brute force over the spans they replace."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from cpshard.blockdiag.blocks import BLOCK_QUERIES, SHORT_SPAN, Block, plan_blocks
-from cpshard.blockdiag.state import Span, _overlap
+from cpshard.attention.blocks import BLOCK_QUERIES, SHORT_SPAN, Block, plan_blocks
+from cpshard.attention.packing import overlap as _overlap
+from cpshard.attention.spans import Span
 
 
 def _visible(spans: list[Span], causal: bool) -> set[tuple[int, int, int]]:
@@ -66,7 +67,7 @@ def test_blocks_attend_exactly_the_spans_pairs(seed: int, causal: bool) -> None:
 
 def test_stripe_state_runs_in_blocks() -> None:
     """``stripe`` gives single-token runs: the loop runs them as a few blocks, not per token."""
-    from cpshard.attention.state import layout_state
+    from cpshard.attention.step import step_state as layout_state
     from cpshard.layout import make_layout
 
     class Solo:  # the one rank of a world-4 group whose state is planned (no communication)

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpshard.blockdiag import document_ids
-from cpshard.documents import document_positions
+from cpshard.batch import document_ids, document_positions
 
 LAYOUTS = ["contiguous", "head_tail", "stripe", "balanced", "per_document_head_tail"]
 # Two rows, interior and trailing padding (0), distinct ids for neighbouring documents.

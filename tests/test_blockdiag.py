@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpshard.blockdiag import document_ids
-from cpshard.blockdiag.attention import part_kernel as _PART_KERNEL
-from cpshard.blockdiag.attention import varlen_kernel as _VARLEN_KERNEL
-from cpshard.blockdiag.state import active_state
+from cpshard.attention import active_state
+from cpshard.attention.engine import part_kernel as _PART_KERNEL
+from cpshard.attention.engine import varlen_kernel as _VARLEN_KERNEL
+from cpshard.batch import document_ids
 
 D = 8
 
@@ -177,14 +177,15 @@ def _path(name: str) -> Iterator[_StandInVarlen | None]:
     """Route cp_blockdiag_sdpa's kernels on CPU: the CPU flash loop (``per_segment``), the
     one-launch varlen path of CUDA fp16/bf16 with :class:`_StandInVarlen` as its kernel
     (``varlen``), or the loop with the explicit part kernel of CUDA fp32/fp64 (``math``)."""
-    from cpshard.blockdiag import attention
+    from cpshard.attention import engine as attention
+    from cpshard.attention.kernels import MathPart
 
     kernel = _StandInVarlen() if name == "varlen" else None
     try:
         if kernel is not None:
             attention.varlen_kernel = lambda q, d_k, d_v: kernel
         if name == "math":
-            attention.part_kernel = lambda q: attention.MathPart()
+            attention.part_kernel = lambda q: MathPart()
         yield kernel
     finally:
         attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL
@@ -205,7 +206,7 @@ def _distributed(
 def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[torch.Tensor, ...]]:
     import torch.distributed as dist
 
-    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     results = []
     for name, b, s, heads, kv_heads in cases:
@@ -267,7 +268,7 @@ def test_matches_dense_reference(pools, world: int, path: str) -> None:
 
 def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
     """Pad rows are exactly zero; W = 1 per-segment attention equals the dense reference."""
-    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     doc = _packing("interior_pad", 1, 30)
     q, k, v = (torch.randn(1, 2, 30, D, dtype=torch.float64) for _ in range(3))
@@ -281,7 +282,7 @@ def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
 
 
 def test_plain_sdpa_when_inactive_and_nesting_restores() -> None:
-    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     q, k, v = (torch.randn(2, 2, 6, D) for _ in range(3))
     torch.testing.assert_close(
@@ -327,7 +328,7 @@ def test_batch_sharding_conventions(pools) -> None:
 def _shard_batch(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
-    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard import make_cp_blockdiag_batch_and_ctx
 
     batch = {
         "input_ids": torch.arange(7).view(1, 7) + 10,
@@ -370,7 +371,7 @@ def _bad_rank(rank: int, world: int, kind: str) -> None:
     import torch.distributed as dist
 
     from cpshard import check_mode
-    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     s = 12 if not (kind == "seq_len" and rank == 1) else 13
     batch = {
@@ -426,7 +427,7 @@ def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[i
     import torch.distributed as dist
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     torch._dynamo.reset()
     counter = CompileCounterWithBackend(backend)
@@ -450,7 +451,7 @@ def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[i
             weight = torch.randn(b, 4, local, D, dtype=torch.float64, generator=g)
             compare_compiled(compiled, attend, ctx, (q, k, v), weight, name)
             with ctx():
-                halos.add(active_state().halos)
+                halos.add(active_state().exchange.halos)
     assert world == 1 or len(halos) > 1, halos  # the batches differ in their halos too
     return [counter.frame_count, counter.op_count]
 
@@ -509,7 +510,7 @@ def _host_reads(rank: int, world: int, path: str) -> list[str]:
     setup), and whether the kernel was handed the packing built at setup."""
     import torch.distributed as dist
 
-    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     doc = _packing("random", 2, 37)
     ctx, batch = make_cp_blockdiag_batch_and_ctx(
@@ -550,7 +551,7 @@ def test_hot_path_reads_no_tensor_data_on_host(pools, path: str) -> None:
 def test_packing_is_built_once_and_cached_per_device() -> None:
     """The step's packing (host) is moved to a device once and reused by every later call;
     it lists exactly the non-pad query rows, and each segment's keys from its document start."""
-    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard import make_cp_blockdiag_batch_and_ctx
 
     doc = _packing("interior_pad", 2, 30)
     ctx, _ = make_cp_blockdiag_batch_and_ctx(
@@ -560,9 +561,9 @@ def test_packing_is_built_once_and_cached_per_device() -> None:
         state = active_state()
     p = state.packing
     assert torch.equal(p.q_rows, torch.nonzero(doc.view(-1)).view(-1))
-    for i, s in enumerate(state.segments):
+    for i, s in enumerate(state.spans):  # one rank: buffer rows are global positions
         keys = p.k_rows[p.cu_k[i] : p.cu_k[i + 1]]
-        assert torch.equal(keys, s.row * 30 + torch.arange(s.doc_start, s.begin + s.length))
+        assert torch.equal(keys, s.row * 30 + torch.arange(s.k, s.split + s.n))
     meta = torch.device("meta")
     on_meta = state.packing_on(meta)
     assert on_meta is state.packing_on(meta) and on_meta.q_rows.device == meta
@@ -575,7 +576,8 @@ def _rounds_and_transfers(rank: int, world: int) -> dict[str, list[int]]:
     import torch.distributed as dist
 
     from cpshard import check_mode, consensus
-    from cpshard.blockdiag import attention, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard.attention import halo as attention
 
     counts = {"rounds": 0, "exchange": 0, "return": 0}
 
@@ -622,8 +624,9 @@ def test_default_mode_issues_only_the_halo_transfers(pools) -> None:
 
 def test_opcheck_attention_ops() -> None:
     """The attention custom ops pass torch.library.opcheck (schema, fake kernel, autograd)."""
-    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
-    from cpshard.blockdiag.attention import blockdiag_attention, blockdiag_attention_backward
+    from cpshard import make_cp_blockdiag_batch_and_ctx
+    from cpshard.attention.ops import cp_attention_backward_op as blockdiag_attention_backward
+    from cpshard.attention.ops import cp_attention_op as blockdiag_attention
 
     doc = _packing("interior_pad", 2, 30)
     ctx, _ = make_cp_blockdiag_batch_and_ctx(
@@ -644,8 +647,9 @@ def test_opcheck_attention_ops() -> None:
 def _opcheck_halo_ops(rank: int, world: int) -> None:
     import torch.distributed as dist
 
-    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
-    from cpshard.blockdiag.attention import blockdiag_halo, blockdiag_halo_return
+    from cpshard import make_cp_blockdiag_batch_and_ctx
+    from cpshard.attention.halo import kv_halo as blockdiag_halo
+    from cpshard.attention.halo import kv_halo_return as blockdiag_halo_return
 
     doc = _packing("random", 1, 37)
     ctx, batch = make_cp_blockdiag_batch_and_ctx(
@@ -653,7 +657,7 @@ def _opcheck_halo_ops(rank: int, world: int) -> None:
     )
     with ctx():
         state = active_state()
-    assert max(state.halos) > 0  # a rank receives rows
+    assert max(state.exchange.halos) > 0  # a rank receives rows
     local = batch["input_ids"].shape[1]
     kv = torch.randn(1, 2, local, 2 * D, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(blockdiag_halo, (kv, state.key))
@@ -669,7 +673,7 @@ def test_opcheck_halo_ops(pools) -> None:
 def test_padding_mask_and_document_ids_on_the_batch_device() -> None:
     """Host-made padding_mask and host-given document ids follow the batch to its device (meta
     here), and so does the attention's packing."""
-    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
+    from cpshard import make_cp_blockdiag_batch_and_ctx
 
     doc = torch.tensor([[1, 1, 2, 2, 0]])
     embeds = torch.zeros(1, 5, 3, device="meta")
@@ -687,7 +691,7 @@ def test_padding_mask_and_document_ids_on_the_batch_device() -> None:
 def test_bf16_on_every_path(path: str) -> None:
     """bf16 through each kernel path (the dtype of the GPU one-launch path) stays within bf16
     rounding of the float64 reference, forward and backward; outputs and gradients keep bf16."""
-    from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     doc = _packing("random", 2, 37)
     ctx, _ = make_cp_blockdiag_batch_and_ctx(
@@ -711,8 +715,9 @@ def test_bf16_on_every_path(path: str) -> None:
 def test_torch_flash_varlen_calls_match_the_aten_kernels() -> None:
     """The one-launch CUDA path with torch's real varlen flash ops, run on meta tensors (their
     meta kernels check the arguments and give the shapes): GQA bf16 forward and backward."""
-    from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx
-    from cpshard.blockdiag.attention import TorchFlashVarlen, _Varlen
+    from cpshard import make_cp_blockdiag_batch_and_ctx
+    from cpshard.attention.engine import Varlen as _Varlen
+    from cpshard.attention.kernels import TorchFlashVarlen
 
     doc = _packing("random", 2, 37)
     ctx, _ = make_cp_blockdiag_batch_and_ctx(

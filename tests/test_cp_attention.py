@@ -19,7 +19,7 @@ from test_blockdiag import (
     record_host_reads,
 )
 
-from cpshard.blockdiag.state import active_state
+from cpshard.attention import active_state
 from cpshard.layout import LAYOUTS
 
 
@@ -142,17 +142,34 @@ def _refusals(rank: int, world: int, kind: str) -> None:
             cp_attention(q, k, v, window=2)
         elif kind == "bidirectional_window":
             cp_attention(q, k, v, is_causal=False, window=5)
-    if kind == "blockdiag_bidirectional":
-        blockdiag, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, {"input_ids": doc})
-        with blockdiag():
-            cp_attention(q, k, v, is_causal=False)
 
 
 REFUSALS = {
     "window": "window=2 is shorter",
     "bidirectional_window": "window needs is_causal=True",
-    "blockdiag_bidirectional": "not supported by the block-diagonal context",
 }
+
+
+def _blockdiag_bidirectional(rank: int, world: int) -> list[torch.Tensor]:
+    """``is_causal=False`` under the block-diagonal context: this rank's output and the
+    gradients of its q, k, v shards, and the same under the contiguous sharder's context."""
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder, cp_attention, make_cp_blockdiag_batch_and_ctx
+
+    doc, q, k, v, _ = _batch("random", 2, 37, 4, 2)
+    sharder = ContextParallelSharder(dist.group.WORLD, "contiguous")
+    contiguous, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    blockdiag, _ = make_cp_blockdiag_batch_and_ctx(
+        dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    local = [_sharded(sharder, t).detach().requires_grad_() for t in (q, k, v)]
+    results = []
+    for ctx in (blockdiag, contiguous):
+        with ctx():
+            out = cp_attention(*local, is_causal=False, enable_gqa=True)
+        results += [out.detach(), *torch.autograd.grad((out * out).sum(), local)]
+    return results
 
 
 @pytest.mark.parametrize("kind", list(REFUSALS))
@@ -163,6 +180,17 @@ def test_unsupported_window_and_bidirectional_raise_on_every_rank(pools, kind: s
     expect = REFUSALS[kind]
     assert all(expect in o.error_message for o in outcomes), outcomes
     assert all(f"rank {o.rank}" in o.error_message for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_blockdiag_bidirectional_matches_the_contiguous_layout(pools, world: int) -> None:
+    """The block-diagonal batch is the contiguous layout: ``is_causal=False`` under its context
+    gives exactly the contiguous sharder's bidirectional attention (checked against the dense
+    reference above), forward and backward."""
+    for rank, got in enumerate(pools(world).run(_blockdiag_bidirectional, timeout=120)):
+        half = len(got) // 2
+        for j, (a, b) in enumerate(zip(got[:half], got[half:], strict=True)):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"rank {rank} result {j}")
 
 
 def test_window_that_covers_every_document_is_exact(pools) -> None:
@@ -214,7 +242,7 @@ def _transfers(rank: int, world: int) -> dict[str, list[int]]:
     import torch.distributed as dist
 
     from cpshard import ContextParallelSharder, check_mode, consensus, cp_attention
-    from cpshard.attention import exchange
+    from cpshard.attention import needed_rows as exchange
 
     counts = {"rounds": 0, "exchanges": 0}
 
@@ -297,7 +325,8 @@ def _opcheck_exchange(rank: int, world: int) -> None:
     import torch.distributed as dist
 
     from cpshard import ContextParallelSharder
-    from cpshard.attention import layout_exchange, layout_exchange_return
+    from cpshard.attention.needed_rows import kv_needed_rows as layout_exchange
+    from cpshard.attention.needed_rows import kv_needed_rows_return as layout_exchange_return
 
     doc = _packing("random", 2, 37)
     sharder = ContextParallelSharder(dist.group.WORLD, "head_tail")
@@ -307,7 +336,7 @@ def _opcheck_exchange(rank: int, world: int) -> None:
     local = batch["input_ids"].shape[1]
     kv = torch.randn(2, 2, local, 2 * D, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(layout_exchange, (kv, state.key))
-    grad = torch.randn(2, 2, state.key_len, 2 * D, dtype=torch.float64)
+    grad = torch.randn(2, 2, state.exchange.key_len, 2 * D, dtype=torch.float64)
     torch.library.opcheck(layout_exchange_return, (grad, state.key, local))
 
 
@@ -402,7 +431,7 @@ def _saved_rows(rank: int, world: int, layout: str) -> list[int]:
     with ctx(), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
         state = active_state()
         cp_attention(*qkv, enable_gqa=True).sum().backward()
-    return [qkv[0].shape[2], state.key_len, max(saved)]
+    return [qkv[0].shape[2], state.exchange.key_len, max(saved)]
 
 
 @pytest.mark.parametrize("layout", ["stripe", "contiguous"])

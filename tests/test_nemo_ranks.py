@@ -323,7 +323,7 @@ def _run_blockdiag(rank: int, world: int) -> list[str]:
         want[:, lo:min(hi, s)] = 1
         _close(bad, f"{tag} inputs_embeds grad", x.grad, want)
         with ctx():
-            if cpshard.blockdiag.active_state() is None:
+            if cpshard.attention.active_state() is None:
                 bad.append(f"{tag}: train_ctx() did not activate the block-diagonal state")
             _check_sdpa(bad, tag, rank, out["padding_mask"], padded, lo, local)
     return bad
@@ -440,7 +440,7 @@ def _run_sharder(rank: int, world: int) -> list[str]:
         _close(bad, f"{tag} hook shard", out["inputs_embeds"], want)
         _close(bad, f"{tag} hook gather(trim)", sharder.gather_token_tensor(out["inputs_embeds"], trim=True), emb)
         with ctx():
-            if cpshard.blockdiag.active_state() is None:
+            if cpshard.attention.active_state() is None:
                 bad.append(f"{tag}: the hook's train_ctx did not activate its state")
         # THD batches have no cpshard backend
         _raises_everywhere(bad, f"{tag} THD", NotImplementedError,

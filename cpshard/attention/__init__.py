@@ -1,20 +1,32 @@
-"""Context-parallel attention for every shard layout.
+"""Context-parallel attention for every shard layout: causal (or bidirectional) attention within
+each document of a packed batch, across the CP group, exact forward and backward.
 
-The sharder's context (:meth:`cpshard.ContextParallelSharder.shard`) installs a
-:class:`LayoutState`: each rank receives exactly the K/V rows its queries reach (one
-all-to-all-v), then attends per run of its tokens with the block-diagonal kernels
-(:mod:`cpshard.blockdiag.attention`), which serve ``make_cp_blockdiag_batch_and_ctx``'s
-contiguous split the same way through its halo exchange. :func:`cp_attention` is the entry point.
+The package, in call order (each module imports only those after it):
+
+* :mod:`~cpshard.attention.api`: the public :func:`cp_attention` and :func:`cp_blockdiag_sdpa`;
+* :mod:`~cpshard.attention.tokens`: which step's context a sharded batch's tokens belong to;
+* :mod:`~cpshard.attention.ops`: the attention custom ops (forward and backward);
+* :mod:`~cpshard.attention.engine`: one varlen launch for a step's spans, or the per-span loop;
+* :mod:`~cpshard.attention.kernels`: the kernels (torch's varlen flash, CPU flash, math);
+* :mod:`~cpshard.attention.step`: a step's states from its layout and documents;
+* :mod:`~cpshard.attention.halo` / :mod:`~cpshard.attention.needed_rows`: the two K/V
+  exchanges (the multi-hop halo of contiguous shards, the needed-rows all-to-all-v of any
+  layout), behind the protocol of :mod:`~cpshard.attention.exchange`;
+* :mod:`~cpshard.attention.state`: the step's state, its registry and the activating scope;
+* :mod:`~cpshard.attention.packing`, :mod:`~cpshard.attention.blocks`,
+  :mod:`~cpshard.attention.spans`, :mod:`~cpshard.attention.placement`: the state's views of its
+  spans (varlen packing, the loop's blocks) and their placement on the device.
 """
 
-from cpshard.attention.api import cp_attention
-from cpshard.attention.exchange import layout_exchange, layout_exchange_return
-from cpshard.attention.state import LayoutState, layout_state
+from cpshard.attention.api import cp_attention, cp_blockdiag_sdpa
+from cpshard.attention.state import AttentionState, activated, active_state
+from cpshard.attention.step import step_state
 
 __all__ = [
-    "LayoutState",
+    "AttentionState",
+    "activated",
+    "active_state",
     "cp_attention",
-    "layout_exchange",
-    "layout_exchange_return",
-    "layout_state",
+    "cp_blockdiag_sdpa",
+    "step_state",
 ]

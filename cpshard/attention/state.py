@@ -1,199 +1,145 @@
-"""The per-step CP attention state of a sharder layout: which K/V rows each rank needs, who sends
-them, and the spans each query run attends (host work, once per step).
+"""The per-step CP attention state, its registry, and the scope that activates it.
 
-For every run of a rank's tokens (consecutive global positions inside one document, in a batch
-row) its queries attend the document's keys from the document start to the run's end (or to the
-document's end: each step also has a bidirectional state). The rows
-a rank needs are the union of those ranges, per batch row; its key buffer holds exactly them, in
-global order, so each run's keys are one contiguous range of the buffer (a :class:`Span`). Every
-rank derives every rank's needs from the same document ids and layout, so the senders know what
-to send without asking: one all-to-all-v moves exactly the needed rows (a rank's own rows are
-copied locally), its backward the reverse exchange.
+The state is module-level because attention layers deep inside a model read it without a way to
+pass arguments; entering the step's context (``train_ctx()`` of
+``make_cp_blockdiag_batch_and_ctx``, or the one ``ContextParallelSharder.shard`` returns)
+installs it and leaving restores whatever was there (nesting works; a context of another layout
+inside an active one raises).
+
+Everything the attention needs from the step's documents is computed ONCE, on the host, when the
+state is built (:mod:`cpshard.attention.step`): the spans each query run attends, the K/V
+exchange and its plan (:mod:`cpshard.attention.exchange`), the varlen packing and the loop's
+blocks. Device copies are made once per device (pinned host memory, non-blocking copies) and
+cached in the state, so no attention call reads device data on the host or copies host data to
+a device.
+
+The attention custom ops find the state by its ``key``, a CPU int64 scalar tensor: a traced graph
+takes the key as a tensor input, so ``torch.compile`` does not specialise on a step's spans (they
+are data, not a guard). The registry holds states weakly: a state lives as long as its context
+factory (and so until the step's backward has run).
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from cpshard.blockdiag.state import AttentionState, Span, cached_on, pinned
+from cpshard.attention.blocks import Blocks, plan_blocks
+from cpshard.attention.exchange import KVExchange
+from cpshard.attention.packing import Packing, pack
+from cpshard.attention.placement import cached_on
+from cpshard.attention.spans import Span
 from cpshard.comm import Group
-from cpshard.layout import ShardLayout
+from cpshard.scoped import ScopedValue
+
+_keys = itertools.count()
+_registry: weakref.WeakValueDictionary[int, AttentionState] = weakref.WeakValueDictionary()
 
 
 @dataclass(frozen=True)
-class Tables:
-    """The exchange's row indices: ``send_rows`` into this rank's flattened ``[B * L]`` K/V rows
-    (grouped by destination rank), ``recv_rows`` into its flattened ``[B * key_len]`` key buffer
-    (grouped by source rank, in the order the sources send)."""
+class AttentionState:
+    """What CP attention needs for one step on this rank, computed once per step on the host:
+    the spans each query run attends (in the coordinates of the key buffer ``exchange``
+    builds), their varlen packing, the loop's blocks of short runs, and a registry key.
 
-    send_rows: torch.Tensor
-    recv_rows: torch.Tensor
+    ``causal``: spans see their document's prefix, else the whole document. ``twin``: the
+    step's bidirectional state (of a causal one; a bidirectional state has none)."""
 
-    def to(self, device: torch.device) -> Tables:
-        return Tables(
-            self.send_rows.to(device, non_blocking=True),
-            self.recv_rows.to(device, non_blocking=True),
-        )
-
-
-@dataclass(frozen=True)
-class LayoutState(AttentionState):
-    """The attention state of one step sharded by a :class:`~cpshard.layout.ShardLayout`."""
-
-    layout: str = "contiguous"  # the layout's name
-    causal: bool = True  # runs see their document's prefix, else the whole document
-    twin: LayoutState | None = None  # the step's bidirectional state (of a causal one)
-    buffer_len: int = 0  # rows per batch row of this rank's key buffer
-    planned: tuple[Span, ...] = ()
-    counts: tuple[tuple[int, ...], ...] = ()  # counts[r][q]: rows rank r receives from rank q
-    tables: Tables | None = None  # host copy
-    _tables_on: dict[torch.device, Tables] = field(
+    group: Group
+    layout: str  # the layout whose shards the state serves
+    local_len: int  # tokens per rank (and batch row)
+    batch_size: int
+    reach: int  # the most keys any query of the step attends, over all ranks (0: none)
+    causal: bool
+    spans: tuple[Span, ...]
+    exchange: KVExchange
+    twin: AttentionState | None = None
+    key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
+    packing: Packing | None = field(init=False, repr=False, compare=False)  # host (pinned) copy
+    blocks: Blocks = field(init=False, repr=False, compare=False)  # the loop's view, host copy
+    _packing_on: dict[torch.device, Packing] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _blocks_on: dict[torch.device, Blocks] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
-    def _spans(self) -> tuple[Span, ...]:
-        return self.planned
-
-    @property
-    def key_len(self) -> int:
-        return self.buffer_len
-
-    @property
-    def exchange_plan(self) -> tuple[int, ...]:
-        return tuple(c for row in self.counts for c in row)
-
-    @property
-    def send_counts(self) -> list[int]:
-        """Rows this rank sends to each rank (its own included: a local copy)."""
-        return [row[self.group.rank] for row in self.counts]
-
-    @property
-    def recv_counts(self) -> list[int]:
-        """Rows this rank receives from each rank."""
-        return list(self.counts[self.group.rank])
-
-    def tables_on(self, device: torch.device) -> Tables:
-        """The exchange tables on ``device``, copied there once per device and cached."""
-        assert self.tables is not None
-        return cached_on(self._tables_on, device, self.tables)
-
-    def place_on(self, device: torch.device) -> None:
-        super().place_on(device)
-        self.tables_on(device)
-
-    def bidirectional(self) -> LayoutState | None:
-        return self.twin if self.causal else self
+    def __post_init__(self) -> None:
+        if self.causal == (self.twin is None):
+            raise ValueError("a causal attention state needs its bidirectional twin, only it")
+        key = next(_keys)
+        packing = pack(
+            self.spans, self.local_len, self.exchange.key_len, self.causal, self.batch_size
+        )
+        object.__setattr__(self, "packing", packing)
+        object.__setattr__(self, "blocks", plan_blocks(self.spans, self.causal))
+        object.__setattr__(self, "key", torch.tensor(key, dtype=torch.int64))
+        _registry[key] = self
 
     def extend(self, kv: torch.Tensor) -> torch.Tensor:
-        from cpshard.attention.exchange import layout_exchange  # the ops module imports this one
-
-        return layout_exchange(kv, self.key)
+        """This rank's K/V ``[B, H, L, D]`` -> the key buffer the spans index."""
+        return self.exchange.extend(kv, self.key)
 
     def restore(self, grad: torch.Tensor, length: int) -> torch.Tensor:
-        from cpshard.attention.exchange import layout_exchange_return
+        """Adjoint of :meth:`extend`."""
+        return self.exchange.restore(grad, self.key, length)
 
-        return layout_exchange_return(grad, self.key, length)
+    def packing_on(self, device: torch.device) -> Packing | None:
+        """The packing on ``device``, copied there once per device and cached (None: the step
+        has none, see :func:`~cpshard.attention.packing.pack`)."""
+        return None if self.packing is None else cached_on(self._packing_on, device, self.packing)
 
+    def blocks_on(self, device: torch.device) -> Blocks:
+        """:attr:`blocks` on ``device``, copied there once per device and cached."""
+        return cached_on(self._blocks_on, device, self.blocks)
 
-def document_starts(doc: torch.Tensor) -> torch.Tensor:
-    """``[B, P]``: the position where each token's run of one id (its document) starts."""
-    new = torch.ones_like(doc, dtype=torch.bool)
-    new[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    pos = torch.arange(doc.shape[1]).expand_as(doc)
-    return torch.cummax(torch.where(new, pos, 0), dim=1).values
+    def place_on(self, device: torch.device) -> None:
+        """Copy the attention's metadata to ``device`` (once per step, at the step's setup)."""
+        self.packing_on(device)
+        self.blocks_on(device)
+        self.exchange.place_on(device)
 
-
-def _runs(idx: torch.Tensor, doc: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """A rank's runs from its positions ``idx`` ``[B, L]``: row, first local index, length,
-    document start and first global position of each (int64 vectors, row-major)."""
-    b, length = idx.shape
-    st = starts.gather(1, idx)
-    new = torch.ones_like(idx, dtype=torch.bool)
-    new[:, 1:] = (idx[:, 1:] != idx[:, :-1] + 1) | (st[:, 1:] != st[:, :-1])
-    head = torch.cummax(torch.where(new, torch.arange(length), 0), dim=1).values
-    flat = (torch.arange(b)[:, None] * length + head)[doc.gather(1, idx) != 0]
-    heads, n = torch.unique_consecutive(flat, return_counts=True)
-    row, q = heads // length, heads % length
-    return row, q, n, st[row, q], idx[row, q]
+    def bidirectional(self) -> AttentionState:
+        """The step's state for bidirectional attention within documents."""
+        return self if not self.causal else self.twin
 
 
-def _cover(
-    shape: tuple[int, int], row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-) -> torch.Tensor:
-    """``[B, P]`` bool: positions inside any range ``[lo[i], hi[i])`` of row ``row[i]``."""
-    delta = torch.zeros(shape[0], shape[1] + 1, dtype=torch.int64)
-    ones = torch.ones_like(row)
-    delta.index_put_((row, lo), ones, accumulate=True)
-    delta.index_put_((row, hi), -ones, accumulate=True)
-    return delta.cumsum(1)[:, : shape[1]] > 0
-
-
-def _plan(
-    group: Group, layout: ShardLayout, doc: torch.Tensor, causal: bool, twin: LayoutState | None
-) -> LayoutState:
-    """This rank's state: each run reaches its document's keys from the document start to the
-    run's end (``causal``) or to the document's end."""
-    b, padded = doc.shape
-    world, me = group.world, group.rank
-    length = padded // world
-    starts = document_starts(doc)
-    ends = padded - document_starts(doc.flip(1)).flip(1)  # one past each document's last token
-    inv = layout.rank_major_inverse().to(torch.int64).expand(b, padded)
-    owner, slot = inv // max(length, 1), inv % max(length, 1)
-    rows = torch.arange(b)[:, None] * length
-    counts, reach = [], 0
-    sends: list[torch.Tensor] = []
-    recv_rows = spans = buffer_len = None
-    for r in range(world):
-        idx = layout.indices(r).to(torch.int64).expand(b, length)
-        row, q, n, ds, begin = _runs(idx, doc, starts)
-        end = begin + n if causal else ends[row, begin]
-        reach = max(reach, int((end - ds).max()) if n.numel() else 0)
-        need = _cover((b, padded), row, ds, end)
-        width = int(need.sum(1).max()) if b else 0
-        pb, pp = torch.nonzero(need, as_tuple=True)  # row-major: global order per row
-        order = torch.sort(owner[pb, pp], stable=True).indices
-        pb, pp = pb[order], pp[order]
-        src = owner[pb, pp]
-        counts.append(tuple(torch.bincount(src, minlength=world).tolist()))
-        sends.append((rows[:, 0][pb] + slot[pb, pp])[src == me])
-        if r == me:
-            at = need.cumsum(1) - 1  # buffer row of every needed position
-            recv_rows = pb * width + at[pb, pp]
-            split = at[row, begin] if causal else at[row, end - 1] + 1
-            spans = tuple(
-                Span(*v)
-                for v in zip(*(t.tolist() for t in (row, q, n, at[row, ds], split)), strict=True)
-            )
-            buffer_len = width
-    return LayoutState(
-        group=group,
-        local_len=length,
-        batch_size=b,
-        reach=reach,
-        layout=layout.name,
-        causal=causal,
-        twin=twin,
-        buffer_len=buffer_len,
-        planned=spans,
-        counts=tuple(counts),
-        tables=Tables(pinned(torch.cat(sends)), pinned(recv_rows)),
-    )
-
-
-def layout_state(
-    group: Group, layout: ShardLayout, doc_ids: torch.Tensor, device: torch.device | None = None
-) -> LayoutState:
-    """The step's :class:`LayoutState` for this rank (and its bidirectional twin), from the
-    batch's document ids ``[B, P]`` (padded length, host, 0 = padding; a document = a maximal run
-    of one non-zero id). Every rank passes the same ids and layout (the sharder agreed on them).
-    ``device``: where the step's tables go once (the batch's device)."""
-    doc = doc_ids.to("cpu", torch.int64)
-    both = _plan(group, layout, doc, False, None)
-    state = _plan(group, layout, doc, True, both)
-    if device is not None:  # the attention's metadata on the batch's device, once per step
-        for s in (state, both):
-            s.place_on(device)
+def state_for(key: torch.Tensor) -> AttentionState:
+    """The step state registered under ``key`` (a host read of a CPU scalar: no device sync)."""
+    state = _registry.get(int(key))
+    if state is None:
+        raise RuntimeError(
+            "cpshard CP attention: the step's attention state is gone; keep the context returned "
+            "by make_cp_blockdiag_batch_and_ctx / ContextParallelSharder.shard alive until the "
+            "step's backward has run"
+        )
     return state
+
+
+# The state of the innermost active attention context.
+current: ScopedValue[AttentionState | None] = ScopedValue(None, "cpshard CP attention context")
+
+
+def active_state() -> AttentionState | None:
+    """The state installed by the innermost active attention context, if any."""
+    return current.get()
+
+
+@contextmanager
+def activated(state: AttentionState) -> Iterator[None]:
+    """Install ``state`` for the block, then restore the previous one. Entering it inside an
+    active state of another layout raises: the model's shards would follow one of the two."""
+    outer = current.get()
+    if outer is not None and outer.layout != state.layout:
+        raise ValueError(
+            f"cpshard CP attention: rank {state.group.rank}: a {state.layout!r} attention context "
+            f"entered inside an active {outer.layout!r} one; shards of one layout cannot be "
+            "attended with the other's state"
+        )
+    with current.scope(state):
+        yield

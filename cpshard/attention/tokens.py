@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-if TYPE_CHECKING:  # the blockdiag modules import this one
-    from cpshard.blockdiag.state import AttentionState
+if TYPE_CHECKING:  # the state is only named in annotations here
+    from cpshard.attention.state import AttentionState
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from cpshard.bench.blockdiag import (
 )
 from cpshard.bench.memory import saved_bytes
 from cpshard.bench.runtime import Runtime
-from cpshard.blockdiag.state import active_state
+from cpshard.attention import active_state
 from cpshard.layout import LAYOUTS
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512

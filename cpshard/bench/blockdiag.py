@@ -20,7 +20,8 @@ from cpshard.bench.baselines import ListAllGatherCat
 from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.blockdiag import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+from cpshard.attention import cp_blockdiag_sdpa
+from cpshard.sharder import make_cp_blockdiag_batch_and_ctx
 
 HEADS, KV_HEADS, HEAD_DIM, DOC_LEN = 8, 2, 64, 512
 QUICK_TOKENS_PER_RANK, QUICK_DOC_LEN = 128, 48

@@ -23,9 +23,8 @@ from typing import Any
 import torch
 
 from cpshard.attention.api import cp_attention
+from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside
-from cpshard.blockdiag import active_state
-from cpshard.blockdiag.state import current
 from cpshard.vision import maybe_distribute_visual
 
 __all__ = ["ATTN_IMPLEMENTATION", "cpshard_attention", "register", "wrap_vision_tower"]
@@ -84,11 +83,8 @@ def _cp_attention(
 def _cp_attention_suspended() -> Iterator[None]:
     """No CP attention inside: for a module whose tokens are not the sharded sequence (a
     vision tower run on this rank's frames)."""
-    token = current.set(None)
-    try:
+    with current.scope(None):
         yield
-    finally:
-        current.reset(token)
 
 
 # ------------------------------------------------------------------ the attention function

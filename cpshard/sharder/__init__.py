@@ -1,5 +1,6 @@
-"""ContextParallelSharder: shard a training batch over a CP group and move token tensors in and
-out of the same layout (seed: context_parallel_sharder).
+"""Sharding a training batch over a CP group: :class:`ContextParallelSharder` (every layout, and
+token tensors moved in and out of the same layout) and :func:`make_cp_blockdiag_batch_and_ctx`
+(the contiguous layout with NeMo's block-diagonal batch conventions).
 
 Shard = one index gather along the sequence dim with this rank's positions (``fill`` at padded
 positions, so padding is never materialised). Un-shard (:meth:`gather_token_tensor`) = one equal
@@ -20,23 +21,25 @@ only). Both directions are differentiable: the backward of an index gather is it
 adjoint, that of the in-place chunk reorder the inverse chunk gather, that of the all-gather a
 reduce-scatter.
 
-Padding follows :mod:`cpshard.batch_padding` (the conventions every sharder shares); documents
-are read by :mod:`cpshard.documents` and the sharded batch follows :mod:`cpshard.targets` (the
-model's inputs as keys, the loss's side record as ``batch.targets``), both shared with
-:func:`cpshard.make_cp_blockdiag_batch_and_ctx`.
+Padding follows :mod:`cpshard.batch.padding` (the conventions every sharder shares); documents
+are read by :mod:`cpshard.batch.documents` and the sharded batch follows
+:mod:`cpshard.batch.targets` (the model's inputs as keys, the loss's side record as
+``batch.targets``).
 
-This module never calls ``torch.distributed``: ranks come from :func:`cpshard.comm.resolve_group`,
+This package never calls ``torch.distributed``: ranks come from :func:`cpshard.comm.resolve_group`,
 communication from :mod:`cpshard.transport`. ``shard`` (once per step) checks across ranks with
 :func:`cpshard.consensus.agree`, so every rank raises; the per-call token verbs check locally,
 across ranks only in checked mode (:func:`cpshard.consensus.check_call`).
 
-The package holds one concern per module: :mod:`~cpshard.sharder.sharder` (the class, its
-arguments and ``shard``), :mod:`~cpshard.sharder.batch_plan` (the built-in per-step batch
-planning), :mod:`~cpshard.sharder.token_verbs` (``shard_token_tensor`` / ``gather_token_tensor``),
-:mod:`~cpshard.sharder.indices` (layout / index resolution and caches) and
-:mod:`~cpshard.sharder.checks` (the shared local checks).
+One concern per module: :mod:`~cpshard.sharder.sharder` (the class, its arguments and
+``shard``, composed of the three below), :mod:`~cpshard.sharder.planning` (the built-in per-step
+batch planning and the step's attention state), :mod:`~cpshard.sharder.partition` (the partition
+followed: layout / index resolution and caches), :mod:`~cpshard.sharder.token_verbs`
+(``shard_token_tensor`` / ``gather_token_tensor``) and :mod:`~cpshard.sharder.blockdiag` (the
+block-diagonal batch).
 """
 
+from cpshard.sharder.blockdiag import make_cp_blockdiag_batch_and_ctx
 from cpshard.sharder.sharder import ContextParallelSharder
 
-__all__ = ["ContextParallelSharder"]
+__all__ = ["ContextParallelSharder", "make_cp_blockdiag_batch_and_ctx"]

@@ -1,7 +1,7 @@
-"""The :class:`ContextParallelSharder` class: its arguments, state and the per-step
-:meth:`~ContextParallelSharder.shard`; batch planning, index resolution and the token verbs
-live in :mod:`~cpshard.sharder.batch_plan`, :mod:`~cpshard.sharder.indices` and
-:mod:`~cpshard.sharder.token_verbs`."""
+"""The :class:`ContextParallelSharder` class: its arguments and the per-step
+:meth:`~ContextParallelSharder.shard`, composed of the step's batch planning
+(:mod:`~cpshard.sharder.planning`), the partition it follows (:mod:`~cpshard.sharder.partition`)
+and the token verbs (:mod:`~cpshard.sharder.token_verbs`)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,15 @@ from cpshard.layout import (
     canonical_layout_name,
     resolve_num_chunks,
 )
-from cpshard.sharder.batch_plan import _KNOWN_KEYS, _BatchPlanning
-from cpshard.sharder.indices import _IndexResolution
-from cpshard.sharder.token_verbs import _TokenVerbs
+from cpshard.sharder.partition import Partition
+from cpshard.sharder.planning import KNOWN_KEYS, BatchPlanner
+from cpshard.sharder.token_verbs import TokenVerbs
+from cpshard.validation import is_int
 
 __all__ = ["ContextParallelSharder"]
 
 
-class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
+class ContextParallelSharder:
     """Shard batches over a CP group and move token-aligned tensors in and out of the layout.
 
     Args:
@@ -54,11 +55,11 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
             sharding (default True: labels as a causal LM takes them); False for labels that
             are already targets.
 
-    The built-in ``shard`` returns a :class:`~cpshard.targets.ShardedBatch`: the model's inputs
+    The built-in ``shard`` returns a :class:`~cpshard.batch.targets.ShardedBatch`: the model's inputs
     as keys (``model(**batch)``), and ``batch.targets`` with this rank's shifted labels, the
     global count of labelled tokens, ``loss_mask``, ``padding_mask`` and document ids (see
-    :mod:`cpshard.targets` for exactly which keys are kept). Documents come from
-    :func:`cpshard.documents.read_documents` (``_packed_seq_ids``, ``seq_idx``, ``cu_seqlens``,
+    :mod:`cpshard.batch.targets` for exactly which keys are kept). Documents come from
+    :func:`cpshard.batch.documents.read_documents` (``_packed_seq_ids``, ``seq_idx``, ``cu_seqlens``,
     masks, ``position_ids`` restarts; contradictions raise on every rank).
 
     Padding (the same for every layout): ``input_ids`` = ``padding_token_id``, ``labels`` =
@@ -97,7 +98,7 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
         else:
             self.layout = canonical_layout_name(layout, where)
             self.num_chunks = resolve_num_chunks(self.layout, world, num_chunks, where)
-        if isinstance(padding_token_id, bool) or not isinstance(padding_token_id, int):
+        if not is_int(padding_token_id):
             raise TypeError(
                 f"{where}: padding_token_id must be an int, got {type(padding_token_id).__name__}"
             )
@@ -109,12 +110,12 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
         if extra_seq_buffers is not None and not isinstance(extra_seq_buffers, Mapping):
             raise TypeError(f"{where}: extra_seq_buffers must map batch keys to their seq dim")
         for key, d in extras.items():
-            if not isinstance(key, str) or isinstance(d, bool) or not isinstance(d, int):
+            if not isinstance(key, str) or not is_int(d):
                 raise TypeError(
                     f"{where}: extra_seq_buffers must map str keys to int seq dims, got {key!r}: "
                     f"{d!r}"
                 )
-            if key in _KNOWN_KEYS:
+            if key in KNOWN_KEYS:
                 raise ValueError(
                     f"{where}: extra_seq_buffers names {key!r}, which the sharder shards itself"
                 )
@@ -122,7 +123,7 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
             raise TypeError(
                 f"{where}: shift_labels must be a bool, got {type(shift_labels).__name__}"
             )
-        if isinstance(pad_multiple, bool) or not isinstance(pad_multiple, int) or pad_multiple < 1:
+        if not is_int(pad_multiple) or pad_multiple < 1:
             raise ValueError(f"{where}: pad_multiple must be an int >= 1, got {pad_multiple!r}")
         pad_values = dict(extra_pad_values or {})
         if extra_pad_values is not None and not isinstance(extra_pad_values, Mapping):
@@ -155,24 +156,27 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
         self._tp_mesh = tp_mesh
         self._loss_mask = loss_mask
         self._padding_token_id = padding_token_id
-        self.extra_seq_buffers = extras
-        self.extra_pad_values = pad_values
-        self.pad_multiple = pad_multiple
-        self.shift_labels = shift_labels
-        self._user_indices = local_token_global_indices
-        self._direct = shard_batch is not None
-        self.shard_batch = shard_batch if shard_batch is not None else self._builtin_shard_batch
+        self._planner = BatchPlanner(
+            self.layout, self.num_chunks, pad_multiple, extras, pad_values, shift_labels
+        )
+        self._partition = Partition(
+            self._group,
+            group_or_mesh,
+            self.layout,
+            self.num_chunks,
+            local_token_global_indices,
+            shard_layout,
+        )
+        self._verbs = TokenVerbs(self._partition)
+        self.shard_batch = shard_batch if shard_batch is not None else self._planner.shard_batch
         if local_token_global_indices is not None:
             self.local_token_global_indices = local_token_global_indices
         elif self.layout in CLOSED_FORM_LAYOUTS:
-            self.local_token_global_indices = self._closed_form_indices
+            self.local_token_global_indices = self._partition.closed_form_indices
         else:
             self.local_token_global_indices = None
-        self.shard_layout = shard_layout
-        self._cache: dict[tuple, Any] = {}
-        self._cache_owner: ShardLayout | None = None
 
-    # ------------------------------------------------------------------ properties / helpers
+    # ------------------------------------------------------------------ properties
 
     @property
     def rank(self) -> int:
@@ -182,8 +186,58 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
     def world_size(self) -> int:
         return self._group.world
 
+    @property
+    def shard_layout(self) -> ShardLayout | None:
+        """The layout of the last shard (or the one given to start from): the token verbs
+        follow it."""
+        return self._partition.shard_layout
+
+    @shard_layout.setter
+    def shard_layout(self, layout: ShardLayout | None) -> None:
+        self._partition.shard_layout = layout
+
+    @property
+    def extra_seq_buffers(self) -> dict[str, int]:
+        return self._planner.extra_seq_buffers
+
+    @property
+    def extra_pad_values(self) -> dict[str, Any]:
+        return self._planner.extra_pad_values
+
+    @property
+    def pad_multiple(self) -> int:
+        return self._planner.pad_multiple
+
+    @property
+    def shift_labels(self) -> bool:
+        return self._planner.shift_labels
+
     def _where(self, what: str) -> str:
-        return f"cpshard.ContextParallelSharder.{what}: rank {self.rank}"
+        return self._partition.where(what)
+
+    def _indices(self, padded_seq_len: int, device) -> torch.Tensor:
+        """This rank's global positions for ``padded_seq_len`` (``[L]``, or ``[B, L]`` per row)."""
+        return self._partition.indices(padded_seq_len, device)
+
+    # ------------------------------------------------------------------ token verbs
+
+    def shard_token_tensor(
+        self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None
+    ) -> torch.Tensor:
+        """Shard a full-length token-aligned tensor exactly like the model inputs
+        (differentiably); see :meth:`cpshard.sharder.token_verbs.TokenVerbs.shard_token_tensor`."""
+        return self._verbs.shard_token_tensor(tensor, seq_dim, fill)
+
+    def gather_token_tensor(
+        self,
+        tensor: torch.Tensor,
+        seq_dim: int = 1,
+        trim: bool = False,
+        fill: float | int | None = None,
+    ) -> torch.Tensor:
+        """Differentiably gather a token-aligned local shard to global order; see
+        :meth:`cpshard.sharder.token_verbs.TokenVerbs.gather_token_tensor`."""
+        return self._verbs.gather_token_tensor(tensor, seq_dim, trim, fill)
 
     # ------------------------------------------------------------------ shard
 
@@ -220,5 +274,4 @@ class ContextParallelSharder(_TokenVerbs, _BatchPlanning, _IndexResolution):
                     f"{layout.world_size}, the group has {self.world_size}"
                 )
         self.shard_layout = layout
-        self._cache.clear()
         return ctx, out

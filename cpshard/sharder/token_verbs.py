@@ -1,8 +1,8 @@
 """The token verbs of :class:`~cpshard.sharder.ContextParallelSharder`:
-:meth:`~cpshard.sharder.ContextParallelSharder.shard_token_tensor` and
-:meth:`~cpshard.sharder.ContextParallelSharder.gather_token_tensor` (see the
-:mod:`cpshard.sharder` doc), with :class:`_GatherPlan`, the in-place chunk reorder and its
-autograd function, and the index helpers of the un-shard."""
+:meth:`~TokenVerbs.shard_token_tensor` and :meth:`~TokenVerbs.gather_token_tensor` (see the
+:mod:`cpshard.sharder` doc) over a :class:`~cpshard.sharder.partition.Partition`, with
+:class:`_GatherPlan`, the in-place chunk reorder and its autograd function, and the index
+helpers of the un-shard."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ import torch
 from cpshard import ops
 from cpshard.consensus import check_call
 from cpshard.layout import ShardLayout, rank_major_inverse
-from cpshard.sharder.checks import _dim, _Problem, _tensor
-from cpshard.sharder.indices import _gather_rows, _invert_position_map, _take
+from cpshard.sharder.partition import Partition, gather_rows, invert_position_map, take
+from cpshard.validation import Problem, dim_arg, tensor_arg
 from cpshard.transport import gather_metadata, gather_ragged, gather_sequence
 
 
-class _TokenVerbs:
-    """shard_token_tensor / gather_token_tensor (a part of ContextParallelSharder)."""
+class TokenVerbs:
+    """shard_token_tensor / gather_token_tensor over the sharder's ``partition``."""
+
+    def __init__(self, partition: Partition) -> None:
+        self._p = partition
 
     def shard_token_tensor(
         self, tensor: torch.Tensor, seq_dim: int = 1, fill: float | int | None = None
@@ -35,23 +38,23 @@ class _TokenVerbs:
         Before the first shard (closed-form layouts only) the tensor must be at a padded length.
         ``fill`` must be given whenever padded positions have to be filled."""
         try:
-            t = _tensor(tensor, "tensor")
-            d = _dim(t, seq_dim)
+            t = tensor_arg(tensor, "tensor")
+            d = dim_arg(t, seq_dim)
             index, needs_fill = self._shard_index(t, d)
             if needs_fill and fill is None:
-                raise _Problem(
+                raise Problem(
                     f"the tensor ({t.shape[d]} positions along seq_dim) must be padded to the "
-                    f"layout's {self.shard_layout.padded_seq_len} positions: pass fill= (e.g. "
+                    f"layout's {self._p.shard_layout.padded_seq_len} positions: pass fill= (e.g. "
                     "-100 for labels, 0 for masks)"
                 )
             t = self._flatten_rows(t, d)
-            return _gather_rows(t, d, index, fill if fill is not None else 0)
-        except _Problem as p:
-            raise p.kind(f"{self._where('shard_token_tensor')}: {p}") from None
+            return gather_rows(t, d, index, fill if fill is not None else 0)
+        except Problem as p:
+            raise p.kind(f"{self._p.where('shard_token_tensor')}: {p}") from None
 
     def _flatten_rows(self, t: torch.Tensor, d: int) -> torch.Tensor:
         """``[.., B, S, ..]`` in a THD layout's input rows -> ``[.., 1, B*S, ..]``."""
-        lay = self.shard_layout
+        lay = self._p.shard_layout
         if lay is not None and lay.input_row_shape is not None and _is_thd_rows(t, d, lay):
             return t.flatten(d - 1, d).unsqueeze(d - 1)
         return t
@@ -59,32 +62,32 @@ class _TokenVerbs:
     def _shard_index(self, t: torch.Tensor, d: int) -> tuple[torch.Tensor, bool]:
         """The positions of ``t`` (along d) this rank takes (-1: fill), and whether any padded
         position needs a fill on any rank."""
-        lay, fn = self._source()
+        lay, fn = self._p.source()
         n = t.shape[d]
         if lay is None:
             if fn is not None:
-                return self._user_index(n, t.device), False
-            return self._virtual(n).indices(self.rank, t.device), False
+                return self._p.user_index(n, t.device), False
+            return self._p.virtual(n).indices(self._p.rank, t.device), False
         padded = lay.padded_seq_len
-        mine = self._cached(
+        mine = self._p.cached(
             ("mine", str(t.device)),
             lambda: (
-                self._user_index(padded, t.device)
+                self._p.user_index(padded, t.device)
                 if fn is not None
-                else lay.indices(self.rank, t.device)
+                else lay.indices(self._p.rank, t.device)
             ),
         )
         if lay.position_map is not None and n == lay.original_seq_len:
             pm = lay.position_map
             if pm.dim() == 2 and d > 0 and t.shape[d - 1] not in (pm.shape[0], 1):
-                raise _Problem(
+                raise Problem(
                     f"the tensor has batch size {t.shape[d - 1]}, the position map {pm.shape[0]}"
                 )
-            src = self._cached(
-                ("src", str(t.device)), lambda: _invert_position_map(pm, padded).to(t.device)
+            src = self._p.cached(
+                ("src", str(t.device)), lambda: invert_position_map(pm, padded).to(t.device)
             )
             needs = bool((src < 0).any())
-            return _take(src, mine), needs
+            return take(src, mine), needs
         if lay.input_row_shape is not None and _is_thd_rows(t, d, lay):
             n = lay.original_seq_len
         if n == padded:
@@ -98,7 +101,7 @@ class _TokenVerbs:
             accepted.insert(0, f"original_seq_len = {lay.original_seq_len}")
         if lay.input_row_shape is not None:
             accepted.insert(0, f"input rows {lay.input_row_shape} at (seq_dim - 1, seq_dim)")
-        raise _Problem(
+        raise Problem(
             f"the tensor has {n} positions along seq_dim={d} (shape {tuple(t.shape)}); the shard "
             f"layout {lay.name!r} accepts {' or '.join(accepted)}"
         )
@@ -123,48 +126,48 @@ class _TokenVerbs:
         problem, plan = None, None
         try:
             plan = self._gather_plan(tensor, seq_dim, trim, fill)
-        except _Problem as p:
+        except Problem as p:
             problem = str(p)
         if problem is not None:
             # A per-call function: the problem raises here alone by default; in checked mode
             # every transport call below opens with exactly one consensus round, which a rank
             # whose checks failed joins here with its failure flag, so every rank raises and none
             # blocks. A rank that passed spends no extra round on this call's own checks.
-            check_call(self._group, what, problem)
+            check_call(self._p.group, what, problem)
         t, d = tensor, plan.dim
         fill_value = fill if fill is not None else 0
         if plan.counts is not None:  # ranks hold different counts: all-gather-v, rank order
-            full = gather_ragged(t, self._cp_mesh, plan.counts, dim=d)
+            full = gather_ragged(t, self._p.cp_mesh, plan.counts, dim=d)
             index = plan.trim(plan.inverse)
-            out = full if index is None else _gather_rows(full, d, index, fill_value)
+            out = full if index is None else gather_rows(full, d, index, fill_value)
         elif plan.chunks is not None or (
             plan.inverse is None and plan.user_index is None and not plan.needs_index
         ):
             if plan.chunks is None:  # the rank-major concatenation already is global order
-                out = gather_sequence(t, self._cp_mesh, seq_dim=d)
+                out = gather_sequence(t, self._p.cp_mesh, seq_dim=d)
             else:  # [W, *t.shape] straight from the all-gather, then reordered by whole chunks
-                stage = gather_sequence(t.unsqueeze(0), self._cp_mesh, seq_dim=0)
+                stage = gather_sequence(t.unsqueeze(0), self._p.cp_mesh, seq_dim=0)
                 out = self._chunks_to_global_order(stage, plan.chunks, d)
             if plan.narrow is not None:
                 out = out.narrow(d, 0, plan.narrow)
         else:
             # [W, *t.shape] straight from the all-gather (no interleave), then ONE index gather
             # that both interleaves and un-permutes: out[.., p, ..] = stage[rank(p), .., j(p), ..]
-            stage = gather_sequence(t.unsqueeze(0), self._cp_mesh, seq_dim=0)
+            stage = gather_sequence(t.unsqueeze(0), self._p.cp_mesh, seq_dim=0)
             if plan.user_index is not None:  # direct form: this rank knows its own indices only
-                every = gather_metadata(plan.user_index, self._cp_mesh, seq_dim=0)
+                every = gather_metadata(plan.user_index, self._p.cp_mesh, seq_dim=0)
                 inverse = torch.argsort(every)
                 if not torch.equal(
                     every[inverse], torch.arange(every.numel(), device=every.device)
                 ):
                     raise ValueError(
-                        f"{what}: rank {self.rank}: the ranks' local_token_global_indices do not "
+                        f"{what}: rank {self._p.rank}: the ranks' local_token_global_indices do not "
                         f"partition 0..{every.numel() - 1}"
                     )
                 index = _stage_index(plan.trim(inverse), tuple(t.shape), d)
             else:
                 key = ("stage", tuple(t.shape), d, trim, str(t.device))
-                index = self._cached(
+                index = self._p.cached(
                     key, lambda: _stage_index(plan.trim(plan.inverse), tuple(t.shape), d)
                 )
             rows = stage.shape[0]
@@ -190,7 +193,7 @@ class _TokenVerbs:
         def order() -> tuple[int, ...]:  # the layout's inverse with one token per chunk
             return tuple(rank_major_inverse(lay.name, world, chunks, num_chunks=chunks).tolist())
 
-        return self._cached(("chunk order", chunks), order)
+        return self._p.cached(("chunk order", chunks), order)
 
     def _chunks_to_global_order(
         self, stage: torch.Tensor, src: tuple[int, ...], d: int
@@ -206,7 +209,7 @@ class _TokenVerbs:
             out = _ChunksToGlobalOrder.apply(stage, src)
         else:
             per_rank = len(src) // stage.shape[0]
-            index = self._cached(
+            index = self._p.cached(
                 ("chunks", tuple(shape[:d]), d, str(stage.device)),
                 lambda: _stage_index(
                     torch.tensor(src, device=stage.device), (*shape[:d], per_rank), d
@@ -219,32 +222,32 @@ class _TokenVerbs:
         self, tensor: object, seq_dim: object, trim: object, fill: object
     ) -> _GatherPlan:
         """Every local check of gather_token_tensor, and the inverse permutation (no comm)."""
-        t = _tensor(tensor, "tensor")
-        d = _dim(t, seq_dim)
+        t = tensor_arg(tensor, "tensor")
+        d = dim_arg(t, seq_dim)
         if not isinstance(trim, bool):
-            raise _Problem(f"trim must be a bool, got {type(trim).__name__}", TypeError)
-        lay, fn = self._source()
+            raise Problem(f"trim must be a bool, got {type(trim).__name__}", TypeError)
+        lay, fn = self._p.source()
         n = t.shape[d]
         plan = _GatherPlan(d)
         if lay is None:
             if trim:
-                raise _Problem(
+                raise Problem(
                     "trim=True needs a shard layout (nothing to trim to before the first shard)"
                 )
-            padded = n * self.world_size
+            padded = n * self._p.world_size
             if fn is not None:
-                plan.user_index = self._user_index(padded, t.device)
+                plan.user_index = self._p.user_index(padded, t.device)
                 return plan
-            virtual = self._virtual(padded)
-            if not self._identity(virtual):
+            virtual = self._p.virtual(padded)
+            if not self._p.identity(virtual):
                 plan.inverse = virtual.rank_major_inverse(t.device)
                 plan.chunks = self._chunk_order(virtual, t)
             return plan
         counts = lay.counts
-        if n != counts[self.rank]:
-            raise _Problem(
+        if n != counts[self._p.rank]:
+            raise Problem(
                 f"the local shard has {n} positions along seq_dim={d} (shape {tuple(t.shape)}), "
-                f"but rank {self.rank} holds {counts[self.rank]} tokens of the shard layout "
+                f"but rank {self._p.rank} holds {counts[self._p.rank]} tokens of the shard layout "
                 f"{lay.name!r}"
             )
         if len(set(counts)) > 1:
@@ -252,17 +255,17 @@ class _TokenVerbs:
         if lay.per_row:
             rows = lay.local_token_global_indices.shape[1]
             if d == 0 or t.shape[d - 1] != rows:
-                raise _Problem(
+                raise Problem(
                     f"the shard layout differs between the {rows} rows of the batch: the local "
                     f"shard needs its batch dim (of size {rows}) right before seq_dim={d}, got "
                     f"shape {tuple(t.shape)}"
                 )
         if fn is not None:
-            plan.user_index = self._cached(
-                ("mine", str(t.device)), lambda: self._user_index(lay.padded_seq_len, t.device)
+            plan.user_index = self._p.cached(
+                ("mine", str(t.device)), lambda: self._p.user_index(lay.padded_seq_len, t.device)
             )
-        elif not self._identity(lay):
-            plan.inverse = self._cached(
+        elif not self._p.identity(lay):
+            plan.inverse = self._p.cached(
                 ("inv", str(t.device)), lambda: lay.rank_major_inverse(t.device)
             )
             plan.chunks = self._chunk_order(lay, t)
@@ -273,15 +276,15 @@ class _TokenVerbs:
         if lay.position_map is not None:
             pm = lay.position_map.to(t.device)
             if bool((pm < 0).any()) and fill is None:
-                raise _Problem("the position map drops input positions: pass fill= for them")
+                raise Problem("the position map drops input positions: pass fill= for them")
             if pm.dim() == 2 and pm.shape[0] > 1 and (d == 0 or t.shape[d - 1] != pm.shape[0]):
-                raise _Problem(
+                raise Problem(
                     f"the position map has {pm.shape[0]} rows: the local shard needs its batch "
                     f"dim (of that size) right before seq_dim={d}, got shape {tuple(t.shape)}"
                 )
             plan.trim = lambda inv: torch.where(
                 pm >= 0,
-                _take(arange() if inv is None else inv, pm.clamp(min=0)),
+                take(arange() if inv is None else inv, pm.clamp(min=0)),
                 torch.full_like(pm, -1),
             )
             plan.needs_index = True
@@ -290,7 +293,7 @@ class _TokenVerbs:
         keep = lay.original_seq_len
         if lay.input_row_shape is not None:
             if lay.per_row:
-                raise _Problem("a THD layout must partition one stream, not per-row")
+                raise Problem("a THD layout must partition one stream, not per-row")
             plan.rows = lay.input_row_shape
         if keep != padded:
             plan.trim = lambda inv: (arange() if inv is None else inv)[..., :keep]

@@ -1,9 +1,11 @@
-"""The declarative vision frame-sharding policy (SPEC §3.2)."""
+"""The declarative vision frame-sharding policy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from cpshard.validation import is_int
 
 __all__ = ["CpVisionFrameShardingConfig"]
 
@@ -13,7 +15,7 @@ _WHAT = "CpVisionFrameShardingConfig"
 def _non_negative_int(value: object, name: str) -> None:
     # ValueError for every bad value (a bool, a float, a string, a negative int): the field's
     # value is wrong, as NeMo Automodel's config reports it.
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not is_int(value) or value < 0:
         raise ValueError(f"{_WHAT}.{name} must be a non-negative integer, got {type(value).__name__} ({value!r})")
 
 
@@ -64,7 +66,7 @@ class CpVisionFrameShardingConfig:
         _non_negative_int(self.min_local_patch_rows, "min_local_patch_rows")
         alpha = self.cost_alpha
         if alpha is not None and alpha != "auto":
-            if isinstance(alpha, bool) or not isinstance(alpha, int) or alpha < 0:
+            if not is_int(alpha) or alpha < 0:
                 raise ValueError(f'{_WHAT}.cost_alpha must be "auto", None or an int >= 0, got {alpha!r}')
         dims = self.mesh_dims
         if isinstance(dims, str) or not isinstance(dims, (tuple, list)):

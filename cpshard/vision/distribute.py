@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from cpshard.consensus import agree, digest, dtype_code
+from cpshard.consensus import agree
+from cpshard.fingerprints import digest, dtype_code
 from cpshard.transport import gather_ragged
 from cpshard.vision.plan import (
     VisionFramePlan,

@@ -1,7 +1,7 @@
 """Batch padding, sequential sharding, and block-diagonal CP context setup (mirror of
 ``nemo_automodel.components.distributed.blockdiag_cp.batch``).
 
-Thin adapters over :mod:`cpshard.blockdiag`. The conventions that differ from the top-level
+Thin adapters over :func:`cpshard.make_cp_blockdiag_batch_and_ctx`. The conventions that differ from the top-level
 :func:`cpshard.make_cp_blockdiag_batch_and_ctx`: padded ``position_ids`` are 0 here (NeMo
 Automodel's convention, also for mRoPE ``[3, B, S]``) where the top level keeps counting; labels
 are not shifted (NeMo's labels are targets already); the caller's batch is updated in place and
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpshard.blockdiag import document_ids
-from cpshard.blockdiag import make_cp_blockdiag_batch_and_ctx as _make_batch_and_ctx
+from cpshard.batch import document_ids
+from cpshard.sharder import make_cp_blockdiag_batch_and_ctx as _make_batch_and_ctx
 from cpshard.comm import resolve_group
 
 __all__ = ["_cp_blockdiag_doc_ids", "make_cp_blockdiag_batch_and_ctx"]

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from cpshard.blockdiag import cp_blockdiag_sdpa as _cp_blockdiag_sdpa
-from cpshard.blockdiag.state import AttentionState, active_state
+from cpshard.attention import AttentionState, active_state
+from cpshard.attention import cp_blockdiag_sdpa as _cp_blockdiag_sdpa
 
 __all__ = ["cp_blockdiag_sdpa"]
 

@@ -38,10 +38,13 @@ from typing import Any
 
 import torch
 
+from cpshard.batch.runs import run_starts
+
 __all__ = [
     "CU_SEQLENS_KEYS",
     "DOCUMENT_KEYS",
     "DocumentError",
+    "document_ids",
     "document_positions",
     "read_documents",
 ]
@@ -85,13 +88,6 @@ def _rows(value: torch.Tensor, name: str, rows: int, seq_len: int) -> torch.Tens
 def _attends(mask: torch.Tensor) -> torch.Tensor:
     """A mask as 'attends' booleans (bool / int: nonzero; float: additive, 0 attends)."""
     return mask == 0 if mask.dtype.is_floating_point else mask.bool()
-
-
-def _starts_of_runs(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` True where a run of equal ids begins among the valid tokens."""
-    starts = valid.clone()
-    starts[:, 1:] &= ~((ids[:, 1:] == ids[:, :-1]) & valid[:, :-1])
-    return starts
 
 
 def _cu_seqlens_starts(
@@ -184,10 +180,10 @@ def read_documents(
             )
 
     valid = ~pad
-    implicit = _starts_of_runs(torch.zeros(rows, seq_len, dtype=torch.int64), valid)
+    implicit = run_starts(torch.zeros(rows, seq_len, dtype=torch.int64), valid)
     starts, first = None, ""
     for name, ids, own in explicit:
-        mine = _starts_of_runs(ids, valid) if ids is not None else (own & valid) | implicit
+        mine = run_starts(ids, valid) if ids is not None else (own & valid) | implicit
         if starts is None:
             first, starts = name, mine
         elif not torch.equal(mine, starts):
@@ -223,9 +219,26 @@ def _where(a: torch.Tensor, b: torch.Tensor | None = None) -> str:
 def document_positions(ids: torch.Tensor) -> torch.Tensor:
     """Per-document ``position_ids`` ``[B, S]`` for document ids ``[B, S]`` (0 = pad): 0, 1, ...
     in every document; a pad continues counting from the token before it (from 0 at a row
-    start), as appended padding does (:mod:`cpshard.batch_padding`)."""
+    start), as appended padding does (:mod:`cpshard.batch.padding`)."""
     rows, seq_len = ids.shape
-    starts = _starts_of_runs(ids, ids != 0)
+    starts = run_starts(ids, ids != 0)
     index = torch.arange(seq_len, device=ids.device).expand(rows, seq_len)
     last_start = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
     return index - last_start
+
+
+def document_ids(
+    batch: Mapping[str, Any], seq_len: int, device: torch.device | str | None, batch_size: int
+) -> torch.Tensor:
+    """Per-position document ids ``[B, S]`` (int64, 0 == padding) on ``device``.
+
+    Read by :func:`read_documents`, as both sharding entry points do: the collator's
+    ``_packed_seq_ids`` (returned as given, 0 at every pad), else the documents of ``seq_idx``,
+    ``cu_seq_lens_q/k`` / ``cu_seqlens``, a 4-D block-causal ``attention_mask``, a 2-D
+    ``attention_mask`` of document indices or ``position_ids`` restarting at 0, numbered
+    ``1, 2, ...`` per row; else one document per row. Padding comes from ``padding_mask`` and the
+    masks. Contradictory sources raise ``ValueError``. A document is a maximal run of one
+    non-zero id.
+    """
+    ids, _ = read_documents(batch, batch_size, seq_len)
+    return ids.to(device)

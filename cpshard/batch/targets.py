@@ -9,7 +9,7 @@ forward takes, so ``model(**batch)`` is correct on every rank:
 * kept as given: every entry that is not sequence-aligned (``pixel_values``, ``image_grid_thw``,
   ...);
 * removed: ``labels``, ``loss_mask`` and ``padding_mask`` (moved to :attr:`ShardedBatch.targets`)
-  and the full sequence's document metadata (:data:`cpshard.documents.DOCUMENT_KEYS`:
+  and the full sequence's document metadata (:data:`cpshard.batch.documents.DOCUMENT_KEYS`:
   ``attention_mask``, ``_packed_seq_ids``, ``seq_idx``, ``cu_seq_lens_q/k``, ``cu_seqlens``,
   ``max_length_q/k``), which the CP attention replaces.
 
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cpshard.batch_padding import IGNORE_INDEX
-from cpshard.documents import DOCUMENT_KEYS
+from cpshard.batch.padding import IGNORE_INDEX
+from cpshard.batch.documents import DOCUMENT_KEYS
 
 __all__ = ["BatchTargets", "CONSUMED_KEYS", "ShardedBatch", "shift_targets"]
 

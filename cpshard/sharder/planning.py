@@ -1,6 +1,13 @@
-"""Per-step batch planning of :class:`~cpshard.sharder.ContextParallelSharder`: the built-in
-``shard_batch`` (validation, padding, positions, targets, the layout, and the per-step consensus
-fields every rank agrees on) and :class:`_BatchPlan`, which shards a planned batch for one rank."""
+"""The step's batch planning, shared by :class:`~cpshard.sharder.ContextParallelSharder` and
+:func:`~cpshard.make_cp_blockdiag_batch_and_ctx`: :class:`BatchPlanner` is the built-in
+``shard_batch`` of a layout (validation, padding, positions, targets, the layout, the per-step
+consensus fields every rank agrees on, and the step's CP attention state), :class:`_BatchPlan`
+shards a planned batch for one rank.
+
+Every sequence-aligned entry is sharded like the inputs: the ones the planner knows
+(``input_ids``, ``inputs_embeds``, ``labels``, ``loss_mask``, ``position_ids``), the ones named
+in ``extra_seq_buffers`` (any seq dim), and every other ``[B, S, ...]`` tensor of the batch
+(seq dim 1, padded with 0), so that no sequence-aligned entry reaches the model whole."""
 
 from __future__ import annotations
 
@@ -10,26 +17,44 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.state import layout_state
+from cpshard.attention.state import activated
+from cpshard.attention.step import step_state
 from cpshard.attention.tokens import register_tokens
-from cpshard.batch_padding import IGNORE_INDEX, pad_sequence, pad_value
-from cpshard.blockdiag.state import activated
+from cpshard.batch.documents import DocumentError, document_positions, read_documents
+from cpshard.batch.padding import IGNORE_INDEX, pad_sequence, pad_value, sequence_dim
+from cpshard.batch.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shift_targets
 from cpshard.comm import GroupLike, resolve_group
-from cpshard.consensus import agree, digest
-from cpshard.documents import DocumentError, document_positions, read_documents
+from cpshard.consensus import agree
+from cpshard.fingerprints import digest
 from cpshard.layout import CLOSED_FORM_LAYOUTS, ShardLayout, make_layout
-from cpshard.sharder.checks import _dim, _Problem, _tensor
-from cpshard.sharder.indices import _gather_rows
-from cpshard.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shift_targets
+from cpshard.sharder.partition import gather_rows
+from cpshard.validation import Problem, dim_arg, tensor_arg
 
 # Keys the sharder handles itself (extra_seq_buffers may not name them).
-_KNOWN_KEYS = ("input_ids", "inputs_embeds", "position_ids", *CONSUMED_KEYS)
+KNOWN_KEYS = ("input_ids", "inputs_embeds", "position_ids", *CONSUMED_KEYS)
 
 
-class _BatchPlanning:
-    """The built-in ``shard_batch`` (a part of ContextParallelSharder)."""
+class BatchPlanner:
+    """The built-in ``shard_batch`` of a layout: ``layout`` (canonical name, or None for a
+    sharder in the direct form, which has no built-in one), ``num_chunks``, ``pad_multiple``,
+    ``extra_seq_buffers`` / ``extra_pad_values`` and ``shift_labels`` as the sharder takes them
+    (checked there). ``what`` names the entry point in errors."""
 
-    def _builtin_shard_batch(
+    def __init__(
+        self,
+        layout: str | None,
+        num_chunks: int | None,
+        pad_multiple: int,
+        extra_seq_buffers: dict[str, int],
+        extra_pad_values: dict[str, Any],
+        shift_labels: bool,
+        what: str = "cpshard.ContextParallelSharder.shard",
+    ) -> None:
+        self.layout, self.num_chunks, self.pad_multiple = layout, num_chunks, pad_multiple
+        self.extra_seq_buffers, self.extra_pad_values = extra_seq_buffers, extra_pad_values
+        self.shift_labels, self.what = shift_labels, what
+
+    def shard_batch(
         self,
         cp_mesh: GroupLike,
         tp_mesh: Any,
@@ -38,13 +63,14 @@ class _BatchPlanning:
         loss_mask: torch.Tensor | None = None,
         padding_token_id: int = 0,
     ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any], ShardLayout]:
-        """The built-in ``shard_batch`` of the sharder's layout (the seed's signature)."""
-        what = "cpshard.ContextParallelSharder.shard"
+        """Shard ``batch`` for this rank of ``cp_mesh`` (NeMo's ``shard_batch`` signature; ``tp_mesh``
+        is unused): ``(ctx_factory, sharded batch, layout)``; every rank raises on a bad batch."""
+        what = self.what
         g = resolve_group(cp_mesh, what)
         problem, plan = None, None
         try:
             plan = self._plan_batch(batch, loss_mask, padding_token_id, g.world)
-        except _Problem as p:
+        except Problem as p:
             problem = str(p)
         fields = {
             "batch size": [plan.rows if plan else 0],
@@ -58,7 +84,7 @@ class _BatchPlanning:
         # silently mixed.
         agree(g, what, problem, fields)
         padded_docs = pad_sequence("_packed_seq_ids", plan.documents, 1, plan.layout.padded_seq_len)
-        state = layout_state(g, plan.layout, padded_docs, plan.device)
+        state = step_state(g, plan.layout, padded_docs, plan.device)
         sharded = plan.apply(g.rank)
         register_tokens(sharded["position_ids"], state)  # attention checks whose tokens they are
         return lambda: activated(state), sharded, plan.layout
@@ -67,41 +93,41 @@ class _BatchPlanning:
         self, batch: object, loss_mask, padding_token_id: int, world: int
     ) -> _BatchPlan:
         if not isinstance(batch, Mapping):
-            raise _Problem(
+            raise Problem(
                 f"batch must be a dict of tensors, got {type(batch).__name__}", TypeError
             )
         if self.layout is None:
-            raise _Problem("the sharder has no built-in layout (layout=None)")
+            raise Problem("the sharder has no built-in layout (layout=None)")
         ref = next(
             (k for k in ("input_ids", "inputs_embeds", "labels") if batch.get(k) is not None), None
         )
         if ref is None:
-            raise _Problem(
+            raise Problem(
                 "batch has none of input_ids, inputs_embeds, labels: nothing gives the sequence "
                 "length"
             )
-        ref_t = _tensor(batch[ref], f"batch[{ref!r}]")
+        ref_t = tensor_arg(batch[ref], f"batch[{ref!r}]")
         if ref_t.dim() < 2:
-            raise _Problem(f"batch[{ref!r}] must be [B, S, ...], got shape {tuple(ref_t.shape)}")
+            raise Problem(f"batch[{ref!r}] must be [B, S, ...], got shape {tuple(ref_t.shape)}")
         rows, seq_len = int(ref_t.shape[0]), int(ref_t.shape[1])
         plan = _BatchPlan(batch, rows, seq_len, ref_t.device)
 
         def add(
             key: str, t: object, seq_dim: int, min_dim: int = 2, max_dim: int | None = 2
         ) -> None:
-            t = _tensor(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
+            t = tensor_arg(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
             if t.dim() < min_dim or (max_dim is not None and t.dim() > max_dim):
-                raise _Problem(
+                raise Problem(
                     f"{key} must be [B, S{', ...' if max_dim is None else ''}], got shape "
                     f"{tuple(t.shape)}"
                 )
-            d = _dim(t, seq_dim, f"the seq dim of {key}")
+            d = dim_arg(t, seq_dim, f"the seq dim of {key}")
             if t.shape[d] != seq_len:
-                raise _Problem(
+                raise Problem(
                     f"{key} has {t.shape[d]} positions along dim {d}, but {ref} has {seq_len}"
                 )
-            if d > 0 and key in _KNOWN_KEYS and t.shape[d - 1] not in (rows, 1):
-                raise _Problem(f"{key} has batch size {t.shape[d - 1]}, but {ref} has {rows}")
+            if d > 0 and key in KNOWN_KEYS and t.shape[d - 1] not in (rows, 1):
+                raise Problem(f"{key} has batch size {t.shape[d - 1]}, but {ref} has {rows}")
             fill = self.extra_pad_values.get(key, 0) if key in self.extra_seq_buffers else None
             if fill is None:
                 fill = pad_value(key, padding_token_id)
@@ -115,15 +141,15 @@ class _BatchPlanning:
         mask = loss_mask if loss_mask is not None else batch.get("loss_mask")
         for key, t in (("labels", labels), ("loss_mask", mask)):
             if t is not None:
-                _tensor(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
+                tensor_arg(t, f"batch[{key!r}]" if key != "loss_mask" else "loss_mask")
                 if tuple(t.shape) != (rows, seq_len):
-                    raise _Problem(
+                    raise Problem(
                         f"{key} must be [B, S] = [{rows}, {seq_len}], got shape {tuple(t.shape)}"
                     )
         try:
             doc_ids, pad = read_documents(batch, rows, seq_len)
         except DocumentError as exc:
-            raise _Problem(str(exc)) from None
+            raise Problem(str(exc)) from None
         if self.shift_labels:
             labels, mask = shift_targets(labels, mask, doc_ids)
         if labels is not None:
@@ -133,21 +159,26 @@ class _BatchPlanning:
         for key, d in self.extra_seq_buffers.items():
             if batch.get(key) is not None:
                 add(key, batch[key], d, min_dim=1, max_dim=None)
+        for key, value in batch.items():  # every other [B, S, ...] entry, like the inputs
+            if key in KNOWN_KEYS or key in self.extra_seq_buffers:
+                continue
+            if sequence_dim(key, value, rows, seq_len) is not None:
+                add(key, value, 1, max_dim=None)
 
         pos = batch.get("position_ids")
         if pos is not None:
-            pos = _tensor(pos, "batch['position_ids']")
+            pos = tensor_arg(pos, "batch['position_ids']")
             if (
                 pos.dim() not in (1, 2, 3)
                 or pos.shape[-1] != seq_len
                 or (pos.dim() > 1 and pos.shape[-2] not in (rows, 1))
             ):
-                raise _Problem(
+                raise Problem(
                     f"position_ids must be [B, S] or [3, B, S] (mRoPE) with S = {seq_len}, got "
                     f"shape {tuple(pos.shape)}"
                 )
             if pos.dtype.is_floating_point or pos.dtype == torch.bool:
-                raise _Problem(f"position_ids must hold integers, got {pos.dtype}", TypeError)
+                raise Problem(f"position_ids must hold integers, got {pos.dtype}", TypeError)
         if pos is None:
             pos = document_positions(doc_ids).to(ref_t.device)
         plan.positions = pos[None] if pos.dim() == 1 else pos
@@ -162,7 +193,7 @@ class _BatchPlanning:
                 num_chunks=self.num_chunks, rank_multiple=self.pad_multiple,
             )
         except (TypeError, ValueError) as exc:
-            raise _Problem(str(exc)) from None
+            raise Problem(str(exc)) from None
         return plan
 
 
@@ -191,14 +222,14 @@ class _BatchPlan:
             return by_device[key]
 
         def shard(t: torch.Tensor, d: int, fill: Any) -> torch.Tensor:
-            return _gather_rows(t, d, index(t.device)[1], fill)
+            return gather_rows(t, d, index(t.device)[1], fill)
 
         out = {k: v for k, v in self.batch.items() if k not in CONSUMED_KEYS}
         side: dict[str, torch.Tensor] = {}
         for key, t, d, fill in self.items:
             (side if key in CONSUMED_KEYS else out)[key] = shard(t, d, fill)
         pos = pad_sequence("position_ids", self.positions, self.positions.dim() - 1, padded)
-        out["position_ids"] = _gather_rows(pos, pos.dim() - 1, index(pos.device)[0], 0)
+        out["position_ids"] = gather_rows(pos, pos.dim() - 1, index(pos.device)[0], 0)
         targets = BatchTargets(
             labels=side.get("labels"),
             num_labelled=self.num_labelled,

@@ -1,0 +1,180 @@
+"""How a step's spans are attended: ONE launch of a varlen kernel over every span packed back
+to back where a kernel serves the queries (:class:`Varlen`), else a loop over spans
+(:class:`Loop`).
+
+The loop splits a span whose document starts before the run into a non-causal prefix part and
+a causal square part, merged by their log-sum-exp (flash-attention's decomposition), so no
+``[L, S]`` mask is ever built; runs of a few tokens (``stripe`` gives single-token runs) go in
+blocks of one document, one masked call each (:mod:`cpshard.attention.blocks`). Each span packs
+its document's prefix, so a step whose packing would exceed ``PACKED_KEYS_PER_ROW`` key rows per
+buffer row (many short runs per document) has no packing and runs the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from cpshard.attention.blocks import Block, Blocks
+from cpshard.attention.kernels import (
+    Grads,
+    Part,
+    T,
+    Tensors,
+    VarlenKernel,
+    lse_dtype,
+    part_kernel,
+    varlen_kernel,
+)
+from cpshard.attention.packing import Packing
+from cpshard.attention.spans import Span
+from cpshard.attention.state import AttentionState
+
+
+def repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """KV heads repeated for the queries' ``heads`` (GQA)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
+def fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Adjoint of :func:`repeat_heads`: the gradient of repeated heads summed onto each KV head."""
+    b, heads, n, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
+
+
+def _parts(item: Span | Block, causal: bool, blocks: Blocks, dtype: torch.dtype) -> list[Part]:
+    """Key ranges (of the row's key buffer) of a span or block, and which keys its queries see."""
+    if isinstance(item, Block):
+        return [(slice(item.k, item.k + item.width), blocks.mask(item, dtype))]
+    if not causal:
+        return [(slice(item.k, item.split), False)]
+    square = (slice(item.split, item.split + item.n), True)
+    return [(slice(item.k, item.split), False), square] if item.split > item.k else [square]
+
+
+class Loop:
+    """The per-span loop: each long span's parts and each block of short spans
+    (:mod:`cpshard.attention.blocks`) through the part kernel, parts merged by LSE."""
+
+    def __init__(self, state: AttentionState, q: torch.Tensor) -> None:
+        self.state, self.kern, self.heads = state, part_kernel(q), q.shape[1]
+        self.blocks, self.dtype = state.blocks_on(q.device), q.dtype
+
+    def _items(self) -> Iterator[tuple[tuple[slice, ...], list[Part]]]:
+        """Each span or block: its query rows' index into ``[B, H, L, ...]`` and its parts."""
+        for it in self.blocks.items:
+            rows = (slice(it.row, it.row + 1), slice(None), slice(it.q, it.q + it.n))
+            yield rows, _parts(it, self.state.causal, self.blocks, self.dtype)
+
+    def _keys(self, t: T, at: tuple[slice, slice, slice]) -> T:
+        """A part's keys or values, KV heads repeated for the queries' heads: per part, so
+        the repeat never holds the whole key buffer."""
+        return repeat_heads(t[at], self.heads).contiguous()
+
+    def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
+        out = q.new_zeros(*q.shape[:3], v.shape[-1])
+        lse = q.new_full(q.shape[:3], float("-inf"), dtype=lse_dtype(q.dtype))
+        for rows, parts in self._items():
+            qs = q[rows].contiguous()
+            results = []
+            for keys, how in parts:
+                at = (rows[0], slice(None), keys)
+                results.append(
+                    self.kern.forward(qs, self._keys(k, at), self._keys(v, at), how, scale)
+                )
+            if len(results) == 1:
+                out[rows], lse[rows] = results[0]
+                continue
+            total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
+            out[rows] = sum(
+                o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results
+            )
+            lse[rows] = total
+        return out, lse
+
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
+        kv_heads = k.shape[1]
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows, parts in self._items():
+            g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
+            for keys, how in parts:
+                at = (rows[0], slice(None), keys)
+                dqs, dks, dvs = self.kern.backward(
+                    g, qs, self._keys(k, at), self._keys(v, at), os_, ls, how, scale
+                )
+                dq[rows] += dqs
+                dk[at] += fold_heads(dks, kv_heads)
+                dv[at] += fold_heads(dvs, kv_heads)
+        return dq, dk, dv
+
+
+# ------------------------------------------------------------------ the varlen path
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``[B, H, N, D]`` -> ``[B * N, H, D]``."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+
+
+def _unflat(flat: torch.Tensor, b: int) -> torch.Tensor:
+    """``[B * N, H, D]`` -> ``[B, H, N, D]``."""
+    return flat.view(b, -1, *flat.shape[1:]).transpose(1, 2)
+
+
+def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int, add: bool = False) -> torch.Tensor:
+    """``[n, ...]`` zeros with ``packed`` at ``rows``: copied (distinct rows: deterministic, no
+    atomics), or added where rows repeat (``add``)."""
+    out = packed.new_zeros(n, *packed.shape[1:])
+    return out.index_add(0, rows, packed) if add else out.index_copy(0, rows, packed)
+
+
+class Varlen:
+    """Every segment in one launch of a varlen kernel: segment queries and their keys packed as
+    ``[tokens, heads, D]`` by the step's packing (GQA left to the kernel), results put back."""
+
+    def __init__(self, kern: VarlenKernel, packing: Packing) -> None:
+        self.kern, self.p = kern, packing
+
+    def _packed(self, q: T, k: T, v: T) -> tuple[T, T, T]:
+        p = self.p
+        return (
+            _flat(q).index_select(0, p.q_rows),
+            _flat(k).index_select(0, p.k_rows),
+            _flat(v).index_select(0, p.k_rows),
+        )
+
+    def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
+        b, heads, length, _ = q.shape
+        out, lse = self.kern.forward(*self._packed(q, k, v), self.p, scale)
+        full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(
+            0, self.p.q_rows, lse.t()
+        )
+        lse = full_lse.view(b, length, heads).transpose(1, 2)
+        return _unflat(_scatter(self.p.q_rows, out, b * length), b), lse
+
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
+        b, heads, length, _ = q.shape
+        p = self.p
+        pick = lambda t: _flat(t).index_select(0, p.q_rows)  # noqa: E731
+        packed_lse = (
+            lse.transpose(1, 2).reshape(-1, heads).index_select(0, p.q_rows).t().contiguous()
+        )
+        dq, dk, dv = self.kern.backward(
+            pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale
+        )
+        ext = b * k.shape[2]  # copies where each key row serves one span (the contiguous split)
+        dq = _scatter(p.q_rows, dq, b * length)
+        return (
+            _unflat(dq, b),
+            _unflat(_scatter(p.k_rows, dk, ext, p.shared_keys), b),
+            _unflat(_scatter(p.k_rows, dv, ext, p.shared_keys), b),
+        )
+
+
+def implementation(state: AttentionState, q: torch.Tensor, d_k: int, d_v: int) -> Loop | Varlen:
+    """One varlen launch where a kernel serves q (and the rank has spans, and the step a
+    packing), else the loop."""
+    kern = varlen_kernel(q, d_k, d_v)
+    packing = state.packing_on(q.device) if kern is not None and state.spans else None
+    return Loop(state, q) if packing is None else Varlen(kern, packing)

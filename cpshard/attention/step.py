@@ -1,0 +1,88 @@
+"""A step's CP attention states, from its layout and documents (host work, once per step).
+
+Every rank derives the same plan from the same padded document ids and layout. A step has a
+causal state (what causal layers attend) and its bidirectional twin (``is_causal=False``): the
+contiguous layout's causal state builds its key buffer with the multi-hop halo
+(:mod:`cpshard.attention.halo`: a few rows from the preceding ranks), every other state with the
+needed-rows all-to-all-v (:mod:`cpshard.attention.needed_rows`; the rows after a run that
+bidirectional attention reaches are not a halo).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpshard.attention.halo import HaloExchange, halo_spans
+from cpshard.attention.needed_rows import plan_needed_rows
+from cpshard.attention.state import AttentionState
+from cpshard.batch.runs import document_starts, rank_runs
+from cpshard.comm import Group
+from cpshard.layout import ShardLayout
+
+
+def _state(
+    group: Group, layout: ShardLayout, doc: torch.Tensor, twin: AttentionState | None
+) -> AttentionState:
+    """The needed-rows state (causal when it is given the bidirectional ``twin``)."""
+    plan = plan_needed_rows(group, layout, doc, causal=twin is not None)
+    b, padded = doc.shape
+    return AttentionState(
+        group=group,
+        layout=layout.name,
+        local_len=padded // group.world,
+        batch_size=b,
+        reach=plan.reach,
+        causal=twin is not None,
+        spans=plan.spans,
+        exchange=plan.exchange,
+        twin=twin,
+    )
+
+
+def _halo_state(
+    group: Group, layout: ShardLayout, doc: torch.Tensor, twin: AttentionState
+) -> AttentionState:
+    """The contiguous layout's causal state: each rank's runs see their document from its
+    start, over its K/V with the halo its first tokens' documents reach back to in front."""
+    b, padded = doc.shape
+    world, local = group.world, padded // group.world
+    starts = document_starts(doc)
+    halos, reach, mine = [], 0, ()
+    for r in range(world):
+        idx = torch.arange(r * local, (r + 1) * local).expand(b, local)
+        row, q, n, ds, begin = rank_runs(idx, doc, starts)
+        first = q == 0  # runs holding the rank's first token
+        halos.append(int((r * local - ds[first]).max()) if bool(first.any()) else 0)
+        reach = max(reach, int((begin + n - ds).max()) if n.numel() else 0)
+        if r == group.rank:
+            mine = tuple(zip(*(t.tolist() for t in (row, begin, n, ds)), strict=True))
+    exchange = HaloExchange(group, group.rank * local, local, tuple(halos))
+    return AttentionState(
+        group=group,
+        layout=layout.name,
+        local_len=local,
+        batch_size=b,
+        reach=reach,
+        causal=True,
+        spans=halo_spans(exchange, mine),
+        exchange=exchange,
+        twin=twin,
+    )
+
+
+def step_state(
+    group: Group, layout: ShardLayout, doc_ids: torch.Tensor, device: torch.device | None = None
+) -> AttentionState:
+    """The step's causal :class:`AttentionState` for this rank (its bidirectional twin in
+    ``.twin``), from the batch's document ids ``[B, P]`` (padded length, host, 0 = padding; a
+    document = a maximal run of one non-zero id). Every rank passes the same ids and layout (the
+    entry point agreed on them). ``device``: where the step's metadata goes once (the batch's
+    device)."""
+    doc = doc_ids.to("cpu", torch.int64)
+    both = _state(group, layout, doc, None)
+    contiguous = layout.closed_form and layout.name == "contiguous"
+    state = (_halo_state if contiguous else _state)(group, layout, doc, both)
+    if device is not None:  # the attention's metadata on the batch's device, once per step
+        for s in (state, both):
+            s.place_on(device)
+    return state
