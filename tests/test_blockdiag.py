@@ -661,7 +661,7 @@ def _opcheck_halo_ops(rank: int, world: int) -> None:
     local = batch["input_ids"].shape[1]
     kv = torch.randn(1, 2, local, 2 * D, dtype=torch.float64, requires_grad=True)
     torch.library.opcheck(blockdiag_halo, (kv, state.key))
-    grad = torch.randn(1, 2, state.halo + local, 2 * D, dtype=torch.float64)
+    grad = torch.randn(1, 2, state.exchange.halo + local, 2 * D, dtype=torch.float64)
     torch.library.opcheck(blockdiag_halo_return, (grad, state.key, local))
 
 
@@ -684,7 +684,7 @@ def test_padding_mask_and_document_ids_on_the_batch_device() -> None:
     side = batch.targets
     assert side.padding_mask.device.type == side.document_ids.device.type == "meta"
     with ctx():
-        assert torch.device("meta") in active_state()._on_device
+        assert torch.device("meta") in active_state()._packing_on
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -817,3 +817,42 @@ def test_errors_raise_on_every_rank(pools, world):
 def test_group_kinds(pools, world, kind):
     specs = [("head_tail", None), ("balanced", None)]
     _assert_clean(pools(world).run(_run_round_trips, kind, specs, timeout=240))
+
+
+def _unnamed_entries(rank: int, world: int) -> list[str]:
+    """Sequence-aligned batch entries nobody named (a VLM's ``visual_pos_masks`` ``[B, S]``,
+    per-token features ``[B, S, 3]``) are sharded like the inputs in every layout and by the
+    block-diagonal batch; entries that are not sequence-aligned pass through as given."""
+    from cpshard import make_cp_blockdiag_batch_and_ctx
+
+    g = torch.Generator().manual_seed(7)
+    b, s = 2, 13
+    doc = torch.tensor([[1] * 5 + [2] * 8, [1] * 9 + [0] * 4])
+    batch = {
+        "input_ids": torch.randint(1, 50, (b, s), generator=g),
+        "_packed_seq_ids": doc,
+        "visual_pos_masks": torch.rand(b, s, generator=g) > 0.5,
+        "features": torch.randn(b, s, 3, generator=g),
+        "pixel_values": torch.randn(7, 5, generator=g),
+    }
+    bad = []
+    for layout in ("contiguous", "head_tail", "stripe", "balanced"):
+        sh = ContextParallelSharder(dist.group.WORLD, layout)
+        _, out = sh.shard(batch)
+        for key, fill in (("visual_pos_masks", False), ("features", 0.0)):
+            want = sh.shard_token_tensor(batch[key], seq_dim=1, fill=fill)
+            if out[key].shape != want.shape or not torch.equal(out[key], want):
+                bad.append(f"{layout}: {key} not sharded like the inputs")
+        if out["pixel_values"] is not batch["pixel_values"]:
+            bad.append(f"{layout}: pixel_values not passed through as given")
+        if layout == "contiguous":
+            _, blockdiag = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
+            for key in ("input_ids", "position_ids", "visual_pos_masks", "features"):
+                if not torch.equal(blockdiag[key], out[key]):
+                    bad.append(f"block-diagonal batch: {key} differs from the contiguous sharder's")
+    return bad
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_unnamed_sequence_entries_are_sharded(pools, world):
+    assert pools(world).run(_unnamed_entries, timeout=120) == [[]] * world

@@ -91,7 +91,7 @@ class Partition:
     def closed_form_indices(
         self, cp_mesh: GroupLike, padded_seq_len: int, device=None
     ) -> torch.Tensor:
-        """The seed's ``local_token_global_indices`` callable of the built-in closed-form layout."""
+        """NeMo's ``local_token_global_indices(cp_mesh, padded_seq_len, device)`` callable of the built-in closed-form layout."""
         g = resolve_group(cp_mesh, "ContextParallelSharder.local_token_global_indices")
         return local_token_global_indices(
             self.layout, g.rank, g.world, padded_seq_len, num_chunks=self.num_chunks, device=device
