@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 
@@ -133,3 +134,21 @@ def test_ragged_counts(world, mean):
 def test_halo_windows():
     assert halo_windows(3, 4, 2) == [(0, 0), (2, 4), (6, 8)]
     assert halo_windows(3, 4, 6) == [(0, 0), (0, 4), (2, 8)]
+
+
+def test_kernels_command_runs_and_writes_json(tmp_path, capsys):
+    """`cpshard kernels`: the single-process kernel benchmark, one tiny pass on the CPU."""
+    out = tmp_path / "kernels.json"
+    argv = "kernels --size-mib 1 --repeats 1 --warmup 0 --threads 1 --dtypes float32".split()
+    assert main([*argv, "--json", str(out)]) == 0
+    cases = {r["case"] for r in json.loads(out.read_text())["rows"]}
+    assert {"copy_ (baseline)", "pack_ragged padded dim1", "unpack_ragged exact  dim0"} <= cases
+    assert "document_segments full" in cases and "pack_ragged" in capsys.readouterr().out
+
+
+def test_single_process_commands_have_their_own_help(capsys):
+    for command in ("kernels", "nccl-world1"):
+        with pytest.raises(SystemExit) as info:
+            main([command, "--help"])
+        assert info.value.code == 0
+        assert f"usage: cpshard {command}" in capsys.readouterr().out

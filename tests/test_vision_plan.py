@@ -1,4 +1,4 @@
-"""Single-process tests of vision frame sharding's pure parts (SPEC §3.2): the config, the
+"""Single-process tests of vision frame sharding's pure parts: the config, the
 optimal contiguous planner (against brute force and an independent DP), the cost model, the
 frame plan and the group-scope API.
 
@@ -20,6 +20,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from cpshard.bench.baselines import plan_prefix_quantile
 from cpshard.vision import (
     CpVisionFrameShardingConfig,
     cp_vision_frame_sharding_active,
@@ -27,7 +28,6 @@ from cpshard.vision import (
     current_cp_vision_scope,
     frame_costs,
     plan_contiguous,
-    plan_prefix_quantile,
     plan_vision_frames,
     rank_costs,
     reset_cp_vision_group,

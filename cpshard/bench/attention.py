@@ -16,19 +16,21 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cpshard import ContextParallelSharder, cp_attention
+from cpshard import LAYOUTS, ContextParallelSharder, cp_attention
 from cpshard.bench.blockdiag import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
     all_gather_baseline,
+    check_output,
+    dense_mask,
     fwd_bwd_figures,
     random_qkv,
 )
 from cpshard.bench.memory import saved_bytes
+from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 from cpshard.attention import active_state
-from cpshard.layout import LAYOUTS
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
 DOC_LENS, QUICK_DOC_LENS = (256, 769), (16, 49)
@@ -44,13 +46,6 @@ def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
     g = torch.Generator().manual_seed(5)
     sizes = torch.randint(*lens, (seq_len // lens[0] + 1,), generator=g)
     return torch.repeat_interleave(torch.arange(1, sizes.numel() + 1), sizes)[:seq_len].view(1, -1)
-
-
-def _dense_mask(doc: torch.Tensor, mine: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """``[1, 1, L, S]``: query position ``mine[i]`` attends key position ``keys[j]`` (True)."""
-    d = doc[0]
-    same = (d[mine, None] == d[None, keys]) & (d[mine, None] != 0)
-    return (same & (keys[None, :] <= mine[:, None]))[None, None]
 
 
 def _pairs(rt: Runtime) -> list[int]:
@@ -71,18 +66,13 @@ def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
     mine = lay.indices(rt.rank)
     keys = torch.cat([lay.indices(r) for r in range(rt.world)])  # the gathered keys' positions
     q, k, v, grad = random_qkv(rt, mine.numel())
-    base = all_gather_baseline(rt, _dense_mask(doc, mine, keys).to(rt.device))
+    base = all_gather_baseline(rt, dense_mask(doc, mine, keys).to(rt.device))
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
             return cp_attention(q, k, v, enable_gqa=True)
 
-    want, got = base(q, k, v).detach(), ours(q, k, v).detach()
-    tol = 1e-4 if rt.dtype in (torch.float32, torch.float64) else 3e-2
-    if not torch.allclose(want, got, rtol=tol, atol=tol):
-        raise AssertionError(
-            f"rank {rt.rank}: attention {layout}: output differs from the baseline"
-        )
+    check_output(rt, ours, base, (q, k, v), f"attention {layout}")
     with ctx():
         state = active_state()
         pairs = _pairs(rt)
@@ -133,14 +123,13 @@ def render(rows: list[dict]) -> str:
         f"{'base MiB':>9} {'kept MiB':>9} {'base kept':>9} {'kv rows':>8} {'base rows':>9} "
         f"{'max/mean':>9}",
     ]
-    fmt = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
     for r in rows:
         out.append(
             f" {r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
             f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} "
-            f"{r['speedup']:>8.2f} {fmt(r['ours_fwd_bwd_peak_bytes']):>12} "
-            f"{fmt(r['base_fwd_bwd_peak_bytes']):>9} {fmt(r['ours_saved_bytes']):>9} "
-            f"{fmt(r['base_saved_bytes']):>9} {r['ours_kv_rows_received_max']:>8} "
+            f"{r['speedup']:>8.2f} {mib(r['ours_fwd_bwd_peak_bytes']):>12} "
+            f"{mib(r['base_fwd_bwd_peak_bytes']):>9} {mib(r['ours_saved_bytes']):>9} "
+            f"{mib(r['base_saved_bytes']):>9} {r['ours_kv_rows_received_max']:>8} "
             f"{r['base_kv_rows_received']:>9} {r['pairs_max_over_mean']:>9.2f}"
         )
     return "\n".join(out)

@@ -1,15 +1,42 @@
 """The straightforward implementations a user writes by hand, as the bench's baselines.
 
-They call ``torch.distributed`` directly on purpose: they stand for user code, not for the
-library (whose collectives all go through :mod:`cpshard.comm`). ``all_gather_single`` and
-``reduce_scatter_single`` are the 2.13 names of ``all_gather_into_tensor`` and
+The collectives call ``torch.distributed`` directly on purpose: they stand for user code, not
+for the library (whose collectives all go through :mod:`cpshard.comm`). ``all_gather_single``
+and ``reduce_scatter_single`` are the 2.13 names of ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor`` (same collectives, without the deprecation warning).
+:func:`plan_prefix_quantile` is the planner baseline: the usual prefix-quantile cut that
+:func:`cpshard.vision.plan_contiguous` beats.
 """
 
 from __future__ import annotations
 
+import itertools
+from bisect import bisect_right
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
+
+
+def plan_prefix_quantile(costs: Sequence[int], world: int) -> list[int] | None:
+    """The prefix-quantile cut: cut ``r`` after the last entry whose cumulative cost is
+    ``<= total * r / world`` (exact for the integer costs :func:`cpshard.vision.frame_costs`
+    returns), clamped so that every rank keeps >= 1 entry. Up to ~2x worse than
+    :func:`cpshard.vision.plan_contiguous` in its largest rank cost; the same cut points
+    (``world + 1`` of them), or ``None`` when there are fewer entries than ranks."""
+    if world < 1:
+        raise ValueError(f"plan_prefix_quantile: world must be >= 1, got {world}")
+    n = len(costs)
+    if n < world:
+        return None
+    prefix = list(itertools.accumulate(costs, initial=0))
+    total = prefix[n]
+    cuts = [0]
+    for r in range(1, world):
+        j = bisect_right(prefix, (total * r) // world) - 1
+        cuts.append(max(cuts[-1] + 1, min(j, n - (world - r))))
+    cuts.append(n)
+    return cuts
 
 
 class PadAllGatherRagged(torch.autograd.Function):

@@ -3,8 +3,8 @@
 The baseline all-gathers the full K and V (differentiably: list all-gather + cat, backward
 reduce-scatter), builds this rank's dense block-diagonal causal mask ``[L, S]`` and calls SDPA.
 cpshard receives only the K/V rows its documents reach back to and attends per document.
-Shapes follow the issue: 8 query heads, 2 KV heads, head dim 64, documents of 512 tokens, one
-step forward + backward; cases S = 4096 on 2 ranks (the first two of the group) and
+Shapes: 8 query heads, 2 KV heads, head dim 64, documents of 512 tokens, one step forward +
+backward; cases S = 4096 on 2 ranks (the first two of the group) and
 S = 4096 x W on all W ranks.
 """
 
@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 from cpshard.bench.baselines import ListAllGatherCat
 from cpshard.bench.memory import peak_extra_bytes
+from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.attention import cp_blockdiag_sdpa
-from cpshard.sharder import make_cp_blockdiag_batch_and_ctx
 
 HEADS, KV_HEADS, HEAD_DIM, DOC_LEN = 8, 2, 64, 512
 QUICK_TOKENS_PER_RANK, QUICK_DOC_LEN = 128, 48
@@ -40,12 +40,20 @@ def steps(rt: Runtime) -> int:
     return len(cases(rt.world, rt.cfg.quick))
 
 
-def _dense_mask(doc: torch.Tensor, start: int, length: int) -> torch.Tensor:
-    """This rank's rows of the block-diagonal causal mask, ``[1, 1, L, S]`` (True = attend)."""
-    pos = torch.arange(doc.shape[1])
-    rows = slice(start, start + length)
-    same = (doc[0, rows, None] == doc[0, None, :]) & (doc[0, rows, None] != 0)
-    return (same & (pos[rows, None] >= pos[None, :]))[None, None]
+def dense_mask(doc: torch.Tensor, mine: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The per-document causal mask of queries at positions ``mine`` over keys at positions
+    ``keys`` of the documents ``doc`` ``[1, S]``: ``[1, 1, L, K]``, True = attend."""
+    d = doc[0]
+    same = (d[mine, None] == d[None, keys]) & (d[mine, None] != 0)
+    return (same & (keys[None, :] <= mine[:, None]))[None, None]
+
+
+def check_output(rt: Runtime, ours, base, leaves: tuple[torch.Tensor, ...], what: str) -> None:
+    """Raise, naming this rank and ``what``, unless ``ours(*leaves)`` matches the baseline's."""
+    want, got = base(*leaves).detach(), ours(*leaves).detach()
+    tol = 1e-4 if rt.dtype in (torch.float32, torch.float64) else 3e-2
+    if not torch.allclose(want, got, rtol=tol, atol=tol):
+        raise AssertionError(f"rank {rt.rank}: {what}: output differs from the baseline")
 
 
 def all_gather_baseline(rt: Runtime, mask: torch.Tensor):
@@ -78,16 +86,14 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
     batch = {"inputs_embeds": torch.zeros(1, seq_len, 1), "_packed_seq_ids": doc}
     ctx, _ = make_cp_blockdiag_batch_and_ctx(rt.pg, None, batch)
     q, k, v, grad = random_qkv(rt, local)
-    base = all_gather_baseline(rt, _dense_mask(doc, rank * local, local).to(rt.device))
+    mine = torch.arange(rank * local, (rank + 1) * local)
+    base = all_gather_baseline(rt, dense_mask(doc, mine, torch.arange(seq_len)).to(rt.device))
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
             return cp_blockdiag_sdpa(q, k, v, enable_gqa=True)
 
-    want, got = base(q, k, v).detach(), ours(q, k, v).detach()
-    tol = 1e-4 if rt.dtype in (torch.float32, torch.float64) else 3e-2
-    if not torch.allclose(want, got, rtol=tol, atol=tol):
-        raise AssertionError(f"rank {rank}: blockdiag S={seq_len}: output differs from the baseline")
+    check_output(rt, ours, base, (q, k, v), f"blockdiag S={seq_len}")
 
     out = {
         "seq_len": seq_len,
@@ -159,10 +165,9 @@ def render(rows: list[dict]) -> str:
     for r in rows:
         ours_mib, base_mib = r["ours_fwd_bwd_peak_bytes"], r["base_fwd_bwd_peak_bytes"]
         mem = f"{ours_mib / base_mib:.2f}" if ours_mib is not None and base_mib else "-"
-        fmt = lambda b: "-" if b is None else f"{b / 2**20:.1f}"  # noqa: E731
         out.append(
             f" {r['world']:>6} {r['seq_len']:>7} {r['doc_len']:>5} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
-            f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} {r['speedup']:>8.2f} {fmt(ours_mib):>12} "
-            f"{fmt(base_mib):>9} {mem:>6}"
+            f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} {r['speedup']:>8.2f} {mib(ours_mib):>12} "
+            f"{mib(base_mib):>9} {mem:>6}"
         )
     return "\n".join(out)

@@ -25,7 +25,7 @@ from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
 
-# Uneven counts: proportions of the mean, max/mean = 1.6 (world 4: the pattern of the issue).
+# Uneven counts: proportions of the mean, max/mean = 1.6 (world 4: a load-imbalanced packing).
 _PROPORTIONS_4 = (1.6, 0.8, 0.4, 1.2)
 
 

@@ -1,8 +1,12 @@
-"""The ``cpshard`` console script: ``cpshard bench [options]``, also ``python -m cpshard.bench``."""
+"""The ``cpshard`` console script: ``cpshard bench [options]`` (also ``python -m cpshard.bench``),
+and the single-process benchmarks ``cpshard kernels`` / ``cpshard nccl-world1`` (also
+``python -m cpshard.bench.kernels`` / ``python -m cpshard.bench.nccl_world1``), each with its own
+options."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import os
 import sys
@@ -31,6 +35,17 @@ Without a launcher it spawns --world local ranks (gloo on CPU; NCCL with one GPU
 enough GPUs are visible). Under torchrun it uses the launcher's ranks:
   torchrun --nproc-per-node 8 -m cpshard.bench --ops ragged,sequence
 """
+
+
+# command -> (module under cpshard.bench whose main(argv) runs it, one-line help)
+SINGLE_PROCESS = {
+    "kernels": ("cpshard.bench.kernels", "throughput of cpshard's kernels next to copy_"),
+    "nccl-world1": (
+        "cpshard.bench.nccl_world1",
+        "native NCCL communicator vs torch.distributed at world size 1 (GPU)",
+    ),
+}
+COMMANDS = ("bench", *SINGLE_PROCESS)
 
 
 def _positive_int(text: str, what: str, low: int = 1) -> int:
@@ -115,31 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated tokens per rank (the mean for ragged counts); a k suffix "
         f"multiplies by 1024 (default: {','.join(map(str, DEFAULT_SIZES))})",
     )
-    bench.add_argument(
-        "--hidden",
-        type=_count(1, "--hidden"),
-        default=DEFAULT_HIDDEN,
-        help=f"elements per token (default: {DEFAULT_HIDDEN})",
-    )
     bench.add_argument("--dtype", choices=DTYPES, default="float32")
-    bench.add_argument(
-        "--repeats",
-        type=_count(1, "--repeats"),
-        default=5,
-        help="timed repeats; the median is reported (default: 5)",
+    counts = (  # flag, smallest value, default, help
+        ("--hidden", 1, DEFAULT_HIDDEN, f"elements per token (default: {DEFAULT_HIDDEN})"),
+        ("--repeats", 1, 5, "timed repeats; the median is reported (default: 5)"),
+        ("--warmup", 0, 1, "untimed iterations before timing each op (default: 1)"),
+        ("--iters", 0, 0, "iterations per repeat (default 0: enough for ~0.1 s per repeat)"),
     )
-    bench.add_argument(
-        "--warmup",
-        type=_count(0, "--warmup"),
-        default=1,
-        help="untimed iterations before timing each op (default: 1)",
-    )
-    bench.add_argument(
-        "--iters",
-        type=_count(0, "--iters"),
-        default=0,
-        help="iterations per repeat (default 0: enough for ~0.1 s per repeat)",
-    )
+    for flag, low, default, what in counts:
+        bench.add_argument(flag, type=_count(low, flag), default=default, help=what)
     bench.add_argument(
         "--backend",
         choices=BACKENDS,
@@ -179,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="process-group timeout in seconds (default: 600)",
     )
+    for name, (_, what) in SINGLE_PROCESS.items():
+        sub.add_parser(name, help=f"{what} (options: cpshard {name} --help)", add_help=False)
     parser.bench = bench  # the subcommand's parser, for its error messages
     return parser
 
@@ -211,13 +212,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``cpshard`` console script; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    if not argv or argv[0] not in ("bench",):
+    if not argv or argv[0] not in COMMANDS:
         if argv and argv[0] in ("-h", "--help"):
             parser.print_help()
             return 0
         parser.print_usage(sys.stderr)
-        print("cpshard: error: expected a command: bench", file=sys.stderr)
+        print(f"cpshard: error: expected a command: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
+    if argv[0] in SINGLE_PROCESS:
+        module = importlib.import_module(SINGLE_PROCESS[argv[0]][0])
+        return module.main(argv[1:], prog=f"cpshard {argv[0]}")
     cfg = parse_config(argv[1:])
     from cpshard.bench.launch import launch
 

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpshard import balance
+from cpshard import LAYOUTS, ContextParallelSharder, ShardLayout, balance, make_layout
 from cpshard.bench.memory import peak_extra_bytes
+from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.layout import DATA_DEPENDENT_LAYOUTS, LAYOUTS, ShardLayout, make_layout
-from cpshard.sharder import ContextParallelSharder
+from cpshard.layout import DATA_DEPENDENT_LAYOUTS
 
 BALANCED_GOAL = 1.05  # max/mean the balanced layout must reach where the packing allows it
 
@@ -250,10 +250,6 @@ def run(rt: Runtime) -> dict:
 # ------------------------------------------------------------------------------- render
 
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.1f}"
-
-
 def _balance_block(rows: list[dict], world: int) -> list[str]:
     first = rows[0]
     means = sorted({r["mean_doc_len"] for r in rows})
@@ -306,7 +302,7 @@ def _gather_block(rows: list[dict]) -> list[str]:
         out.append(
             f" {r['layout']:<10} {shape:>17} {r['world']:>5} {ours['median_s'] * 1e3:>11.2f} "
             f"{base['median_s'] * 1e3:>9.2f} {r['speedup']:>8.2f} "
-            f"{_mib(ours['peak_bytes']):>12} {_mib(base['peak_bytes']):>9}"
+            f"{mib(ours['peak_bytes']):>12} {mib(base['peak_bytes']):>9}"
         )
     return out
 

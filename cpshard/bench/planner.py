@@ -1,7 +1,7 @@
-"""Vision frame planner: :func:`cpshard.vision.plan_contiguous` next to the seed's prefix-quantile
-cut (:func:`cpshard.vision.plan_prefix_quantile`).
+"""Vision frame planner: :func:`cpshard.vision.plan_contiguous` next to the usual prefix-quantile
+cut (:func:`cpshard.bench.baselines.plan_prefix_quantile`).
 
-* Time to plan 100 000 frame units over 1 024 ranks (the issue's target: well under 100 ms),
+* Time to plan 100 000 frame units over 1 024 ranks (the goal: well under 100 ms),
   for two cost sets: an image/video mix (cost ``p * (p + alpha)`` per frame unit of ``p`` patch
   rows, ``alpha`` = 3 x a Qwen2.5-VL-sized vision width) and uniform random costs; with the
   quantile cut's largest rank cost over the optimum on the same costs.
@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import random
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from cpshard.bench.baselines import plan_prefix_quantile
 from cpshard.bench.runtime import Runtime
-from cpshard.vision import frame_costs, plan_contiguous, plan_prefix_quantile, rank_costs
+from cpshard.bench.timing import time_calls
+from cpshard.vision import frame_costs, plan_contiguous, rank_costs
 
 ALPHA = 3 * 1280  # a Qwen2.5-VL-sized tower: auto alpha = 3 x vision width
 QUALITY_WORLDS = (2, 4, 8, 16, 64)
@@ -79,15 +80,8 @@ def clock_ms(
     fn: Callable[[], object], warmup: int, repeats: int
 ) -> tuple[list[float], list[float]]:
     """Wall and CPU milliseconds of each of ``repeats`` calls of ``fn``, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    wall, cpu = [], []
-    for _ in range(repeats):
-        w0, c0 = time.perf_counter(), time.process_time()
-        fn()
-        cpu.append((time.process_time() - c0) * 1e3)
-        wall.append((time.perf_counter() - w0) * 1e3)
-    return wall, cpu
+    calls = time_calls(fn, repeats, warmup)
+    return [t * 1e3 for t in calls.wall_s], [t * 1e3 for t in calls.cpu_s]
 
 
 def python_calibration_ms() -> float:
@@ -170,7 +164,7 @@ def run(rt: Runtime) -> dict | None:
 
 def render(result: dict) -> str:
     out = [
-        "# planner: optimal contiguous plan (plan_contiguous) vs the seed's prefix-quantile",
+        "# planner: optimal contiguous plan (plan_contiguous) vs the usual prefix-quantile",
         f"#   cut (plan_prefix_quantile); frame-unit cost p*(p+{result['alpha']}); one process;",
         "#   time = median wall ms over repeats (min, CPU ms); quant/opt = the quantile cut's",
         "#   largest rank cost over the optimum's; python calibration: sum(range(10**6)) takes",

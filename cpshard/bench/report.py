@@ -87,8 +87,18 @@ def machine_info(rt: Runtime) -> dict:
     return info
 
 
-def _mib(b: float | None) -> str:
+def mib(b: float | None) -> str:
+    """Bytes as MiB with one decimal, ``-`` for none (a figure not measured)."""
     return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB or MiB: ``512 B``, ``4.0 KiB``, ``64.0 MiB``."""
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024 or unit == "MiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -165,8 +175,8 @@ def op_tables(rows: list[dict]) -> str:
                 out.append(
                     f" {label:>8} {r['bytes_per_rank']:>10} {r['tokens']:>7} {r['world']:>5} | "
                     f"{r[f'ours_{mode}_s'] * 1e6:>10.0f} {r[f'ours_{mode}_algbw_GBps']:>7.3f} "
-                    f"{r[f'ours_{mode}_busbw_GBps']:>7.3f} {_mib(peak):>9} | "
-                    f"{r[f'base_{mode}_s'] * 1e6:>10.0f} {_mib(bpeak):>9} | "
+                    f"{r[f'ours_{mode}_busbw_GBps']:>7.3f} {mib(peak):>9} | "
+                    f"{r[f'base_{mode}_s'] * 1e6:>10.0f} {mib(bpeak):>9} | "
                     f"{r[f'{mode}_speedup']:>7.2f} {_ratio(peak, bpeak):>5} | "
                     f"{floor * 1e6:>10.0f} {_ratio(r[f'ours_{mode}_s'], floor):>10} | "
                     f"{_fmt(r[f'{mode}_cpu_speedup']):>11} {_fmt(r[f'{mode}_cpu_over_floor']):>10}"
@@ -210,7 +220,7 @@ def strategy_rule(rows: list[dict]) -> list[str]:
 
 
 def _cell(times: dict, cpu: dict, peak: dict, name: str) -> str:
-    text = f"{times[name] * 1e3:.1f} / {cpu[name] * 1e3:.1f} / {_mib(peak.get(name))}"
+    text = f"{times[name] * 1e3:.1f} / {cpu[name] * 1e3:.1f} / {mib(peak.get(name))}"
     return f"{text:>23}{'*' if name == min(times, key=times.get) else ' '}"
 
 

@@ -5,19 +5,12 @@ from __future__ import annotations
 
 from cpshard.bench.cases import run_case
 from cpshard.bench.config import GATHER_OPS, SECTION_OPS
+from cpshard.bench.report import human_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.sections import section
 from cpshard.bench.strategies import run_strategies
 
 PATTERNS = ("uneven", "even")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def run_suite(rt: Runtime) -> dict:

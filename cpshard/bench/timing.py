@@ -11,6 +11,9 @@ iteration, SUMMED over ranks): the CPU time the ranks' processes used (all threa
 system: copies, reductions, the kernel's loopback TCP and page faults) and the minor page faults
 (first touches of freshly allocated memory). On a machine shared with other jobs the wall time
 swings with their load; these do not.
+
+Single-process benchmarks (kernels, the NCCL world-1 verbs, the planner) time plain calls with
+:func:`time_calls`: each call's wall and CPU time, and the minor page faults per call.
 """
 
 from __future__ import annotations
@@ -38,6 +41,41 @@ class Timing:
     iters: int  # iterations per repeat
     cpu_s: float  # per iteration, summed over ranks (median over repeats)
     minor_faults: float  # per iteration, summed over ranks (median over repeats)
+
+
+@dataclass(frozen=True)
+class Calls:
+    wall_s: list[float]  # each timed call's wall time
+    cpu_s: list[float]  # each timed call's process CPU time (all threads, user + system)
+    minor_faults: float  # minor page faults per timed call
+
+
+def _no_sync() -> None:
+    """Nothing to wait for: CPU calls are done when they return."""
+
+
+def time_calls(
+    fn: Callable[[], object],
+    repeats: int,
+    warmup: int = 0,
+    sync: Callable[[], None] = _no_sync,
+) -> Calls:
+    """``repeats`` calls of ``fn`` in this process after ``warmup`` untimed ones, each followed
+    by ``sync()`` (``torch.cuda.synchronize`` for GPU work, so that a time is the call's from an
+    idle device to its end)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    wall, cpu = [], []
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(repeats):
+        w0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        sync()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return Calls(wall, cpu, faults / max(1, repeats))
 
 
 def _reduce(rt: Runtime, values: list[float], op: dist.ReduceOp) -> list[float]:

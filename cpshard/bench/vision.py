@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cpshard.bench.memory import peak_extra_bytes
+from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
 from cpshard.vision import (
@@ -228,11 +229,8 @@ def run(rt: Runtime) -> dict:
 
 
 def render(result: dict) -> str:
-    def mib(who: str) -> str:
-        peak = result[who]["peak_bytes"]
-        return "-" if peak is None else f"{peak / 2**20:.1f}"
-
     ms = {who: result[who]["fwd_bwd_s"] * 1e3 for who in ("distributed", "replicated")}
+    peak = {who: result[who]["peak_bytes"] for who in ("distributed", "replicated")}
     local = ",".join(map(str, result["local_rows_per_rank"]))
     ran = ",".join(map(str, result["tower_rows_per_rank"]))
     return "\n".join(
@@ -248,6 +246,6 @@ def render(result: dict) -> str:
             f"{'repl ms':>9} {'speedup':>8} {'dist MiB':>9} {'repl MiB':>9}",
             f" {result['world']:>6} {result['patch_rows']:>6} {local:>24} {ran:>24} "
             f"{ms['distributed']:>9.1f} {ms['replicated']:>9.1f} {result['speedup']:>8.2f} "
-            f"{mib('distributed'):>9} {mib('replicated'):>9}",
+            f"{mib(peak['distributed']):>9} {mib(peak['replicated']):>9}",
         ]
     )

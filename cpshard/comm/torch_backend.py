@@ -89,11 +89,11 @@ class TorchTransport:
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None:
         full = _flat(full)
         if self.group.world * max(sizes) * full.element_size() <= A2A_STAGING_BYTES:
-            self.reduce_scatter_all_to_all(out, full, sizes)
+            self._reduce_scatter_all_to_all(out, full, sizes)
         else:
-            self.reduce_scatter_pipelined(out, full, sizes)
+            self._reduce_scatter_pipelined(out, full, sizes)
 
-    def reduce_scatter_all_to_all(
+    def _reduce_scatter_all_to_all(
         self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]
     ) -> None:
         world, n = self.group.world, sizes[self.group.rank]
@@ -103,12 +103,11 @@ class TorchTransport:
         )
         torch.sum(stage.view(world, n), dim=0, out=out.view(n))
 
-    def reduce_scatter_pipelined(
+    def _reduce_scatter_pipelined(
         self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]
     ) -> None:
         """Round k moves piece k of every rank's part (pieces of ``piece`` elements, the same
-        cut on every rank) and sums the previous round's pieces meanwhile. (Both routes are
-        public so that ``cpshard bench --ops strategies`` measures exactly them.)"""
+        cut on every rank) and sums the previous round's pieces meanwhile."""
         world, me = self.group.world, self.group.rank
         offs = offsets(sizes)
         piece = max(1, A2A_STAGING_BYTES // 2 // (world * full.element_size()))

@@ -1,4 +1,4 @@
-"""Vision frame sharding across a context-parallel group (SPEC §3.2).
+"""Vision frame sharding across a context-parallel group.
 
 * :class:`CpVisionFrameShardingConfig` — the declarative policy.
 * :func:`set_cp_vision_group` / :func:`reset_cp_vision_group` / :func:`cp_vision_group` /
@@ -14,7 +14,6 @@ from cpshard.vision.plan import (
     VisionFramePlan,
     frame_costs,
     plan_contiguous,
-    plan_prefix_quantile,
     plan_vision_frames,
     rank_costs,
     resolve_cost_alpha,
@@ -41,7 +40,6 @@ __all__ = [
     "frame_costs",
     "maybe_distribute_visual",
     "plan_contiguous",
-    "plan_prefix_quantile",
     "plan_vision_frames",
     "rank_costs",
     "reset_cp_vision_group",

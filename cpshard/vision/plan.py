@@ -2,7 +2,6 @@
 
 * :func:`plan_contiguous` — the optimal contiguous partition of weighted entries over ranks
   (minimum bottleneck), with a stated deterministic tie-break.
-* :func:`plan_prefix_quantile` — the seed's prefix-quantile cut, kept as the baseline it beats.
 * :func:`frame_costs`, :func:`resolve_cost_alpha`, :func:`vision_hidden_size` — the cost model
   ``p * (p + alpha)`` per frame unit of ``p`` patch rows.
 * :func:`plan_vision_frames` — everything :func:`~cpshard.vision.maybe_distribute_visual` needs
@@ -25,7 +24,6 @@ __all__ = [
     "VisionFramePlan",
     "frame_costs",
     "plan_contiguous",
-    "plan_prefix_quantile",
     "plan_vision_frames",
     "rank_costs",
     "resolve_cost_alpha",
@@ -126,17 +124,6 @@ def _probe(
             smallest_ext = ext
         pi = pj
     return False, smallest_ext, seps
-
-
-def _quantile_cuts(prefix: list[int], n: int, world: int) -> list[int]:
-    total = prefix[n]
-    cuts = [0]
-    for r in range(1, world):
-        # entries whose cumulative cost is <= total*r/world (exact integer comparison)
-        j = bisect_right(prefix, (total * r) // world) - 1
-        cuts.append(max(cuts[-1] + 1, min(j, n - (world - r))))
-    cuts.append(n)
-    return cuts
 
 
 def _bottleneck(prefix: list[int], cuts: Sequence[int]) -> int:
@@ -244,19 +231,6 @@ def plan_contiguous(costs: Sequence[float] | torch.Tensor, world: int) -> list[i
     prefix = list(itertools.accumulate(exact, initial=0))
     bound, greedy = _optimal_bound(prefix, n, world, max(exact))
     return _cuts_for_bound(prefix, n, world, bound, greedy)
-
-
-def plan_prefix_quantile(costs: Sequence[float] | torch.Tensor, world: int) -> list[int] | None:
-    """The seed's heuristic, kept as a baseline: cut ``r`` after the last entry whose cumulative
-    cost is <= ``total * r / world``, clamped so that every rank keeps >= 1 entry. Up to ~2x
-    worse than :func:`plan_contiguous` in its largest rank cost. Same contract otherwise."""
-    what = "cpshard.plan_prefix_quantile"
-    world = _check_world(world, what)
-    exact = _exact_costs(costs, what)
-    n = len(exact)
-    if n < world:
-        return None
-    return _quantile_cuts(list(itertools.accumulate(exact, initial=0)), n, world)
 
 
 def rank_costs(costs: Sequence[float], cuts: Sequence[int]) -> list[float]:

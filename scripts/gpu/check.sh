@@ -15,9 +15,9 @@
 # Output goes to OUT (argument, else $OUT, else ./gpu-check): build.log, tests.txt,
 # steady_state.txt, benchmarks.txt, kernels_cuda.json, kernels_cpu.json, nccl_world1.json,
 # summary.txt.
-# Usage: benchmarks/gpu_check.sh [OUT]    (PYTHON picks the interpreter, default python3)
+# Usage: scripts/gpu/check.sh [OUT]    (PYTHON picks the interpreter, default python3)
 set -uo pipefail
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-${OUT:-$repo/gpu-check}}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
 cd "$repo"
@@ -82,15 +82,15 @@ step build_info build.log 60 "$py" -c "import cpshard, torch; i = cpshard.build_
 assert torch.cuda.is_available(), 'torch sees no GPU'
 assert i.cuda_kernels and i.nccl, 'not the CUDA + NCCL build'"
 step gpu_tests tests.txt 180 "${tests[@]}" tests/test_gpu.py
-step steady_state_w1 steady_state.txt 120 "$py" benchmarks/gpu_steady_state.py --world 1
+step steady_state_w1 steady_state.txt 120 "$py" scripts/gpu/steady_state.py --world 1
 if ((wide >= 2)); then
-    step "steady_state_w$wide" steady_state.txt 150 "$py" benchmarks/gpu_steady_state.py --world "$wide"
+    step "steady_state_w$wide" steady_state.txt 150 "$py" scripts/gpu/steady_state.py --world "$wide"
 fi
-step nccl_world1 benchmarks.txt 90 "$py" benchmarks/nccl_world1.py --json "$out/nccl_world1.json"
+step nccl_world1 benchmarks.txt 90 "$py" -m cpshard.bench.nccl_world1 --json "$out/nccl_world1.json"
 step gpu_op_tests tests.txt 150 "${tests[@]}" -m gpu tests/test_ops.py
 step kernels_cuda benchmarks.txt 120 \
-    "$py" benchmarks/kernels.py --device cuda --json "$out/kernels_cuda.json"
-step kernels_cpu benchmarks.txt 90 "$py" benchmarks/kernels.py --json "$out/kernels_cpu.json"
+    "$py" -m cpshard.bench.kernels --device cuda --json "$out/kernels_cuda.json"
+step kernels_cpu benchmarks.txt 90 "$py" -m cpshard.bench.kernels --json "$out/kernels_cpu.json"
 # torch.compile on CUDA (inductor builds Triton kernels): the slowest step, so the last.
 step gpu_compile_tests tests.txt 180 "${tests[@]}" -m gpu tests/test_ops_compile.py
 

@@ -17,7 +17,8 @@ verb runs on the same group through ``cpshard.comm.transport_for`` (the native c
 Each verb's result is checked once (at world size 1 every verb copies its input) before timing.
 Without a GPU, torch's NCCL or cpshard's NCCL build it prints ``skipped: <why>`` and exits 0.
 
-    python benchmarks/nccl_world1.py --json nccl_world1.json
+    python -m cpshard.bench.nccl_world1 --json nccl_world1.json
+
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -38,12 +38,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-# the checkout this script belongs to, unless PYTHONPATH / an install provides cpshard first
-sys.path.append(str(Path(__file__).resolve().parent.parent))
-from kernels import timeit  # noqa: E402  (benchmarks/kernels.py, beside this script)
-
-import cpshard  # noqa: E402
-from cpshard.comm import Group, Transport, resolve_group, transport_for  # noqa: E402
+import cpshard
+from cpshard.bench.report import human_bytes
+from cpshard.bench.timing import time_calls
+from cpshard.comm import Group, Transport, resolve_group, transport_for
 
 # Every verb at world size 1, as (native transport, out, x) -> None and (process group, out, x)
 # -> None for torch.distributed's collective doing the same job; each leaves a copy of x in out.
@@ -120,13 +118,8 @@ def pipelined(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def size_label(nbytes: int) -> str:
-    """``nbytes`` in whole MiB where it is a multiple of one, else in KiB."""
-    return f"{nbytes >> 20} MiB" if nbytes and nbytes % (1 << 20) == 0 else f"{nbytes / 1024:g} KiB"
-
-
 HEADER = (
-    f"{'verb':<17} {'size':>8} {'native sync us':>14} {'torch sync us':>13} {'torch/native':>12} "
+    f"{'verb':<17} {'size':>9} {'native sync us':>14} {'torch sync us':>13} {'torch/native':>12} "
     f"{'native pipelined us':>19} {'torch pipelined us':>18}"
 )
 
@@ -153,7 +146,7 @@ def run(group: Group, args: argparse.Namespace) -> list[Row]:
                 torch.cuda.synchronize()
                 if not torch.equal(out, x):
                     raise RuntimeError(f"{verb} through {name} did not copy its input at world 1")
-                times, _ = timeit(fn, args.repeats, args.warmup, torch.cuda.synchronize)
+                times = time_calls(fn, args.repeats, args.warmup, torch.cuda.synchronize).wall_s
                 pair[name] = Row(
                     verb=verb,
                     transport=name,
@@ -165,7 +158,7 @@ def run(group: Group, args: argparse.Namespace) -> list[Row]:
                 )
             nat, tor = pair["native"], pair["torch"]
             print(
-                f"{verb:<17} {size_label(nat.bytes):>8} {nat.sync_us:>14.1f} {tor.sync_us:>13.1f} "
+                f"{verb:<17} {human_bytes(nat.bytes):>9} {nat.sync_us:>14.1f} {tor.sync_us:>13.1f} "
                 f"{tor.sync_us / nat.sync_us:>12.2f} {nat.pipelined_us:>19.1f} "
                 f"{tor.pipelined_us:>18.1f}",
                 flush=True,
@@ -174,9 +167,9 @@ def run(group: Group, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument(
         "--sizes-kib",

@@ -16,7 +16,7 @@ Results are checked against plain-PyTorch references after leaving the sync-debu
 ``ok <what>`` line per check and exits non-zero on the first failure; prints ``skipped: <why>``
 and exits 0 without a GPU, cpshard's CUDA build or its NCCL communicator.
 
-    python benchmarks/gpu_steady_state.py [--world W]
+    python scripts/gpu/steady_state.py [--world W]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # the checkout this script belongs to, unless PYTHONPATH / an install provides cpshard first
-sys.path.append(str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parents[2]))
 import cpshard  # noqa: E402
 from cpshard.comm import resolve_group  # noqa: E402
 

@@ -13,34 +13,29 @@ a fresh allocation, i.e. the same allocate + first-touch cost the ops pay).
 timed call is followed by ``torch.cuda.synchronize()``, so a time is the call's wall time from an
 idle device to its end, launches included; the page-fault column is nan there.
 
-    python benchmarks/kernels.py                       # 64 MiB, 15 repeats, all threads
-    python benchmarks/kernels.py --threads 1 --json out.json
-    python benchmarks/kernels.py --device cuda --json cuda.json
+    python -m cpshard.bench.kernels                    # 64 MiB, 15 repeats, all threads
+    python -m cpshard.bench.kernels --threads 1 --json out.json
+    python -m cpshard.bench.kernels --device cuda --json cuda.json
+
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-# the checkout this script belongs to, unless PYTHONPATH / an install provides cpshard first
-sys.path.append(str(Path(__file__).resolve().parent.parent))
-import cpshard  # noqa: E402
-from cpshard import ops  # noqa: E402
+import cpshard
+from cpshard.bench.cases import ragged_counts
+from cpshard.bench.timing import time_calls
 
 H = 2048  # hidden size of every token row
-WORLD = 4
-# Uneven per-rank shares, max/mean = 1.6 (sum 4.0): what a load-imbalanced all-to-all moves.
-SHARES = (1.6, 0.6, 1.0, 0.8)
+WORLD = 4  # ranks of the uneven per-rank counts (max/mean = 1.6: a load-imbalanced all-to-all)
 
 
 @dataclass
@@ -59,35 +54,6 @@ class Row:
     tokens_per_s: float = float("nan")
 
 
-def no_sync() -> None:
-    """Nothing to wait for: CPU calls are done when they return."""
-
-
-def timeit(
-    fn: Callable[[], object], repeats: int, warmup: int, sync: Callable[[], None]
-) -> tuple[list[float], float]:
-    """Wall times of ``repeats`` calls after ``warmup`` calls, each call followed by ``sync()``
-    (``torch.cuda.synchronize`` for GPU work), and minor page faults per call."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    times = []
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return times, faults / repeats
-
-
-def uneven_counts(total: int, shares=SHARES) -> list[int]:
-    counts = [int(total * s / sum(shares)) for s in shares]
-    counts[0] += total - sum(counts)
-    return counts
-
-
 def elems_for(size_bytes: int, dtype: torch.dtype) -> int:
     return size_bytes // torch.empty(0, dtype=dtype).element_size()
 
@@ -103,9 +69,11 @@ class Bench:
 
     def time(self, fn) -> tuple[list[float], float]:
         """Times of fn (synchronized on CUDA) and its page faults per call (nan on CUDA)."""
-        sync = torch.cuda.synchronize if self.on_cuda else no_sync
-        times, faults = timeit(fn, self.args.repeats, self.args.warmup, sync)
-        return times, float("nan") if self.on_cuda else faults
+        if self.on_cuda:
+            calls = time_calls(fn, self.args.repeats, self.args.warmup, torch.cuda.synchronize)
+            return calls.wall_s, float("nan")
+        calls = time_calls(fn, self.args.repeats, self.args.warmup)
+        return calls.wall_s, calls.minor_faults
 
     def randn(self, *shape: int, dtype: torch.dtype) -> torch.Tensor:
         """Normal samples drawn on the CPU (the same values for every device), cast, moved."""
@@ -164,88 +132,48 @@ class Bench:
         self.segments()
 
     def ragged(self, dtype: torch.dtype) -> None:
+        """pack / unpack, exact and padded, with the tokens on dim 0 (``x [T, H]``) and on dim 1
+        (``x [B=4, N, H]``), split over :data:`WORLD` ranks by uneven counts."""
         rows = elems_for(self.size, dtype) // H
-        # token dim 0: x [T, H]
-        x = self.randn(rows, H, dtype=dtype)
-        counts = uneven_counts(rows)
-        pad = max(counts)
-        self.case(
-            "pack_ragged exact  dim0", dtype, x, lambda: ops.pack_ragged(x, counts, 0), x.numel()
-        )
-        self.case(
-            "pack_ragged padded dim0",
-            dtype,
-            x,
-            lambda: ops.pack_ragged(x, counts, 0, pad_to=pad),
-            WORLD * pad * H,
-        )
-        exact = ops.pack_ragged(x, counts, 0)
-        padded = ops.pack_ragged(x, counts, 0, pad_to=pad)
-        shape = list(x.shape)
-        self.case(
-            "unpack_ragged exact  dim0",
-            dtype,
-            exact,
-            lambda: ops.unpack_ragged(exact, counts, shape, 0),
-            x.numel(),
-        )
-        # unpack reads only the real rows of the padded buffer
-        self.case(
-            "unpack_ragged padded dim0",
-            dtype,
-            x,
-            lambda: ops.unpack_ragged(padded, counts, shape, 0, pad_to=pad),
-            x.numel(),
-        )
-        # token dim 1: x [B=4, N, H]
-        b = 4
-        n = rows // b
-        x1 = self.randn(b, n, H, dtype=dtype)
-        counts1 = uneven_counts(n)
-        pad1 = max(counts1)
-        self.case(
-            "pack_ragged exact  dim1",
-            dtype,
-            x1,
-            lambda: ops.pack_ragged(x1, counts1, 1),
-            x1.numel(),
-        )
-        self.case(
-            "pack_ragged padded dim1",
-            dtype,
-            x1,
-            lambda: ops.pack_ragged(x1, counts1, 1, pad_to=pad1),
-            WORLD * b * pad1 * H,
-        )
-        exact1 = ops.pack_ragged(x1, counts1, 1)
-        padded1 = ops.pack_ragged(x1, counts1, 1, pad_to=pad1)
-        shape1 = list(x1.shape)
-        self.case(
-            "unpack_ragged exact  dim1",
-            dtype,
-            exact1,
-            lambda: ops.unpack_ragged(exact1, counts1, shape1, 1),
-            x1.numel(),
-        )
-        self.case(
-            "unpack_ragged padded dim1",
-            dtype,
-            x1,
-            lambda: ops.unpack_ragged(padded1, counts1, shape1, 1, pad_to=pad1),
-            x1.numel(),
-        )
+        for dim, batch in ((0, ()), (1, (4,))):
+            mean = rows // (batch[0] if batch else 1) // WORLD
+            counts = ragged_counts(mean, WORLD)
+            pad = max(counts)
+            x = self.randn(*batch, WORLD * mean, H, dtype=dtype)
+            shape = list(x.shape)
+            exact = cpshard.pack_ragged(x, counts, dim)
+            padded = cpshard.pack_ragged(x, counts, dim, pad_to=pad)
+            for kind, pad_to, packed in (("exact ", None, exact), ("padded", pad, padded)):
+
+                def pack(x=x, counts=counts, dim=dim, pad_to=pad_to):
+                    return cpshard.pack_ragged(x, counts, dim, pad_to=pad_to)
+
+                def unpack(packed=packed, counts=counts, shape=shape, dim=dim, pad_to=pad_to):
+                    return cpshard.unpack_ragged(packed, counts, shape, dim, pad_to=pad_to)
+
+                self.case(f"pack_ragged {kind} dim{dim}", dtype, x, pack, packed.numel())
+                # unpack reads only the real rows of a padded buffer: its input bytes are x's
+                self.case(
+                    f"unpack_ragged {kind} dim{dim}",
+                    dtype,
+                    exact if pad_to is None else x,
+                    unpack,
+                    x.numel(),
+                )
 
     def interleave(self, dtype: torch.dtype) -> None:
         b = 2
         length = elems_for(self.size, dtype) // (WORLD * b * H)
         x = self.randn(WORLD, b, length, H, dtype=dtype)  # [W, B, L, H] -> [B, W*L, H]
-        self.case("interleave_sequence", dtype, x, lambda: ops.interleave_sequence(x, 1), x.numel())
-        y = ops.interleave_sequence(x, 1)
+        self.case(
+            "interleave_sequence", dtype, x, lambda: cpshard.interleave_sequence(x, 1), x.numel()
+        )
+        y = cpshard.interleave_sequence(x, 1)
         self.case(
             "deinterleave_sequence",
             dtype,
             y,
-            lambda: ops.deinterleave_sequence(y, WORLD, 1),
+            lambda: cpshard.deinterleave_sequence(y, WORLD, 1),
             y.numel(),
         )
 
@@ -254,13 +182,17 @@ class Bench:
         src = self.randn(rows, H, dtype=dtype)
         perm = torch.randperm(rows, generator=torch.Generator().manual_seed(0)).to(self.device)
         self.case(
-            "index_gather (perm)", dtype, src, lambda: ops.index_gather(src, perm, 0), src.numel()
+            "index_gather (perm)",
+            dtype,
+            src,
+            lambda: cpshard.index_gather(src, perm, 0),
+            src.numel(),
         )
         self.case(
             "index_scatter_add (perm)",
             dtype,
             src,
-            lambda: ops.index_scatter_add(src, perm, 0, rows),
+            lambda: cpshard.index_scatter_add(src, perm, 0, rows),
             src.numel(),
         )
 
@@ -279,7 +211,9 @@ class Bench:
             ("document_segments full", (0, s)),
             ("document_segments 1/4", (s // 4, s // 2)),
         ):
-            times = self.time(lambda start=start, end=end: ops.document_segments(ids, start, end))
+            times = self.time(
+                lambda start=start, end=end: cpshard.document_segments(ids, start, end)
+            )
             self.add_row(
                 name,
                 torch.int64,
@@ -310,9 +244,9 @@ def format_row(r: Row) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--size-mib", type=int, default=64, help="data per case (default 64)")
     p.add_argument("--repeats", type=int, default=15, help="timed runs per case (default 15)")
