@@ -21,7 +21,7 @@ from cpshard.layout import (
 from cpshard.sharder.partition import Partition
 from cpshard.sharder.planning import KNOWN_KEYS, BatchPlanner
 from cpshard.sharder.token_verbs import TokenVerbs
-from cpshard.validation import is_int
+from cpshard.validation import check_bool, check_int, is_int
 
 __all__ = ["ContextParallelSharder"]
 
@@ -87,71 +87,22 @@ class ContextParallelSharder:
     ) -> None:
         what = "cpshard.ContextParallelSharder"
         self._group = resolve_group(group_or_mesh, what)
-        rank, world = self._group.rank, self._group.world
-        where = f"{what}: rank {rank}"
-        if layout is None:
-            if shard_batch is None:
-                raise ValueError(
-                    f"{where}: layout=None needs a shard_batch function (the direct form)"
-                )
-            self.layout, self.num_chunks = None, num_chunks
-        else:
-            self.layout = canonical_layout_name(layout, where)
-            self.num_chunks = resolve_num_chunks(self.layout, world, num_chunks, where)
-        if not is_int(padding_token_id):
-            raise TypeError(
-                f"{where}: padding_token_id must be an int, got {type(padding_token_id).__name__}"
-            )
+        where = f"{what}: rank {self._group.rank}"
+        self.layout, self.num_chunks = _layout_arguments(
+            layout, num_chunks, shard_batch, self._group.world, where
+        )
+        check_int(padding_token_id, "padding_token_id", where)
+        check_bool(shift_labels, "shift_labels", where)
         if loss_mask is not None and not isinstance(loss_mask, torch.Tensor):
             raise TypeError(
                 f"{where}: loss_mask must be a tensor or None, got {type(loss_mask).__name__}"
             )
-        extras = dict(extra_seq_buffers or {})
-        if extra_seq_buffers is not None and not isinstance(extra_seq_buffers, Mapping):
-            raise TypeError(f"{where}: extra_seq_buffers must map batch keys to their seq dim")
-        for key, d in extras.items():
-            if not isinstance(key, str) or not is_int(d):
-                raise TypeError(
-                    f"{where}: extra_seq_buffers must map str keys to int seq dims, got {key!r}: "
-                    f"{d!r}"
-                )
-            if key in KNOWN_KEYS:
-                raise ValueError(
-                    f"{where}: extra_seq_buffers names {key!r}, which the sharder shards itself"
-                )
-        if not isinstance(shift_labels, bool):
-            raise TypeError(
-                f"{where}: shift_labels must be a bool, got {type(shift_labels).__name__}"
-            )
         if not is_int(pad_multiple) or pad_multiple < 1:
             raise ValueError(f"{where}: pad_multiple must be an int >= 1, got {pad_multiple!r}")
-        pad_values = dict(extra_pad_values or {})
-        if extra_pad_values is not None and not isinstance(extra_pad_values, Mapping):
-            raise TypeError(
-                f"{where}: extra_pad_values must map extra_seq_buffers keys to pad values"
-            )
-        unknown = sorted(set(pad_values) - set(extras), key=str)
-        if unknown:
-            raise ValueError(
-                f"{where}: extra_pad_values names {unknown}, which extra_seq_buffers does not"
-            )
-        for name, fn in (
-            ("shard_batch", shard_batch),
-            ("local_token_global_indices", local_token_global_indices),
-        ):
-            if fn is not None and not callable(fn):
-                raise TypeError(f"{where}: {name} must be callable, got {type(fn).__name__}")
-        if shard_layout is not None:
-            if not isinstance(shard_layout, ShardLayout):
-                raise TypeError(
-                    f"{where}: shard_layout must be a ShardLayout, got "
-                    f"{type(shard_layout).__name__}"
-                )
-            if shard_layout.world_size != world:
-                raise ValueError(
-                    f"{where}: shard_layout is for world size {shard_layout.world_size}, the "
-                    f"group has {world}"
-                )
+        extras, pad_values = _buffer_arguments(extra_seq_buffers, extra_pad_values, where)
+        _direct_form_arguments(
+            shard_batch, local_token_global_indices, shard_layout, self._group.world, where
+        )
         self._cp_mesh = group_or_mesh
         self._tp_mesh = tp_mesh
         self._loss_mask = loss_mask
@@ -275,3 +226,69 @@ class ContextParallelSharder:
                 )
         self.shard_layout = layout
         return ctx, out
+
+
+def _layout_arguments(
+    layout: object, num_chunks: object, shard_batch: object, world: int, where: str
+) -> tuple[str | None, int | None]:
+    """The canonical layout name and its chunk count (None, None in the direct form)."""
+    if layout is None:
+        if shard_batch is None:
+            raise ValueError(f"{where}: layout=None needs a shard_batch function (the direct form)")
+        return None, num_chunks
+    name = canonical_layout_name(layout, where)
+    return name, resolve_num_chunks(name, world, num_chunks, where)
+
+
+def _buffer_arguments(
+    extra_seq_buffers: object, extra_pad_values: object, where: str
+) -> tuple[dict[str, int], dict[str, Any]]:
+    """``extra_seq_buffers`` and ``extra_pad_values`` checked, as dicts."""
+    if extra_seq_buffers is not None and not isinstance(extra_seq_buffers, Mapping):
+        raise TypeError(f"{where}: extra_seq_buffers must map batch keys to their seq dim")
+    extras = dict(extra_seq_buffers or {})
+    for key, d in extras.items():
+        if not isinstance(key, str) or not is_int(d):
+            raise TypeError(
+                f"{where}: extra_seq_buffers must map str keys to int seq dims, got {key!r}: {d!r}"
+            )
+        if key in KNOWN_KEYS:
+            raise ValueError(
+                f"{where}: extra_seq_buffers names {key!r}, which the sharder shards itself"
+            )
+    if extra_pad_values is not None and not isinstance(extra_pad_values, Mapping):
+        raise TypeError(f"{where}: extra_pad_values must map extra_seq_buffers keys to pad values")
+    pad_values = dict(extra_pad_values or {})
+    unknown = sorted(set(pad_values) - set(extras), key=str)
+    if unknown:
+        raise ValueError(
+            f"{where}: extra_pad_values names {unknown}, which extra_seq_buffers does not"
+        )
+    return extras, pad_values
+
+
+def _direct_form_arguments(
+    shard_batch: object,
+    local_token_global_indices: object,
+    shard_layout: object,
+    world: int,
+    where: str,
+) -> None:
+    """The direct form's callables and a starting layout checked."""
+    for name, fn in (
+        ("shard_batch", shard_batch),
+        ("local_token_global_indices", local_token_global_indices),
+    ):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{where}: {name} must be callable, got {type(fn).__name__}")
+    if shard_layout is None:
+        return
+    if not isinstance(shard_layout, ShardLayout):
+        raise TypeError(
+            f"{where}: shard_layout must be a ShardLayout, got {type(shard_layout).__name__}"
+        )
+    if shard_layout.world_size != world:
+        raise ValueError(
+            f"{where}: shard_layout is for world size {shard_layout.world_size}, the group has "
+            f"{world}"
+        )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import numbers
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ import torch
 from cpshard.consensus import agree
 from cpshard.fingerprints import digest, dtype_code
 from cpshard.transport import gather_ragged
+from cpshard.vision.attributes import MODULE_WRAPPERS, attribute
 from cpshard.vision.plan import (
     VisionFramePlan,
     grid_problem,
@@ -40,27 +41,15 @@ __all__ = ["maybe_distribute_visual", "spatial_merge_size"]
 logger = logging.getLogger(__name__)
 
 _WHAT = "cpshard.maybe_distribute_visual"
-_WRAPPERS = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-
-
-def _get(node: object, name: str) -> object:
-    if isinstance(node, Mapping):
-        return node.get(name)
-    try:
-        return getattr(node, name, None)
-    except Exception:
-        return None
-
-
 def spatial_merge_size(visual: object) -> int | None:
     """The tower's spatial merge factor (merged tokens per frame = ``h*w / m**2``): its
     ``spatial_merge_size`` attribute, else ``visual.config.spatial_merge_size``, else the same
     on a wrapped module (``module``, ``_orig_mod``, FSDP / checkpoint wrappers). None if absent."""
     nodes = [visual]
-    nodes += [w for name in _WRAPPERS if (w := _get(visual, name)) is not None]
+    nodes += [w for name in MODULE_WRAPPERS if (w := attribute(visual, name)) is not None]
     for node in nodes:
-        for holder in (node, _get(node, "config")):
-            value = _get(holder, "spatial_merge_size")
+        for holder in (node, attribute(node, "config")):
+            value = attribute(holder, "spatial_merge_size")
             if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1:
                 return int(value)
     return None
@@ -211,7 +200,7 @@ def _local_call(visual: Any, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
 
 def _levels(out: Any) -> tuple[Any, Any]:
     """``(pooler_output, deepstack_features)`` of an output object or mapping (None if absent)."""
-    return _get(out, "pooler_output"), _get(out, "deepstack_features")
+    return attribute(out, "pooler_output"), attribute(out, "deepstack_features")
 
 
 def _output_problem(out: Any, expected: int) -> str | None:

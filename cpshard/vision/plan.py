@@ -15,10 +15,12 @@ import itertools
 import math
 import numbers
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from cpshard.vision.attributes import MODULE_WRAPPERS, attribute
 
 __all__ = [
     "VisionFramePlan",
@@ -124,10 +126,6 @@ def _probe(
             smallest_ext = ext
         pi = pj
     return False, smallest_ext, seps
-
-
-def _bottleneck(prefix: list[int], cuts: Sequence[int]) -> int:
-    return max(prefix[b] - prefix[a] for a, b in itertools.pairwise(cuts))
 
 
 def _optimal_bound(prefix: list[int], n: int, world: int, largest_cost: int) -> tuple[int, list[int]]:
@@ -260,19 +258,10 @@ _VISION_CHILDREN = (
     "vision_config", "visual", "vision_tower", "vision_model", "vision_encoder", "vit",
     "radio_model", "patch_generator",
 )
-_WRAPPERS = ("config", "module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "model")
+_WRAPPERS = ("config", *MODULE_WRAPPERS, "model")  # a VLM keeps its config and inner model too
 _GENERIC_WIDTH_FIELDS = ("hidden_size", "d_model")
 _MAX_DEPTH = 6
 _LEAVES = (str, bytes, numbers.Number, torch.Tensor)
-
-
-def _field(node: object, name: str) -> object:
-    if isinstance(node, Mapping):
-        return node.get(name)
-    try:
-        return getattr(node, name, None)
-    except Exception:  # a property that raises is not a width
-        return None
 
 
 def _positive_int(value: object) -> int | None:
@@ -307,19 +296,19 @@ def _search_width(root: object, vision: bool) -> int | None:
             return None
         seen.add(key)
         for name in _VISION_WIDTH_FIELDS:
-            if (w := _positive_int(_field(node, name))) is not None:
+            if (w := _positive_int(attribute(node, name))) is not None:
                 return w
         for name in _VISION_CHILDREN:
-            child = _field(node, name)
+            child = attribute(node, name)
             if child is not node and (w := walk(child, True, depth + 1)) is not None:
                 return w
         for name in _WRAPPERS:
-            child = _field(node, name)
+            child = attribute(node, name)
             if child is not node and (w := walk(child, in_vision, depth + 1)) is not None:
                 return w
         if in_vision:
             for name in _GENERIC_WIDTH_FIELDS:
-                if (w := _positive_int(_field(node, name))) is not None:
+                if (w := _positive_int(attribute(node, name))) is not None:
                     return w
         return None
 
@@ -452,8 +441,7 @@ class VisionFramePlan:
         return self.token_counts[rank] + self.pad_rows(rank) // self.spatial_merge_size**2
 
     def rank_costs(self, alpha: int) -> list[int]:
-        costs = frame_costs(self.unit_rows, alpha)
-        return [sum(costs[a:b]) for a, b in itertools.pairwise(self.cuts)]
+        return rank_costs(frame_costs(self.unit_rows, alpha), self.cuts)
 
 
 def plan_vision_frames(
