@@ -17,7 +17,7 @@ from typing import NamedTuple
 import torch
 
 from cpshard import _C  # noqa: F401  (loads the library that registers torch.ops.cpshard)
-from cpshard.validation import is_int
+from cpshard.validation import counts_arg, is_int, raised, tensor_arg
 
 _ops = torch.ops.cpshard
 
@@ -25,18 +25,10 @@ Number = int | float | bool
 
 
 def _counts(counts: Sequence[int], what: str) -> list[int]:
-    """Per-rank counts as a list of non-negative Python ints."""
+    """Per-rank counts (a host sequence or a tensor) as a list of non-negative Python ints."""
     if isinstance(counts, torch.Tensor):
         counts = counts.tolist()
-    if not isinstance(counts, Sequence) or isinstance(counts, str):
-        raise TypeError(f"{what}: counts must be a sequence of ints, got {type(counts).__name__}")
-    out = []
-    for r, c in enumerate(counts):
-        if not is_int(c):
-            raise TypeError(f"{what}: counts[{r}] must be an int, got {type(c).__name__}")
-        if c < 0:
-            raise ValueError(f"{what}: counts[{r}] = {c} is negative")
-        out.append(c)
+    out = raised(what, counts_arg, counts)
     if not out:
         raise ValueError(f"{what}: counts must name at least one rank")
     return out
@@ -57,9 +49,7 @@ def _shape(shape: Sequence[int], name: str, what: str) -> list[int]:
 
 
 def _tensor(x: object, name: str, what: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{what}: {name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
+    return raised(what, tensor_arg, x, name)
 
 
 def _dim(dim: int, ndim: int, name: str, what: str) -> int:

@@ -28,7 +28,7 @@ from cpshard.comm import Group, GroupLike, resolve_group
 from cpshard.comm.collectives import all_gather_v, halo_exchange
 from cpshard.consensus import check_call
 from cpshard.fingerprints import GATHER, HALO, device_code, digest, dtype_code, tensor_call_key
-from cpshard.validation import is_int
+from cpshard.validation import counts_arg, dim_arg, is_int, problem_of, tensor_arg
 
 _MAX_DIMS = 8
 
@@ -41,15 +41,10 @@ def _shape_field(shape: Sequence[int], skip: int | None = None) -> list[int]:
 
 def _dim_problem(x: object, dim: int, name: str) -> str | None:
     """The local problem with x and its token dim (argument ``name``), or None."""
-    if not isinstance(x, torch.Tensor):
-        return f"x must be a torch.Tensor, got {type(x).__name__}"
-    if not is_int(dim):
-        return f"{name} must be an int, got {type(dim).__name__}"
-    if x.dim() == 0 or not -x.dim() <= dim < x.dim():
-        return f"{name}={dim} is out of range for x of shape {tuple(x.shape)}"
-    if x.dim() > _MAX_DIMS:
-        return f"x has {x.dim()} dims; at most {_MAX_DIMS} are supported"
-    return None
+    problem = problem_of(lambda: dim_arg(tensor_arg(x, "x"), dim, name))
+    if problem is None and x.dim() > _MAX_DIMS:
+        problem = f"x has {x.dim()} dims; at most {_MAX_DIMS} are supported"
+    return problem
 
 
 def _common_fields(x: torch.Tensor, dim: int, equal_shape: bool) -> dict[str, list[int]]:
@@ -124,21 +119,6 @@ def gather_metadata(x: torch.Tensor, group: GroupLike, seq_dim: int = 1) -> torc
 # ------------------------------------------------------------------ ragged blocks
 
 
-def _counts_problem(counts: object, world: int) -> str | None:
-    if isinstance(counts, torch.Tensor):
-        return "counts must be a list of ints, not a tensor (it must be known on the host)"
-    if not isinstance(counts, Sequence) or isinstance(counts, str):
-        return f"counts must be a sequence of ints, got {type(counts).__name__}"
-    if len(counts) != world:
-        return f"counts has {len(counts)} entries but the group has {world} ranks"
-    for r, c in enumerate(counts):
-        if not is_int(c):
-            return f"counts[{r}] must be an int, got {type(c).__name__}"
-        if c < 0:
-            return f"counts[{r}] = {c} is negative"
-    return None
-
-
 def gather_ragged(x: torch.Tensor, group: GroupLike, counts: Sequence[int], dim: int = 0) -> torch.Tensor:
     """Gather per-rank blocks with different token counts into ``[.., sum(counts), ..]`` in rank
     order (``counts[r]`` = rank r's ``x.shape[dim]``, the same list on every rank). Backward is
@@ -146,7 +126,7 @@ def gather_ragged(x: torch.Tensor, group: GroupLike, counts: Sequence[int], dim:
     No padding is sent. Returns ``x`` itself without CP."""
     what = "cpshard.gather_ragged"
     g = resolve_group(group, what)
-    problem = _dim_problem(x, dim, "dim") or _counts_problem(counts, g.world)
+    problem = _dim_problem(x, dim, "dim") or problem_of(counts_arg, counts, g.world)
     if problem is None and x.shape[dim] != counts[g.rank]:
         problem = f"x.shape[{dim % x.dim()}] = {x.shape[dim]} but counts[{g.rank}] = {counts[g.rank]}"
     if problem is not None or g.world == 1:

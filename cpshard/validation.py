@@ -9,7 +9,12 @@ collects it and makes every rank raise through the consensus round
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 class Problem(Exception):
@@ -56,3 +61,42 @@ def dim_arg(t: torch.Tensor, dim: object, name: str = "seq_dim") -> int:
     if t.dim() == 0 or not -t.dim() <= dim < t.dim():
         raise Problem(f"{name}={dim} is out of range for a tensor of shape {tuple(t.shape)}")
     return dim % t.dim()
+
+
+def counts_arg(counts: object, world: int | None = None) -> list[int]:
+    """Per-rank counts as a list of non-negative ints (one per rank of a ``world``-rank group
+    when given), else a :class:`Problem`. A tensor is refused: counts must be known on the
+    host."""
+    if isinstance(counts, torch.Tensor):
+        raise Problem(
+            "counts must be a list of ints, not a tensor (it must be known on the host)", TypeError
+        )
+    if not isinstance(counts, Sequence) or isinstance(counts, str):
+        raise Problem(f"counts must be a sequence of ints, got {type(counts).__name__}", TypeError)
+    if world is not None and len(counts) != world:
+        raise Problem(f"counts has {len(counts)} entries but the group has {world} ranks")
+    for r, c in enumerate(counts):
+        if not is_int(c):
+            raise Problem(f"counts[{r}] must be an int, got {type(c).__name__}", TypeError)
+        if c < 0:
+            raise Problem(f"counts[{r}] = {c} is negative")
+    return list(counts)
+
+
+def problem_of(check: Callable[..., object], *args: object) -> str | None:
+    """The :class:`Problem` ``check(*args)`` finds, as text, or None (for checks whose finding
+    goes to a consensus round)."""
+    try:
+        check(*args)
+    except Problem as p:
+        return str(p)
+    return None
+
+
+def raised(what: str, check: Callable[..., T], *args: object) -> T:
+    """``check(*args)``, its :class:`Problem` raised on the spot as its ``kind``, prefixed by
+    ``what`` (the caller and, where it has one, the rank)."""
+    try:
+        return check(*args)
+    except Problem as p:
+        raise p.kind(f"{what}: {p}") from None

@@ -306,7 +306,7 @@ def _compiled_vs_eager(rank: int, world: int, layout: str, causal: bool) -> list
         q, k, v, w = (_sharded(sharder, t) for t in full)
         compare_compiled(compiled, attend, ctx, (q, k, v), w, name)
         with ctx():
-            plans.add(active_state().exchange_plan)
+            plans.add(active_state().exchange.plan)
     assert len(plans) == 2, plans  # the batches exchange different rows
     return [counter.frame_count, counter.op_count]
 

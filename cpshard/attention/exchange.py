@@ -31,6 +31,11 @@ class KVExchange(Protocol):
         transfers' fingerprint)."""
         ...
 
+    @property
+    def received_rows(self) -> int:
+        """K/V rows (over every batch row) this rank receives from the others per exchange."""
+        ...
+
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """This rank's K/V ``[B, H, L, D]`` -> the key buffer ``[B, H, key_len, D]`` (``key``:
         the step state's registry key, which the exchange's custom op takes)."""

@@ -27,12 +27,13 @@ from cpshard.fingerprints import HALO, call_key
 
 @dataclass(frozen=True)
 class HaloExchange:
-    """The halo exchange of one step: ``halos[r]`` rows reach back before rank r's first token
-    (global position ``start`` on this rank)."""
+    """The halo exchange of one step: ``halos[r]`` rows (of each of ``batch_size`` batch rows)
+    reach back before rank r's first token (global position ``start`` on this rank)."""
 
     group: Group
     start: int
     local_len: int
+    batch_size: int
     halos: tuple[int, ...]
 
     @property
@@ -47,6 +48,10 @@ class HaloExchange:
     @property
     def plan(self) -> tuple[int, ...]:
         return self.halos
+
+    @property
+    def received_rows(self) -> int:
+        return self.halo * self.batch_size
 
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return kv_halo(kv, key) if self.group.world > 1 else kv

@@ -81,6 +81,10 @@ class NeededRowsExchange:
         """Rows this rank receives from each rank."""
         return list(self.counts[self.group.rank])
 
+    @property
+    def received_rows(self) -> int:
+        return sum(self.recv_counts) - self.recv_counts[self.group.rank]
+
     def tables_on(self, device: torch.device) -> Tables:
         """The exchange tables on ``device``, copied there once per device and cached."""
         return cached_on(self._tables_on, device, self.tables)

@@ -56,7 +56,7 @@ def _halo_state(
         reach = max(reach, int((begin + n - ds).max()) if n.numel() else 0)
         if r == group.rank:
             mine = tuple(zip(*(t.tolist() for t in (row, begin, n, ds)), strict=True))
-    exchange = HaloExchange(group, group.rank * local, local, tuple(halos))
+    exchange = HaloExchange(group, group.rank * local, local, b, tuple(halos))
     return AttentionState(
         group=group,
         layout=layout.name,

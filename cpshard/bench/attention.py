@@ -76,7 +76,7 @@ def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
     with ctx():
         state = active_state()
         pairs = _pairs(rt)
-    received = sum(state.recv_counts) - state.recv_counts[rt.rank]
+    received = state.exchange.received_rows
     traffic = torch.tensor([received], dtype=torch.int64)
     dist.all_reduce(traffic, op=dist.ReduceOp.MAX, group=rt.pg)
     out = {
