@@ -28,7 +28,7 @@ from cpshard.bench.blockdiag import (
 from cpshard.bench.memory import saved_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.attention import active_state
-from cpshard.layout import LAYOUTS
+from cpshard.layouts import LAYOUTS
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
 DOC_LENS, QUICK_DOC_LENS = (256, 769), (16, 49)

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpshard import balance
+from cpshard import layouts as balance
 from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.layout import DATA_DEPENDENT_LAYOUTS, LAYOUTS, ShardLayout, make_layout
+from cpshard.layouts import DATA_DEPENDENT_LAYOUTS, LAYOUTS, ShardLayout, make_layout
 from cpshard.sharder import ContextParallelSharder
 
 BALANCED_GOAL = 1.05  # max/mean the balanced layout must reach where the packing allows it
