@@ -15,7 +15,7 @@ from cpshard.ops import (
     unpack_ragged,
 )
 from cpshard.loss import cp_cross_entropy, reduce_cp_gradients
-from cpshard.layout import (
+from cpshard.layouts import (
     LAYOUT_ALIASES,
     LAYOUTS,
     ShardLayout,

@@ -68,7 +68,7 @@ def test_blocks_attend_exactly_the_spans_pairs(seed: int, causal: bool) -> None:
 def test_stripe_state_runs_in_blocks() -> None:
     """``stripe`` gives single-token runs: the loop runs them as a few blocks, not per token."""
     from cpshard.attention.step import step_state as layout_state
-    from cpshard.layout import make_layout
+    from cpshard.layouts import make_layout
 
     class Solo:  # the one rank of a world-4 group whose state is planned (no communication)
         world, rank, name = 4, 1, "solo"

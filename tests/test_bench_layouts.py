@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from cpshard.bench.layouts import BALANCED_GOAL, QUICK_BALANCE, QUICK_CASES
-from cpshard.layout import CLOSED_FORM_LAYOUTS, LAYOUTS
+from cpshard.layouts import CLOSED_FORM_LAYOUTS, LAYOUTS
 
 
 def test_layouts_section_quick_run(run_bench):

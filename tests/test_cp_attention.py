@@ -20,7 +20,7 @@ from test_blockdiag import (
 )
 
 from cpshard.attention import active_state
-from cpshard.layout import LAYOUTS
+from cpshard.layouts import LAYOUTS
 
 
 def _batch(name: str, b: int, s: int, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:

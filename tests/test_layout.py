@@ -27,8 +27,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cpshard import balance
-from cpshard.layout import (
+from cpshard import layouts as balance
+from cpshard.layouts import (
     LAYOUTS,
     ShardLayout,
     canonical_layout_name,

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard import check_mode, comm
-from cpshard.layout import ShardLayout, make_layout
+from cpshard.layouts import ShardLayout, make_layout
 from cpshard.sharder import ContextParallelSharder
 
 WORLDS = [1, 2, 3, 4]

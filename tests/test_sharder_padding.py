@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cpshard.layout import make_layout, padded_seq_len
+from cpshard.layouts import make_layout, padded_seq_len
 from cpshard.sharder import ContextParallelSharder
 
 

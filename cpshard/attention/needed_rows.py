@@ -31,7 +31,7 @@ from cpshard.batch.runs import document_starts, rank_runs
 from cpshard.comm import Group
 from cpshard.comm.collectives import all_to_all_v
 from cpshard.fingerprints import EXCHANGE, call_key
-from cpshard.layout import ShardLayout
+from cpshard.layouts import ShardLayout
 
 
 @dataclass(frozen=True)

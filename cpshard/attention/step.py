@@ -17,7 +17,7 @@ from cpshard.attention.needed_rows import plan_needed_rows
 from cpshard.attention.state import AttentionState
 from cpshard.batch.runs import document_starts, rank_runs
 from cpshard.comm import Group
-from cpshard.layout import ShardLayout
+from cpshard.layouts import ShardLayout
 
 
 def _state(
@@ -42,8 +42,9 @@ def _state(
 def _halo_state(
     group: Group, layout: ShardLayout, doc: torch.Tensor, twin: AttentionState
 ) -> AttentionState:
-    """The contiguous layout's causal state: each rank's runs see their document from its
-    start, over its K/V with the halo its first tokens' documents reach back to in front."""
+    """The causal state of a layout whose ranks hold contiguous runs (``contiguous``): each
+    rank's runs see their document from its start, over its K/V with the halo its first tokens'
+    documents reach back to in front."""
     b, padded = doc.shape
     world, local = group.world, padded // group.world
     starts = document_starts(doc)
@@ -80,8 +81,7 @@ def step_state(
     device)."""
     doc = doc_ids.to("cpu", torch.int64)
     both = _state(group, layout, doc, None)
-    contiguous = layout.closed_form and layout.name == "contiguous"
-    state = (_halo_state if contiguous else _state)(group, layout, doc, both)
+    state = (_halo_state if layout.contiguous_shards else _state)(group, layout, doc, both)
     if device is not None:  # the attention's metadata on the batch's device, once per step
         for s in (state, both):
             s.place_on(device)

@@ -25,12 +25,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from cpshard import LAYOUTS, ContextParallelSharder, ShardLayout, balance, make_layout
+from cpshard import LAYOUTS, ContextParallelSharder, ShardLayout, layouts, make_layout
 from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.layout import DATA_DEPENDENT_LAYOUTS
+from cpshard.layouts import DATA_DEPENDENT_LAYOUTS
 
 BALANCED_GOAL = 1.05  # max/mean the balanced layout must reach where the packing allows it
 
@@ -105,7 +105,7 @@ def owner_ranks(lay: ShardLayout) -> torch.Tensor:
 def max_over_mean(doc_ids: torch.Tensor, lay: ShardLayout) -> float:
     """The per-rank causal cost's max/mean of one row ``doc_ids`` ``[1, S]`` under ``lay``."""
     padded = torch.cat([doc_ids, doc_ids.new_zeros(1, lay.padded_seq_len - doc_ids.shape[1])], 1)
-    costs = balance.rank_costs(padded, owner_ranks(lay), lay.world_size).double()
+    costs = layouts.rank_costs(padded, owner_ranks(lay), lay.world_size).double()
     return float(costs.max() / costs.mean()) if costs.sum() > 0 else 1.0
 
 

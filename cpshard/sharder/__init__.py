@@ -7,7 +7,7 @@ positions, so padding is never materialised). Un-shard (:meth:`gather_token_tens
 all-gather of the shards in rank order (:func:`cpshard.gather_sequence`; ``gather_ragged`` for
 layouts whose ranks hold different counts) followed by ONE reorder with the inverse permutation,
 computed locally -- in closed form for ``contiguous`` / ``head_tail`` / ``stripe``, from the
-indices carried in the :class:`~cpshard.layout.ShardLayout` for data-dependent layouts. The
+indices carried in the :class:`~cpshard.layouts.ShardLayout` for data-dependent layouts. The
 reorder is one fused index gather of tokens into the output, except for ``head_tail``, which
 moves whole chunks: its reorder moves chunks (one index gather of whole chunks; a token index
 costs a lookup per token, which dominates for per-token values), and when nothing precedes the

@@ -12,7 +12,7 @@ import torch
 
 from cpshard import ops
 from cpshard.comm import Group, GroupLike, resolve_group
-from cpshard.layout import CLOSED_FORM_LAYOUTS, ShardLayout, local_token_global_indices
+from cpshard.layouts import ShardLayout, is_closed_form, local_token_global_indices
 from cpshard.validation import Problem
 
 _T = TypeVar("_T")
@@ -91,7 +91,7 @@ class Partition:
     def closed_form_indices(
         self, cp_mesh: GroupLike, padded_seq_len: int, device=None
     ) -> torch.Tensor:
-        """NeMo's ``local_token_global_indices(cp_mesh, padded_seq_len, device)`` callable of the built-in closed-form layout."""
+        """The ``local_token_global_indices`` callable of the built-in closed-form layout."""
         g = resolve_group(cp_mesh, "ContextParallelSharder.local_token_global_indices")
         return local_token_global_indices(
             self.layout, g.rank, g.world, padded_seq_len, num_chunks=self.num_chunks, device=device
@@ -106,7 +106,7 @@ class Partition:
                 return lay, None
             if self.user_indices is not None:
                 return lay, self.user_indices
-            if self.layout in CLOSED_FORM_LAYOUTS:
+            if is_closed_form(self.layout):
                 return _retarget(lay, self.layout, self.num_chunks), None
             raise Problem(
                 f"the shard layout {lay.name!r} carries no local_token_global_indices and no "
@@ -114,7 +114,7 @@ class Partition:
             )
         if self.user_indices is not None:
             return None, self.user_indices
-        if self.layout in CLOSED_FORM_LAYOUTS:
+        if is_closed_form(self.layout):
             return None, None
         which = f"layout {self.layout!r}" if self.layout else "the custom shard_batch's layout"
         raise Problem(
@@ -183,7 +183,7 @@ class Partition:
     def identity(self, lay: ShardLayout) -> bool:
         """True when the rank-major concatenation already is global order."""
         if lay.closed_form:
-            return lay.name == "contiguous" or lay.world_size == 1
+            return lay.rank_major_is_global_order
         return (
             lay.world_size == 1
             and lay.input_row_shape is None

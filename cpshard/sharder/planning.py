@@ -26,7 +26,7 @@ from cpshard.batch.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shi
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import agree
 from cpshard.fingerprints import digest
-from cpshard.layout import CLOSED_FORM_LAYOUTS, ShardLayout, make_layout
+from cpshard.layouts import ShardLayout, is_closed_form, make_layout
 from cpshard.sharder.partition import gather_rows
 from cpshard.validation import Problem, dim_arg, tensor_arg
 
@@ -189,7 +189,7 @@ class BatchPlanner:
         try:
             plan.layout = make_layout(
                 self.layout, world, seq_len,
-                doc_ids=None if self.layout in CLOSED_FORM_LAYOUTS else doc_ids,
+                doc_ids=None if is_closed_form(self.layout) else doc_ids,
                 num_chunks=self.num_chunks, rank_multiple=self.pad_multiple,
             )
         except (TypeError, ValueError) as exc:

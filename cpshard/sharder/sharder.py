@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from cpshard.comm import GroupLike, resolve_group
-from cpshard.layout import (
-    CLOSED_FORM_LAYOUTS,
+from cpshard.layouts import (
     ShardLayout,
     canonical_layout_name,
+    is_closed_form,
     resolve_num_chunks,
 )
 from cpshard.sharder.partition import Partition
@@ -33,7 +33,7 @@ class ContextParallelSharder:
         group_or_mesh: the CP group (``ProcessGroup``, 1-D ``DeviceMesh`` or ``None``).
         layout: ``"head_tail"`` (default; aliases ``zigzag``, ``round_robin``), ``"contiguous"``
             (``sequential``), ``"stripe"``, ``"per_document_head_tail"`` or ``"balanced"`` (see
-            :mod:`cpshard.layout`). In the direct form, the closed-form layout the caller's
+            :mod:`cpshard.layouts`). In the direct form, the closed-form layout the caller's
             ``shard_batch`` follows (used when it reports no layout), or ``None``.
         padding_token_id: the ``input_ids`` value of padded positions.
         loss_mask: a ``[B, S]`` loss mask (aligned with ``labels``), sharded into
@@ -122,7 +122,7 @@ class ContextParallelSharder:
         self.shard_batch = shard_batch if shard_batch is not None else self._planner.shard_batch
         if local_token_global_indices is not None:
             self.local_token_global_indices = local_token_global_indices
-        elif self.layout in CLOSED_FORM_LAYOUTS:
+        elif is_closed_form(self.layout):
             self.local_token_global_indices = self._partition.closed_form_indices
         else:
             self.local_token_global_indices = None

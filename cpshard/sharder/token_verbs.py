@@ -13,7 +13,7 @@ import torch
 
 from cpshard import ops
 from cpshard.consensus import check_call
-from cpshard.layout import ShardLayout, rank_major_inverse
+from cpshard.layouts import ShardLayout, rank_major_inverse
 from cpshard.sharder.partition import Partition, gather_rows, invert_position_map, take
 from cpshard.validation import Problem, dim_arg, tensor_arg
 from cpshard.transport import gather_metadata, gather_ragged, gather_sequence
@@ -186,7 +186,7 @@ class TokenVerbs:
         reorder whole chunks instead of tokens: a closed-form layout that moves whole chunks
         (``head_tail``) over more than one rank, and data to move. None otherwise (the token
         index gather does it)."""
-        if not lay.closed_form or lay.name != "head_tail" or lay.world_size == 1 or not t.numel():
+        if not lay.moves_whole_chunks or lay.world_size == 1 or not t.numel():
             return None
         chunks, world = lay.num_chunks, lay.world_size
 

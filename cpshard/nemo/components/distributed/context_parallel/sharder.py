@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpshard import layout as _layout
+from cpshard import layouts as _layout
 from cpshard import sharder as _sharder
 from cpshard.comm import resolve_group
 

@@ -1,0 +1,92 @@
+"""What a layout strategy answers: the one record every built-in layout is.
+
+A *layout* maps the positions ``0 .. P-1`` of a padded sequence to the CP ranks, every rank
+holding the same number ``L = P / W`` of positions (of every row) in ascending order. Each
+built-in layout is one :class:`LayoutStrategy`, composed in its own module from that layout's
+formulas or planner and registered by name in :mod:`cpshard.layouts.registry`; the rest of
+cpshard asks the strategy (or a property of :class:`~cpshard.layouts.ShardLayout` that asks it)
+instead of comparing layout names.
+
+There are two kinds: *closed-form* strategies compute every rank's positions from the sizes
+alone (``local_indices`` and ``rank_major_inverse``); *planned* strategies compute the owner
+rank of every position from a batch's document ids (``plan_owner``), identically on every rank,
+and the result travels in the :class:`~cpshard.layouts.ShardLayout`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Device", "LayoutStrategy"]
+
+Device = torch.device | str | None
+
+# (rank, world, padded, num_chunks, device) -> the P / W positions (int64, ascending) of rank
+IndicesFormula = Callable[[int, int, int, "int | None", Device], torch.Tensor]
+# (world, padded, num_chunks, device) -> [P]: each position's slot in the rank-major order
+InverseFormula = Callable[[int, int, "int | None", Device], torch.Tensor]
+# (doc_ids [B, P], world, num_chunks, tolerance) -> owner rank [B, P], P / W per rank and row
+Planner = Callable[[torch.Tensor, int, "int | None", float], torch.Tensor]
+
+
+def per_rank_unit(world: int, num_chunks: int | None) -> int:
+    """The pad unit of a layout that needs only an equal share per rank: ``W``."""
+    return world
+
+
+@dataclass(frozen=True, eq=False)
+class LayoutStrategy:
+    """One layout's answers.
+
+    Attributes:
+        name: the canonical name (what :class:`~cpshard.layouts.ShardLayout` records).
+        aliases: other accepted spellings of ``name``.
+        local_indices: closed form only: the formula of a rank's positions. Its arguments
+            arrive validated (``padded`` a multiple of :attr:`pad_unit`, ``rank`` in range).
+        rank_major_inverse: closed form only: the formula of every position's slot in the
+            concatenation of the ranks' shards (rank 0's, then rank 1's, ...).
+        plan_owner: planned only: the owner rank of every position of padded document ids
+            ``[B, P]`` (0 = padding); ``tolerance`` is the allowed excess of the most loaded
+            rank's cost over the mean, for planners that balance cost.
+        default_num_chunks: the chunk count used when none is given, for a layout
+            parameterised by a chunk count ``C``; None for a layout that takes none.
+        pad_unit: ``(world, num_chunks) -> multiple`` the padded length must be (before a
+            per-rank multiple is folded in).
+        moves_whole_chunks: every rank holds whole chunks of ``P / C`` tokens, so un-sharding
+            can reorder chunks (the inverse at one token per chunk) instead of single tokens.
+        rank_major_is_global_order: the rank-major concatenation of the shards already is
+            global order, for every world size, so un-sharding needs no reorder.
+        contiguous_shards: every rank holds one contiguous run of positions, so its causal keys
+            from earlier ranks are a halo of the rows just before its run.
+    """
+
+    name: str
+    aliases: tuple[str, ...] = ()
+    local_indices: IndicesFormula | None = None
+    rank_major_inverse: InverseFormula | None = None
+    plan_owner: Planner | None = None
+    default_num_chunks: Callable[[int], int] | None = None
+    pad_unit: Callable[[int, int | None], int] = per_rank_unit
+    moves_whole_chunks: bool = False
+    rank_major_is_global_order: bool = False
+    contiguous_shards: bool = False
+
+    def __post_init__(self) -> None:
+        formulas = (self.local_indices, self.rank_major_inverse)
+        if (self.plan_owner is None) == any(f is None for f in formulas):
+            raise TypeError(
+                f"layout strategy {self.name!r}: give both closed-form formulas or a planner"
+            )
+
+    @property
+    def closed_form(self) -> bool:
+        """True when the partition follows from the sizes alone (no planner)."""
+        return self.plan_owner is None
+
+    @property
+    def takes_num_chunks(self) -> bool:
+        """True when the layout is parameterised by a chunk count."""
+        return self.default_num_chunks is not None

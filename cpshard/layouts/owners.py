@@ -1,0 +1,74 @@
+"""Owner ranks, the common currency of the planned layouts: a plan is the owner rank of every
+padded position, ``[B, P]`` int64, built from *pieces* ``(start, length, rank)`` that tile a
+row, with exactly ``P / W`` positions of every row on every rank; :func:`owner_to_indices`
+turns it into the per-rank positions a :class:`~cpshard.layouts.ShardLayout` carries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from cpshard.validation import is_int
+
+__all__ = ["Piece", "check_doc_ids", "owner_row", "owner_to_indices", "stack_rows"]
+
+Piece = tuple[int, int, int]  # (start, length, rank)
+
+
+def check_doc_ids(doc_ids: torch.Tensor, world: int, what: str) -> None:
+    """``doc_ids`` must be an integer ``[B, P]`` tensor with ``P`` a multiple of ``world``."""
+    if not isinstance(doc_ids, torch.Tensor):
+        raise TypeError(f"{what}: doc_ids must be a torch.Tensor, got {type(doc_ids).__name__}")
+    if doc_ids.dim() != 2:
+        raise ValueError(f"{what}: doc_ids must be [B, P], got shape {tuple(doc_ids.shape)}")
+    if doc_ids.dtype.is_floating_point or doc_ids.dtype.is_complex:
+        raise TypeError(f"{what}: doc_ids must hold integers or bools, got {doc_ids.dtype}")
+    if not is_int(world) or world < 1:
+        raise ValueError(f"{what}: world must be a positive int, got {world!r}")
+    if doc_ids.shape[1] % world:
+        raise ValueError(
+            f"{what}: the padded length P = {doc_ids.shape[1]} is not a multiple of world = {world}"
+        )
+
+
+def owner_row(pieces: list[Piece], length: int) -> torch.Tensor:
+    """The owner rank of every position of a row of ``length`` tiled by ``pieces``."""
+    pieces = sorted(pieces)
+    assert sum(p[1] for p in pieces) == length, "internal error: pieces do not tile the row"
+    owner = torch.zeros(length, dtype=torch.int64)
+    if pieces:
+        # Rank deltas at piece starts, then a running sum (repeat_interleave, but cheap on a
+        # busy machine: it is multi-threaded even for tiny inputs).
+        starts = torch.tensor([p[0] for p in pieces], dtype=torch.int64)
+        ranks = torch.tensor([p[2] for p in pieces], dtype=torch.int64)
+        delta = ranks.clone()
+        delta[1:] -= ranks[:-1]
+        owner[starts] = delta
+        owner = owner.cumsum(0)
+    return owner
+
+
+def stack_rows(rows: list[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
+    """The rows' owners as one ``[B, P]`` tensor (empty of ``shape`` for no rows)."""
+    if not rows:
+        return torch.empty(tuple(shape), dtype=torch.int64)
+    return torch.stack(rows)
+
+
+def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
+    """``[W, B, P/W]``: every rank's positions of every row, ascending, from owner ranks
+    ``[B, P]`` (each rank must own exactly ``P / W`` positions of every row)."""
+    what = "cpshard.balance.owner_to_indices"
+    if owner.dim() != 2 or owner.shape[1] % world:
+        raise ValueError(f"{what}: owner must be [B, P] with P a multiple of world = {world}")
+    rows, length = owner.shape
+    per_rank = length // world
+    counts = torch.zeros(rows, world, dtype=torch.int64).scatter_add_(
+        1, owner, torch.ones_like(owner)
+    )
+    if not bool((counts == per_rank).all()):
+        raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
+    order = torch.argsort(owner, dim=1, stable=True)  # by rank, ascending position within a rank
+    return order.view(rows, world, per_rank).permute(1, 0, 2).contiguous()

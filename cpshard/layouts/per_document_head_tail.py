@@ -1,0 +1,54 @@
+"""The ``per_document_head_tail`` layout: the serpentine zig-zag inside every run of a packed
+row (documents and padding runs alike), planned from the batch's document ids.
+
+A run of ``n`` tokens is cut into ``C`` chunks (default ``2W``) of ``n // C`` tokens, chunk
+``k`` owned by rank ``k`` on even passes of ``W`` chunks and by ``W - 1 - k % W`` on odd ones
+(for ``C = 2W``: rank ``r`` owns chunks ``r`` and ``2W - 1 - r``). The ``n % C`` remaining
+tokens are dealt one each to ranks ``c, c+1, ...`` (mod ``W``), ``c`` a counter running along
+the row, each extra token widening that rank's next chunk of the run. Documents shorter than
+``C`` are thus spread over consecutive ranks without being padded, and because the extras are
+dealt cyclically along the row, every rank ends with exactly ``P / W`` tokens. The padded
+length is a multiple of ``W``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cpshard.batch.runs import document_runs
+from cpshard.layouts.base import LayoutStrategy
+from cpshard.layouts.owners import check_doc_ids, owner_row, stack_rows
+from cpshard.layouts.serpentine import default_num_chunks, zigzag_run
+from cpshard.validation import is_int
+
+__all__ = ["PER_DOCUMENT_HEAD_TAIL", "plan_per_document_head_tail"]
+
+
+def plan_per_document_head_tail(
+    doc_ids: torch.Tensor, world: int, num_chunks: int | None = None
+) -> torch.Tensor:
+    """Owner rank ``[B, P]`` of every position under ``per_document_head_tail`` (module doc)."""
+    what = "cpshard.balance.plan_per_document_head_tail"
+    check_doc_ids(doc_ids, world, what)
+    chunks = default_num_chunks(world) if num_chunks is None else num_chunks
+    if not is_int(chunks) or chunks < 1 or chunks % world:
+        raise ValueError(
+            f"{what}: num_chunks must be a positive multiple of world = {world}, got {num_chunks!r}"
+        )
+    rows = []
+    for row in doc_ids:
+        counter, pieces = 0, []
+        for start, n, _ in document_runs(row):
+            ps, counter = zigzag_run(start, n, world, chunks, counter)
+            pieces.extend(ps)
+        rows.append(owner_row(pieces, row.numel()))
+    return stack_rows(rows, doc_ids.shape)
+
+
+PER_DOCUMENT_HEAD_TAIL = LayoutStrategy(
+    "per_document_head_tail",
+    plan_owner=lambda doc_ids, world, chunks, tolerance: plan_per_document_head_tail(
+        doc_ids, world, chunks
+    ),
+    default_num_chunks=default_num_chunks,
+)
