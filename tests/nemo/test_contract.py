@@ -149,7 +149,7 @@ def test_package_exports_the_sharder():
 def test_py_typed_ships_with_the_package():
     """PEP 561 marker in the package and in its package data (so wheels carry it)."""
     assert resources.files("cpshard").joinpath("py.typed").is_file()
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["cpshard"]
 
 
