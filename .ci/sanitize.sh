@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sanitizer job: build cpshard._C with AddressSanitizer + UBSan (CPSHARD_SANITIZE=1, CPU only) in a
-# scratch copy of the repository and run the hypothesis fuzz tests (and tests/test_ops.py when it
-# exists) against that build. Exits non-zero when the build or a test fails, when the loaded
+# scratch copy of the repository and run the hypothesis fuzz tests (and tests/ops/test_ops.py when
+# it exists) against that build. Exits non-zero when the build or a test fails, when the loaded
 # extension is not the sanitized one, or when a sanitizer reports anything.
 #
 # Environment:
@@ -74,8 +74,8 @@ print("   ", cpshard._C.__file__, info)
 sys.exit(0 if info.sanitized else "cpshard.build_info().sanitized is False")
 ')
 
-tests=(tests/test_fuzz.py)
-[[ -f "$work/tests/test_ops.py" ]] && tests+=(tests/test_ops.py)
+tests=(tests/ops/test_ops_fuzz.py)
+[[ -f "$work/tests/ops/test_ops.py" ]] && tests+=(tests/ops/test_ops.py)
 stamp "pytest ${tests[*]} (CPSHARD_FUZZ_EXAMPLES=$CPSHARD_FUZZ_EXAMPLES)"
 test_start=$(date +%s)
 status=0

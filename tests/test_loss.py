@@ -6,16 +6,14 @@ every rank's loss sum and parameter gradients equal the single-process model's; 
 ``"replicated"`` rule averages instead; labels with ignored tokens, a rank without any labelled
 token and a batch without any are covered, in both check modes.
 
-The validation model (SPEC §3): by default both functions check their local arguments only and
-issue nothing but their all-reduce; in checked mode one consensus round makes every rank raise
-for bad input on one rank, and for arguments that differ across ranks.
+The validation model (docs/validation.md): by default both functions check their local arguments
+only and issue nothing but their all-reduce; in checked mode one consensus round makes every rank
+raise for bad input on one rank, and for arguments that differ across ranks.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,9 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpshard import check_mode, cp_cross_entropy, gather_sequence, reduce_cp_gradients
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_transport_modes import _counting  # noqa: E402
+from tests.helpers import counting_collectives
 
 F64 = torch.float64
 V, H, B = 11, 6, 2
@@ -239,7 +235,7 @@ def _collectives(rank: int, world: int) -> dict[str, dict[str, int]]:
         with check_mode(mode):
             for name, fn in functions.items():
                 fn()  # warm-up: the steady state is what is counted
-                with _counting() as seen:
+                with counting_collectives() as seen:
                     fn()
                 out[f"{name} {mode}"] = dict(seen)
     return out

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The prepared check for a fresh machine with one or more GPUs, in one shot: build the CUDA
-# extension in place (for this GPU's architecture only), then the GPU tests (tests/test_gpu.py:
-# CUDA kernels vs CPU, the native NCCL communicator at world size 1 vs torch.distributed, and at
+# extension in place (for this GPU's architecture only), then the GPU tests
+# (tests/ops/test_cuda_kernels.py and tests/comm/test_nccl.py: CUDA kernels vs CPU, the native
+# NCCL communicator at world size 1 vs torch.distributed, and at
 # world size 2 when two GPUs are visible; the CUDA-parametrized op tests), the steady-state
 # transport and a cp_blockdiag_sdpa layer under torch.cuda.set_sync_debug_mode("error") (world
 # size 1, and every visible GPU up to 4 when there are two or more: NCCL refuses two ranks on one
@@ -81,18 +82,18 @@ step build build.log 330 env MAX_JOBS=${MAX_JOBS:-$(nproc)} "$py" setup.py build
 step build_info build.log 60 "$py" -c "import cpshard, torch; i = cpshard.build_info(); print(i)
 assert torch.cuda.is_available(), 'torch sees no GPU'
 assert i.cuda_kernels and i.nccl, 'not the CUDA + NCCL build'"
-step gpu_tests tests.txt 180 "${tests[@]}" tests/test_gpu.py
+step gpu_tests tests.txt 180 "${tests[@]}" tests/ops/test_cuda_kernels.py tests/comm/test_nccl.py
 step steady_state_w1 steady_state.txt 120 "$py" scripts/gpu/steady_state.py --world 1
 if ((wide >= 2)); then
     step "steady_state_w$wide" steady_state.txt 150 "$py" scripts/gpu/steady_state.py --world "$wide"
 fi
 step nccl_world1 benchmarks.txt 90 "$py" -m cpshard.bench.nccl_world1 --json "$out/nccl_world1.json"
-step gpu_op_tests tests.txt 150 "${tests[@]}" -m gpu tests/test_ops.py
+step gpu_op_tests tests.txt 150 "${tests[@]}" -m gpu tests/ops/test_ops.py
 step kernels_cuda benchmarks.txt 120 \
     "$py" -m cpshard.bench.kernels --device cuda --json "$out/kernels_cuda.json"
 step kernels_cpu benchmarks.txt 90 "$py" -m cpshard.bench.kernels --json "$out/kernels_cpu.json"
 # torch.compile on CUDA (inductor builds Triton kernels): the slowest step, so the last.
-step gpu_compile_tests tests.txt 180 "${tests[@]}" -m gpu tests/test_ops_compile.py
+step gpu_compile_tests tests.txt 180 "${tests[@]}" -m gpu tests/ops/test_ops_compile.py
 
 echo "results in $out ($SECONDS s)" | tee -a "$out/summary.txt"
 cat "$out/summary.txt"

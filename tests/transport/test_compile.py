@@ -1,4 +1,4 @@
-"""``torch.compile(fullgraph=True)`` traces the transport (SPEC §3): each of
+"""``torch.compile(fullgraph=True)`` traces the transport (``cpshard.transport``): each of
 ``gather_sequence``, ``gather_ragged`` and ``gather_halo``, forward and backward, compiles with no
 graph break and equals eager at W = 2 and 4 on gloo (the verbs are custom ops keyed by group
 name, with fake kernels and autograd)."""

@@ -1,12 +1,11 @@
-"""The NeMo Automodel mirror (``cpshard.nemo``, SPEC §3.6) against the seed pages' contract,
-item by item, in one process (the multi-rank items are in ``tests/test_nemo_ranks.py``).
+"""The NeMo Automodel mirror (``cpshard.nemo``) against NeMo Automodel's documented API, item
+by item, in one process (the multi-rank items are in ``tests/nemo/test_ranks.py``).
 
-Each seed page's documented names, signatures (parameter names, kinds, defaults), return values
-and exception types are written down below as the contract; the ``cpshard.nemo`` names are
-checked against it. A cpshard signature may extend a seed signature with further parameters
-that have defaults (e.g. ``seq_dim``), never change or reorder the documented ones. The
-``cp_vision_frame_shard`` page lost its signature lines in the stored seed; its parameter lists
-are those of the same published reference page.
+NeMo's documented names, signatures (parameter names, kinds, defaults), return values and
+exception types are written down below as the contract; the ``cpshard.nemo`` names are checked
+against it. A cpshard signature may extend a documented signature with further parameters that
+have defaults (e.g. ``seq_dim``), never change or reorder the documented ones. The parameter
+lists of ``cp_vision_frame_shard`` are those of NeMo's published API reference.
 """
 
 from __future__ import annotations
@@ -35,7 +34,7 @@ POS, KW = P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY
 REQ = P.empty
 
 # --------------------------------------------------------------------------- the contract
-# (module, qualified name) -> [(parameter, kind, default)], from the seed pages.
+# (module, qualified name) -> [(parameter, kind, default)], as NeMo documents them.
 
 SIGNATURES: dict[tuple[str, str], list[tuple[str, inspect._ParameterKind, object]]] = {
     # step5_cp_transport.txt
@@ -114,7 +113,7 @@ def _resolve(module: str, qualname: str):
 
 
 @pytest.mark.parametrize("path", MODULE_PATHS)
-def test_module_paths_mirror_the_seed(path):
+def test_module_paths_mirror_nemo(path):
     """Replacing the import prefix ``nemo_automodel`` with ``cpshard.nemo`` imports the module."""
     assert importlib.import_module(path).__name__ == path
 
@@ -122,7 +121,7 @@ def test_module_paths_mirror_the_seed(path):
 @pytest.mark.parametrize("key", list(SIGNATURES), ids=lambda k: f"{k[0]}.{k[1]}")
 def test_documented_signature(key):
     """The documented parameters come first, with the documented names, kinds and defaults; any
-    further parameter is optional (a superset the seed's calls never see)."""
+    further parameter is optional (a superset that NeMo's documented calls never see)."""
     obj = _resolve(*key)
     params = list(inspect.signature(obj).parameters.values())
     documented = SIGNATURES[key]
@@ -149,7 +148,7 @@ def test_package_exports_the_sharder():
 def test_py_typed_ships_with_the_package():
     """PEP 561 marker in the package and in its package data (so wheels carry it)."""
     assert resources.files("cpshard").joinpath("py.typed").is_file()
-    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert "py.typed" in pyproject["tool"]["setuptools"]["package-data"]["cpshard"]
 
 
@@ -276,7 +275,7 @@ def test_contiguous_balanced_bounds_contract():
         worst = max(sum(costs[a:b]) for a, b in itertools.pairwise(cuts))
         assert worst == _brute_force_bottleneck(costs, world)  # never worse than any cut
         assert vfs._contiguous_balanced_bounds(patches, world, config=cfg) == cuts
-    # the seed's exact-boundary example: 4 equal frames over 2 ranks split [2, 2]
+    # NeMo's documented exact-boundary example: 4 equal frames over 2 ranks split [2, 2]
     assert vfs._contiguous_balanced_bounds(torch.tensor([4, 4, 4, 4]), 2) == [0, 2, 4]
     with pytest.raises(ValueError):
         vfs._contiguous_balanced_bounds(torch.tensor([4, 0, 4]), 2)

@@ -1,4 +1,5 @@
-"""Multi-process tests of the differentiable sequence transport (SPEC §3.1) on gloo.
+"""Multi-process tests of the differentiable sequence transport (the ``gather_*`` verbs of
+``cpshard.transport``) on gloo.
 
 Every gather is compared with an independent single-process reference written here in plain
 PyTorch: each rank builds the FULL tensor from a fixed seed (the same on every rank), takes its
@@ -25,6 +26,7 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard import gather_halo, gather_metadata, gather_ragged, gather_sequence
+from tests.helpers import assert_no_mismatches
 
 WORLDS = [1, 2, 3, 4]
 F64, F32, BF16, I64 = torch.float64, torch.float32, torch.bfloat16, torch.int64
@@ -589,28 +591,23 @@ def _run_pipelined_reduce_scatter(rank: int, world: int) -> list[str]:
 # --------------------------------------------------------------------------- tests
 
 
-def _assert_clean(results: list) -> None:
-    errs = [f"rank {r}: {e}" for r, res in enumerate(results) for e in res]
-    assert not errs, f"{len(errs)} mismatches, first ones:\n" + "\n".join(errs[:20])
-
-
 @pytest.mark.parametrize("world", WORLDS)
 def test_gather_ragged_matches_reference(pools, world):
     results = pools(world).run(_run_ragged_grid, timeout=120)
     assert all(n == len(_ragged_grid(world)) for n, _ in results)
-    _assert_clean([errs for _, errs in results])
+    assert_no_mismatches([errs for _, errs in results])
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_gather_sequence_and_metadata_match_reference(pools, world):
     results = pools(world).run(_run_sequence_grid, timeout=120)
-    _assert_clean([errs for _, errs in results])
+    assert_no_mismatches([errs for _, errs in results])
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_gather_halo_matches_reference(pools, world):
     results = pools(world).run(_run_halo_grid, timeout=120)
-    _assert_clean([errs for _, errs in results])
+    assert_no_mismatches([errs for _, errs in results])
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -634,17 +631,17 @@ def test_group_kinds(pools, world):
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_pipelined_reduce_scatter_matches_all_to_all(pools, world):
-    _assert_clean(pools(world).run(_run_pipelined_reduce_scatter, timeout=120))
+    assert_no_mismatches(pools(world).run(_run_pipelined_reduce_scatter, timeout=120))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_deterministic(pools, world):
-    _assert_clean(pools(world).run(_run_twice, timeout=60))
+    assert_no_mismatches(pools(world).run(_run_twice, timeout=60))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_autograd_chain_matches_single_process(pools, world):
-    _assert_clean(pools(world).run(_run_chain, timeout=60))
+    assert_no_mismatches(pools(world).run(_run_chain, timeout=60))
 
 
 def test_exported_names():

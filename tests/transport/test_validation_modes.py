@@ -1,4 +1,5 @@
-"""The validation model of the per-call transport (SPEC §3, issue: hot path fit for GPUs).
+"""The validation model of the per-call transport (docs/validation.md): a hot path that issues
+nothing but its transfers, fit for GPUs.
 
 * Default mode: a steady-state ``gather_sequence`` / ``gather_ragged`` / ``gather_halo`` call
   issues exactly its data transfer (one batched point-to-point on gloo) and its backward exactly
@@ -11,54 +12,15 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-import sys
-from collections import Counter
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from cpshard import check_mode, gather_halo, gather_ragged, gather_sequence
 from cpshard.testing import RankPool
-
-sys.path.insert(0, str(Path(__file__).parent))
-from test_transport_errors import CASES, _call  # noqa: E402
+from tests.helpers import GATHER_ERROR_CASES, call_gather_case, counting_collectives
 
 F64 = torch.float64
-# Every collective and point-to-point entry of torch.distributed a transport could use
-# (isend/irecv stay unwrapped: P2POp checks their identity; they are counted through
-# batch_isend_irecv, the only way the transport posts them).
-_ENTRIES = (
-    "batch_isend_irecv", "all_to_all_single", "all_gather_into_tensor", "all_gather",
-    "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce",
-    "broadcast", "broadcast_object_list", "all_gather_object", "send", "recv", "barrier",
-    "reduce_scatter", "gather", "scatter", "all_to_all",
-)
-
-
-@contextlib.contextmanager
-def _counting() -> Iterator[Counter]:
-    """Count calls of every torch.distributed entry in ``_ENTRIES`` inside the block."""
-    seen: Counter = Counter()
-    originals = {name: getattr(dist, name) for name in _ENTRIES if hasattr(dist, name)}
-
-    def wrap(name, fn):
-        def counted(*args, **kwargs):
-            seen[name] += 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-    for name, fn in originals.items():
-        setattr(dist, name, wrap(name, fn))
-    try:
-        yield seen
-    finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
 
 
 def _calls(rank: int, world: int) -> dict[str, dict[str, dict[str, int]]]:
@@ -77,9 +39,9 @@ def _calls(rank: int, world: int) -> dict[str, dict[str, dict[str, int]]]:
             x = torch.randn(2, n, 3, dtype=F64, requires_grad=True)
             with check_mode(mode):
                 fn(x).sum().backward()  # warm-up: the steady state is what is counted
-                with _counting() as fwd:
+                with counting_collectives() as fwd:
                     y = fn(x)
-                with _counting() as bwd:
+                with counting_collectives() as bwd:
                     y.sum().backward()
             out[f"{name} {mode}"] = {"forward": dict(fwd), "backward": dict(bwd)}
     return out
@@ -118,11 +80,11 @@ _LOCAL = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(GATHER_ERROR_CASES))
 def test_default_mode_bad_input_never_silent(short_pool2, case):
     short_pool2.start()
     bad = 1
-    outcomes = short_pool2.run_collect(_call, case, bad, "step", timeout=PG_TIMEOUT + 20)
+    outcomes = short_pool2.run_collect(call_gather_case, case, bad, "step", timeout=PG_TIMEOUT + 20)
     for o in outcomes:
         assert not o.ok, f"rank {o.rank} returned {o.value!r}: a silent answer to bad input"
         assert not o.timed_out, f"rank {o.rank} hung past the group's timeout:\n{o.traceback}"
@@ -152,7 +114,7 @@ def _store_channel(rank: int, world: int) -> dict[str, object]:
     Group.backend = property(lambda self: "nccl")  # type: ignore[method-assign]
     verdicts = []
     try:
-        with _counting() as seen:
+        with counting_collectives() as seen:
             for round_ in range(4):  # several rounds: keys are reused safely
                 try:
                     agree(g, "store.check", "bad here" if rank == round_ % world else None)

@@ -1,4 +1,4 @@
-"""Single-process tests of vision frame sharding's pure parts: the config, the
+"""Single-process tests of vision frame sharding's pure parts (``cpshard.vision``): the config, the
 optimal contiguous planner (against brute force and an independent DP), the cost model, the
 frame plan and the group-scope API.
 

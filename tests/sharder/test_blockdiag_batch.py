@@ -1,80 +1,28 @@
 """Block-diagonal CP attention against a single-process dense reference.
 
-The reference builds the block-diagonal causal mask independently (a document is a maximal run
-of one non-zero id; pads attend to nothing and output zeros) and runs plain softmax attention on
-the full sequence. Every rank's output and the float64 gradients of q, k, v and of an upstream
-``inputs_embeds`` (through projections) must match it.
+The reference (:func:`tests.helpers.dense_attention`) builds the block-diagonal causal mask
+independently (a document is a maximal run of one non-zero id; pads attend to nothing and output
+zeros) and runs plain softmax attention on the full sequence. Every rank's output and the float64
+gradients of q, k, v and of an upstream ``inputs_embeds`` (through projections) must match it.
 """
 
 from __future__ import annotations
-
-import os
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from cpshard.attention import active_state
-from cpshard.attention.engine import part_kernel as _PART_KERNEL
-from cpshard.attention.engine import varlen_kernel as _VARLEN_KERNEL
 from cpshard.batch import document_ids
-
-D = 8
-
-
-def _packing(name: str, b: int, s: int) -> torch.Tensor:
-    """Document ids [b, s] for a named packing pattern."""
-    doc = torch.zeros(b, s, dtype=torch.long)
-    for row in range(b):
-        if name == "short_docs":
-            doc[row] = torch.arange(s) // 3 + 1
-        elif name == "one_doc":
-            doc[row] = 1
-        elif name == "interior_pad":
-            doc[row, : s // 3] = 1
-            doc[row, s // 3 + 2 : s - 1] = 2
-        elif name == "leading_pad":
-            doc[row, 5:] = 7
-        elif name == "pad_rank":  # a whole middle stretch of padding (a full rank at W <= 4)
-            doc[row, : s // 5] = 1
-            doc[row, s - s // 5 :] = 2
-        elif name == "reused_ids":
-            doc[row] = torch.tensor([1, 1, 2, 2, 2, 1, 1, 0, 1, 1, 3, 3] * s)[:s]
-        elif name == "random":
-            g = torch.Generator().manual_seed(17 * row + s)
-            i = 0
-            while i < s:
-                n = int(torch.randint(1, max(2, s // 2), (1,), generator=g))
-                doc[row, i : i + n] = int(torch.randint(0, 3, (1,), generator=g))
-                i += n
-        else:
-            raise AssertionError(name)
-    return doc
-
-
-def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, causal: bool = True
-) -> torch.Tensor:
-    """Dense block-diagonal causal (or bidirectional) attention on the full sequence (pads
-    output zeros)."""
-    s = q.shape[2]
-    new_run = torch.ones_like(doc, dtype=torch.bool)
-    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
-    run = torch.cumsum(new_run.long(), dim=1)
-    pos = torch.arange(s)
-    mask = (
-        (run[:, :, None] == run[:, None, :])
-        & (doc[:, :, None] != 0)
-        & ((pos[:, None] >= pos[None, :]) | (not causal))
-    )
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
-    return probs @ v
+from tests.helpers import (
+    PATHS,
+    D,
+    compare_compiled,
+    dense_attention,
+    kernel_path,
+    packed_doc_ids,
+    record_host_reads,
+)
 
 
 class _Proj(torch.nn.Module):
@@ -116,87 +64,12 @@ CASES = [
 ]
 
 
-class _StandInVarlen:
-    """torch's varlen flash contract (``aten._flash_attention_forward`` / ``_backward``) in plain
-    PyTorch: packed ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA
-    by head groups, the causal mask aligned bottom-right (a query sees every key of a longer
-    prefix) or none, ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
-    same statement (``torch.func``: autograd is off inside a custom op). It
-    records every packing it is handed."""
-
-    def __init__(self) -> None:
-        self.packings: list = []
-        self.calls = {"forward": 0, "backward": 0}
-
-    def _attend(self, q, k, v, p, scale):
-        cu_q, cu_k = p.cu_q, p.cu_k
-        assert (
-            cu_q.dtype == cu_k.dtype == torch.int32
-            and isinstance(p.max_q, int)
-            and isinstance(p.max_k, int)
-        )
-        assert p.max_q == int((cu_q[1:] - cu_q[:-1]).max()) and p.max_k == int(
-            (cu_k[1:] - cu_k[:-1]).max()
-        )
-        assert q.shape[0] == int(cu_q[-1]) and k.shape[0] == v.shape[0] == int(cu_k[-1])
-        self.packings.append(p)
-        outs, lses = [], []
-        for i in range(len(cu_q) - 1):
-            qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
-            rep = q.shape[1] // k.shape[1]
-            ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
-            vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
-            n, m = qs.shape[1], ks.shape[1]
-            visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
-            visible |= not p.causal
-            scores = (
-                qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
-            ).masked_fill(~visible, float("-inf"))
-            outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
-            wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse
-            lses.append(torch.logsumexp(scores.to(wide), dim=-1))
-        return torch.cat(outs), torch.cat(lses, dim=1)
-
-    def forward(self, q, k, v, p, scale):
-        self.calls["forward"] += 1
-        return self._attend(q, k, v, p, scale)
-
-    def backward(self, grad, q, k, v, out, lse, p, scale):
-        self.calls["backward"] += 1
-        (again, again_lse), vjp = torch.func.vjp(lambda *t: self._attend(*t, p, scale), q, k, v)
-        torch.testing.assert_close(again, out, rtol=0, atol=0)
-        torch.testing.assert_close(again_lse, lse, rtol=0, atol=0)
-        return vjp((grad, torch.zeros_like(lse)))
-
-
-PATHS = ["per_segment", "varlen", "math"]
-
-
-@contextmanager
-def _path(name: str) -> Iterator[_StandInVarlen | None]:
-    """Route cp_blockdiag_sdpa's kernels on CPU: the CPU flash loop (``per_segment``), the
-    one-launch varlen path of CUDA fp16/bf16 with :class:`_StandInVarlen` as its kernel
-    (``varlen``), or the loop with the explicit part kernel of CUDA fp32/fp64 (``math``)."""
-    from cpshard.attention import engine as attention
-    from cpshard.attention.kernels import MathPart
-
-    kernel = _StandInVarlen() if name == "varlen" else None
-    try:
-        if kernel is not None:
-            attention.varlen_kernel = lambda q, d_k, d_v: kernel
-        if name == "math":
-            attention.part_kernel = lambda q: MathPart()
-        yield kernel
-    finally:
-        attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL
-
-
 def _distributed(
     rank: int, world: int, cases: list[tuple], path: str = "per_segment"
 ) -> list[tuple[torch.Tensor, ...]]:
     """Per case: this rank's output, and the gradients of its embeds shard and the projections,
-    through the kernel ``path`` (see :func:`_path`)."""
-    with _path(path) as kernel:
+    through the kernel ``path`` (see :func:`tests.helpers.kernel_path`)."""
+    with kernel_path(path) as kernel:
         results = _distributed_cases(rank, world, cases)
     if kernel is not None:  # one forward and one backward launch per call with segments
         assert kernel.calls["forward"] == kernel.calls["backward"] >= len(cases) - 1, kernel.calls
@@ -210,7 +83,7 @@ def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[
 
     results = []
     for name, b, s, heads, kv_heads in cases:
-        doc = _packing(name, b, s)
+        doc = packed_doc_ids(name, b, s)
         emb, upstream = _inputs(b, s, 6, seed=s)
         emb.requires_grad_()
         proj = _Proj(6, heads, kv_heads)
@@ -234,12 +107,12 @@ def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[
 def _single(cases: list[tuple], world: int) -> list[tuple[torch.Tensor, ...]]:
     results = []
     for name, b, s, heads, kv_heads in cases:
-        doc = _packing(name, b, s)
+        doc = packed_doc_ids(name, b, s)
         emb, upstream = _inputs(b, s, 6, seed=s)
         emb.requires_grad_()
         proj = _Proj(6, heads, kv_heads)
         q, k, v = proj(emb)
-        out = _reference(q, k, v, doc)
+        out = dense_attention(q, k, v, doc)
         (out * upstream[:, :heads, :s]).sum().backward()
         results.append((out.detach(), doc == 0, emb.grad, *[p.grad for p in proj.parameters()]))
     return results
@@ -270,7 +143,7 @@ def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
     """Pad rows are exactly zero; W = 1 per-segment attention equals the dense reference."""
     from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
-    doc = _packing("interior_pad", 1, 30)
+    doc = packed_doc_ids("interior_pad", 1, 30)
     q, k, v = (torch.randn(1, 2, 30, D, dtype=torch.float64) for _ in range(3))
     ctx, _ = make_cp_blockdiag_batch_and_ctx(
         None, None, {"inputs_embeds": torch.zeros(1, 30, 4), "_packed_seq_ids": doc}
@@ -278,7 +151,7 @@ def test_pad_rows_output_zero_and_no_mask_materialised() -> None:
     with ctx():
         out = cp_blockdiag_sdpa(q, k, v)
     assert torch.all(out[:, :, doc[0] == 0] == 0)
-    torch.testing.assert_close(out, _reference(q, k, v, doc), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out, dense_attention(q, k, v, doc), rtol=0, atol=1e-12)
 
 
 def test_plain_sdpa_when_inactive_and_nesting_restores() -> None:
@@ -406,20 +279,6 @@ COMPILE_BATCHES = [
 ]  # different segments and halos
 
 
-def compare_compiled(
-    compiled, eager, ctx, qkv: tuple[torch.Tensor, ...], weight: torch.Tensor, name: str
-) -> None:
-    """Inside ``ctx()``, ``compiled(q, k, v)`` equals ``eager(q, k, v)``, forward and gradients."""
-    got = []
-    for fn in (compiled, eager):
-        leaves = [t.clone().requires_grad_() for t in qkv]
-        with ctx():
-            out = fn(*leaves)
-        got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
-    for a, e in zip(*got, strict=True):
-        torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager")
-
-
 def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[int]:
     """cp_blockdiag_sdpa compiled once (fullgraph, ``backend``) over batches with different
     documents: outputs and gradients equal eager; returns the compile counts."""
@@ -438,9 +297,9 @@ def _compiled_vs_eager(rank: int, world: int, path: str, backend: str) -> list[i
     compiled = torch.compile(attend, backend=counter, fullgraph=True)
     b, s, local = 2, 24, 24 // world
     halos = set()
-    with _path(path):
+    with kernel_path(path):
         for name in COMPILE_BATCHES:
-            doc = _packing(name, b, s)
+            doc = packed_doc_ids(name, b, s)
             ctx, _ = make_cp_blockdiag_batch_and_ctx(
                 dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
             )
@@ -466,45 +325,6 @@ def test_compiled_does_not_recompile_per_batch(pools, path: str, backend: str) -
     assert all(frames == 1 for frames, _ in counts), counts
 
 
-_HOST_READS = ["item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"]
-
-
-@contextmanager
-def _recording_host_reads(reads: list[str], allowed: torch.Tensor) -> Iterator[None]:
-    """Record every host read of tensor data (``.item()``, ``.tolist()``, ``.cpu()``, ``int()``,
-    ``bool()``, ...) and every tensor built from host data (``torch.tensor``) made by library
-    code (the nearest caller outside torch is cpshard); reads of ``allowed`` (the step's CPU
-    key) and reads on behalf of this test module (the kernel stand-in) are not recorded."""
-    saved = {name: getattr(torch.Tensor, name) for name in _HOST_READS}
-    built = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
-
-    def spy(name: str, real, check_self: bool):
-        def call(*args, **kwargs):
-            frame = sys._getframe(1)
-            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
-                frame = frame.f_back
-            by_library = (
-                frame is not None and f"{os.sep}cpshard{os.sep}" in frame.f_code.co_filename
-            )
-            if by_library and not (check_self and args[0] is allowed):
-                reads.append(f"{name} from {frame.f_code.co_filename}:{frame.f_lineno}")
-            return real(*args, **kwargs)
-
-        return call
-
-    try:
-        for name, real in saved.items():
-            setattr(torch.Tensor, name, spy(name, real, True))
-        for name, real in built.items():
-            setattr(torch, name, spy(name, real, False))
-        yield
-    finally:
-        for name, real in saved.items():
-            setattr(torch.Tensor, name, real)
-        for name, real in built.items():
-            setattr(torch, name, real)
-
-
 def _host_reads(rank: int, world: int, path: str) -> list[str]:
     """Host reads of tensor data inside cp_blockdiag_sdpa and its backward (after the step's
     setup), and whether the kernel was handed the packing built at setup."""
@@ -512,7 +332,7 @@ def _host_reads(rank: int, world: int, path: str) -> list[str]:
 
     from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
-    doc = _packing("random", 2, 37)
+    doc = packed_doc_ids("random", 2, 37)
     ctx, batch = make_cp_blockdiag_batch_and_ctx(
         dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
     )
@@ -521,23 +341,6 @@ def _host_reads(rank: int, world: int, path: str) -> list[str]:
         torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)
     )
     return record_host_reads(ctx, cp_blockdiag_sdpa, (q, k, v), path)
-
-
-def record_host_reads(ctx, attend, qkv: tuple[torch.Tensor, ...], path: str) -> list[str]:
-    """The host reads of two layers of ``attend(q, k, v, enable_gqa=True)`` inside ``ctx()`` and
-    their backward, through the kernel ``path``; asserts that a varlen kernel is handed the
-    packing the step's state built."""
-    reads: list[str] = []
-    with ctx():
-        state = active_state()
-    with _path(path) as kernel, _recording_host_reads(reads, state.key):
-        for _ in range(2):  # two layers
-            with ctx():
-                out = attend(*qkv, enable_gqa=True)
-            out.sum().backward()
-    if kernel is not None:
-        assert kernel.packings and all(p is state.packing for p in kernel.packings)
-    return reads
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -553,7 +356,7 @@ def test_packing_is_built_once_and_cached_per_device() -> None:
     it lists exactly the non-pad query rows, and each segment's keys from its document start."""
     from cpshard import make_cp_blockdiag_batch_and_ctx
 
-    doc = _packing("interior_pad", 2, 30)
+    doc = packed_doc_ids("interior_pad", 2, 30)
     ctx, _ = make_cp_blockdiag_batch_and_ctx(
         None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
     )
@@ -595,7 +398,7 @@ def _rounds_and_transfers(rank: int, world: int) -> dict[str, list[int]]:
         counting("return", real[2]),
     )
     try:
-        doc = _packing("pad_rank", 1, 40)
+        doc = packed_doc_ids("pad_rank", 1, 40)
         ctx, _ = make_cp_blockdiag_batch_and_ctx(
             dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
         )
@@ -628,7 +431,7 @@ def test_opcheck_attention_ops() -> None:
     from cpshard.attention.ops import cp_attention_backward_op as blockdiag_attention_backward
     from cpshard.attention.ops import cp_attention_op as blockdiag_attention
 
-    doc = _packing("interior_pad", 2, 30)
+    doc = packed_doc_ids("interior_pad", 2, 30)
     ctx, _ = make_cp_blockdiag_batch_and_ctx(
         None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
     )
@@ -651,7 +454,7 @@ def _opcheck_halo_ops(rank: int, world: int) -> None:
     from cpshard.attention.halo import kv_halo as blockdiag_halo
     from cpshard.attention.halo import kv_halo_return as blockdiag_halo_return
 
-    doc = _packing("random", 1, 37)
+    doc = packed_doc_ids("random", 1, 37)
     ctx, batch = make_cp_blockdiag_batch_and_ctx(
         dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
     )
@@ -693,17 +496,17 @@ def test_bf16_on_every_path(path: str) -> None:
     rounding of the float64 reference, forward and backward; outputs and gradients keep bf16."""
     from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
-    doc = _packing("random", 2, 37)
+    doc = packed_doc_ids("random", 2, 37)
     ctx, _ = make_cp_blockdiag_batch_and_ctx(
         None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
     )
     g = torch.Generator().manual_seed(11)
     q, k, v = (torch.randn(2, h, 37, D, dtype=torch.float64, generator=g) for h in (4, 2, 2))
     wide = [t.clone().requires_grad_() for t in (q, k, v)]
-    want = _reference(*wide, doc)
+    want = dense_attention(*wide, doc)
     want_grads = torch.autograd.grad(want.sum(), wide)
     low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
-    with _path(path), ctx():
+    with kernel_path(path), ctx():
         got = cp_blockdiag_sdpa(*low, enable_gqa=True)
     got_grads = torch.autograd.grad(got.float().sum(), low)
     assert got.dtype == torch.bfloat16 and all(t.dtype == torch.bfloat16 for t in got_grads)
@@ -719,7 +522,7 @@ def test_torch_flash_varlen_calls_match_the_aten_kernels() -> None:
     from cpshard.attention.engine import Varlen as _Varlen
     from cpshard.attention.kernels import TorchFlashVarlen
 
-    doc = _packing("random", 2, 37)
+    doc = packed_doc_ids("random", 2, 37)
     ctx, _ = make_cp_blockdiag_batch_and_ctx(
         None, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
     )

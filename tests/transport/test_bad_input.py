@@ -1,4 +1,5 @@
-"""Bad input on ONE rank of the transport gathers (SPEC §3, §3.1, §5).
+"""Bad input on ONE rank of the transport gathers (``cpshard.transport``; the validation
+model of docs/validation.md).
 
 In checked mode (``cpshard.check_mode("call")``) every rank raises a clear
 ``ValueError``/``TypeError`` promptly (the failing rank describing its own problem, the others
@@ -27,155 +28,11 @@ from cpshard import (
     raise_on_any_rank,
 )
 from cpshard.testing import RankPool
+from tests.helpers import GATHER_ERROR_CASES, call_gather_case
 
 F64 = torch.float64
 PROMPT_S = 10.0  # every rank must have raised within this many seconds
 
-# --------------------------------------------------------------------------- worker side
-
-
-def _counts(world: int) -> list[int]:
-    return [2 + r for r in range(world)]
-
-
-def _call(rank: int, world: int, case: str, bad: int, mode: str = "call") -> str:
-    """Run gather ``case`` with valid arguments on every rank but ``bad``, in check ``mode``."""
-    with check_mode(mode):
-        return _gather_case(rank, world, case, bad)
-
-
-def _gather_case(rank: int, world: int, case: str, bad: int) -> str:
-    me = rank == bad
-    g = dist.group.WORLD
-    counts = _counts(world)
-    n = counts[rank]
-    x = torch.randn(2, n, 4, dtype=F64)  # ragged along dim 1
-    s = torch.randn(2, 3, 4, dtype=F64)  # equal shards along dim 1
-
-    if case.startswith("ragged"):
-        dim = 1
-        if me:
-            if case == "ragged_wrong_count":
-                x = torch.randn(2, n + 1, 4, dtype=F64)
-            elif case == "ragged_wrong_hidden":
-                x = torch.randn(2, n, 5, dtype=F64)
-            elif case == "ragged_wrong_dtype":
-                x = x.float()
-            elif case == "ragged_wrong_ndim":
-                x = x.unsqueeze(-1)
-            elif case == "ragged_counts_too_long":
-                counts = counts + [1]
-            elif case == "ragged_counts_too_short":
-                counts = counts[:-1]
-            elif case == "ragged_counts_differ":
-                counts = list(counts)
-                counts[(bad + 1) % world] += 1  # its own entry still matches x
-            elif case == "ragged_counts_negative":
-                counts = list(counts)
-                counts[(bad + 1) % world] = -1
-            elif case == "ragged_counts_tensor":
-                counts = torch.tensor(counts)
-            elif case == "ragged_dim_out_of_range":
-                dim = 5
-            elif case == "ragged_dim_differs":
-                # tokens along dim 2 here, along dim 1 elsewhere
-                x, dim = x.transpose(1, 2).contiguous(), 2
-            elif case == "ragged_not_tensor":
-                x = x.tolist()
-            else:
-                raise AssertionError(case)
-        gather_ragged(x, g, counts, dim)
-    elif case.startswith("seq") or case.startswith("meta"):
-        fn = gather_metadata if case.startswith("meta") else gather_sequence
-        seq_dim = 1
-        if case.startswith("meta"):
-            s = torch.arange(6).view(2, 3) + 3 * rank
-        if me:
-            if case == "seq_uneven":
-                s = torch.randn(2, 4, 4, dtype=F64)
-            elif case == "seq_wrong_hidden":
-                s = torch.randn(2, 3, 6, dtype=F64)
-            elif case == "seq_wrong_dtype":
-                s = s.to(torch.bfloat16)
-            elif case == "seq_wrong_ndim":
-                s = s[..., 0]
-            elif case == "seq_dim_out_of_range":
-                seq_dim = 3
-            elif case == "seq_not_tensor":
-                s = None
-            elif case == "meta_requires_grad":
-                s = s.double().requires_grad_()
-            elif case == "meta_wrong_dtype":
-                s = s.int()
-            else:
-                raise AssertionError(case)
-        fn(s, g, seq_dim=seq_dim)
-    elif case.startswith("halo"):
-        halo, left, seq_dim = 4, 1, 1
-        if me:
-            if case == "halo_negative":
-                halo = -1
-            elif case == "halo_list_wrong_length":
-                halo = [4] * (world + 1)
-            elif case == "halo_list_differs":
-                halo = [4] * world
-                halo[(bad + 1) % world] = 2
-            elif case == "halo_not_int":
-                halo = 2.5
-            elif case == "halo_negative_padding":
-                left = -1
-            elif case == "halo_wrong_hidden":
-                s = torch.randn(2, 3, 5, dtype=F64)
-            elif case == "halo_uneven":
-                s = torch.randn(2, 2, 4, dtype=F64)
-            elif case == "halo_wrong_dtype":
-                s = s.float()
-            elif case == "halo_dim_out_of_range":
-                seq_dim = -4
-            elif case == "halo_not_tensor":
-                s = s.numpy()
-            else:
-                raise AssertionError(case)
-        gather_halo(s, g, halo, left_padding=left, seq_dim=seq_dim)
-    else:
-        raise AssertionError(case)
-    return "returned normally"
-
-
-# case -> words the failing rank's message must contain (lower-cased). Field mismatches are
-# detected by comparison, so there every rank gets the same message, naming the odd rank.
-CASES = {
-    "ragged_wrong_count": ["counts[{bad}]", "x.shape[1]"],
-    "ragged_wrong_hidden": ["x.shape", "differs on rank {bad}"],
-    "ragged_wrong_dtype": ["dtype", "differs on rank {bad}"],
-    "ragged_wrong_ndim": ["x.shape", "differs on rank {bad}"],
-    "ragged_counts_too_long": ["counts has {world_plus}", "{world} ranks"],
-    "ragged_counts_too_short": ["counts has {world_minus}", "{world} ranks"],
-    "ragged_counts_differ": ["counts differs on rank {bad}"],
-    "ragged_counts_negative": ["negative"],
-    "ragged_counts_tensor": ["counts must be a list"],
-    "ragged_dim_out_of_range": ["dim=5", "out of range"],
-    "ragged_dim_differs": ["token dim differs on rank {bad}"],
-    "ragged_not_tensor": ["x must be a torch.tensor", "list"],
-    "seq_uneven": ["x.shape", "differs on rank {bad}"],
-    "seq_wrong_hidden": ["x.shape", "differs on rank {bad}"],
-    "seq_wrong_dtype": ["dtype", "differs on rank {bad}"],
-    "seq_wrong_ndim": ["x.shape", "differs on rank {bad}"],
-    "seq_dim_out_of_range": ["seq_dim=3", "out of range"],
-    "seq_not_tensor": ["x must be a torch.tensor", "nonetype"],
-    "meta_requires_grad": ["requires grad"],
-    "meta_wrong_dtype": ["dtype", "differs on rank {bad}"],
-    "halo_negative": ["halo_size=-1"],
-    "halo_list_wrong_length": ["halo_size has {world_plus}"],
-    "halo_list_differs": ["halo_size differs on rank {bad}"],
-    "halo_not_int": ["halo_size", "2.5"],
-    "halo_negative_padding": ["left_padding", "-1"],
-    "halo_wrong_hidden": ["x.shape", "differs on rank {bad}"],
-    "halo_uneven": ["x.shape", "differs on rank {bad}"],
-    "halo_wrong_dtype": ["dtype", "differs on rank {bad}"],
-    "halo_dim_out_of_range": ["seq_dim=-4", "out of range"],
-    "halo_not_tensor": ["x must be a torch.tensor", "ndarray"],
-}
 FUNCTION = {
     "ragged": "gather_ragged",
     "seq": "gather_sequence",
@@ -210,19 +67,19 @@ def _assert_every_rank_raised(
 
 
 @pytest.mark.parametrize("world,bad", PLACEMENTS)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(GATHER_ERROR_CASES))
 def test_bad_input_on_one_rank(pools, case, world, bad):
     pool = pools(world)
     pool.start()  # re-form the group after the previous case's failure, outside the timed part
     start = time.monotonic()
-    outcomes = pool.run_collect(_call, case, bad, timeout=PROMPT_S + 5)
+    outcomes = pool.run_collect(call_gather_case, case, bad, timeout=PROMPT_S + 5)
     elapsed = time.monotonic() - start
     fmt = dict(bad=bad, world=world, world_plus=world + 1, world_minus=world - 1)
-    expect = [w.format(**fmt) for w in CASES[case]]
+    expect = [w.format(**fmt) for w in GATHER_ERROR_CASES[case]]
     _assert_every_rank_raised(outcomes, elapsed, bad, expect, FUNCTION[case.split("_")[0]])
 
 
-LOCAL_CASES = [c for c in CASES if "differ" not in c and c not in (
+LOCAL_CASES = [c for c in GATHER_ERROR_CASES if "differ" not in c and c not in (
     "ragged_wrong_hidden", "ragged_wrong_dtype", "ragged_wrong_ndim", "seq_uneven",
     "seq_wrong_hidden", "seq_wrong_dtype", "seq_wrong_ndim", "meta_wrong_dtype",
     "halo_wrong_hidden", "halo_uneven", "halo_wrong_dtype")]
@@ -233,7 +90,7 @@ def _local_errors_single_rank(rank: int, world: int) -> dict[str, tuple[str, str
     out = {}
     for case in LOCAL_CASES:
         try:
-            _call(rank, world, case, rank)
+            call_gather_case(rank, world, case, rank)
         except (ValueError, TypeError) as exc:
             out[case] = (type(exc).__name__, str(exc))
         else:
@@ -261,9 +118,9 @@ def test_bad_input_at_world_size_1(pool1):
     (result,) = pool1.run(_local_errors_single_rank, timeout=30)
     for case, (kind, message) in result.items():
         assert kind in ("ValueError", "TypeError"), (case, message)
-        if case in CASES:
+        if case in GATHER_ERROR_CASES:
             fmt = dict(bad=0, world=1, world_plus=2, world_minus=0)
-            for word in CASES[case]:
+            for word in GATHER_ERROR_CASES[case]:
                 assert word.format(**fmt).lower() in message.lower(), (case, message)
         if case != "group of a wrong type":
             assert "rank 0" in message, (case, message)

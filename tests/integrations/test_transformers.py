@@ -1,4 +1,5 @@
-"""Real transformers models on cpshard (SPEC §3.5): tiny random configs, float64, gloo, W = 1..4.
+"""Real transformers models on cpshard (``cpshard.integrations.transformers``): tiny random
+configs, float64, gloo, W = 1..4.
 
 A CP step (the block-diagonal batch making per-document positions and shifting the labels once
 before sharding, the ``"cpshard"`` attention, ``cp_cross_entropy``, ``reduce_cp_gradients``) must give
@@ -15,15 +16,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import EXAMPLES
+
 pytest.importorskip("transformers")
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
 import cp_decoder  # noqa: E402

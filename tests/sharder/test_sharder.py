@@ -1,12 +1,12 @@
-"""ContextParallelSharder (SPEC §3.4) on gloo at world sizes 1-4.
+"""ContextParallelSharder (``cpshard.sharder``) on gloo at world sizes 1-4.
 
 Every rank builds the same FULL tensors from fixed seeds, and every result is compared with an
 independent reference written here in plain PyTorch:
 
 * the positions of each rank come from a token-by-token definition of the closed-form layouts
   (``_ref_owner``), or, for data-dependent layouts, from the indices the layout carries once
-  they are checked to partition the padded rows (``tests/test_layout.py`` checks those against
-  their own definitions);
+  they are checked to partition the padded rows (``tests/layouts/test_layouts.py`` checks those
+  against their own definitions);
 * shard: the caller's tensor padded by hand (``fill`` / the batch conventions) then indexed with
   the rank's positions; un-shard: the caller's tensor itself (``trim=True``) or its padded form;
 * gradients (float64): for ``loss = sum_q <gather(shard(x)), w_q>`` the gradient of rank r's
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from cpshard import check_mode, comm
 from cpshard.layouts import ShardLayout, make_layout
 from cpshard.sharder import ContextParallelSharder
+from tests.helpers import assert_no_mismatches
 
 WORLDS = [1, 2, 3, 4]
 F64, F32, BF16, I64 = torch.float64, torch.float32, torch.bfloat16, torch.int64
@@ -776,47 +777,42 @@ def _errors(rank: int, world: int) -> list[str]:
 # --------------------------------------------------------------------------- tests
 
 
-def _assert_clean(results: list[list[str]]) -> None:
-    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res]
-    assert not problems, "\n".join(problems[:40])
-
-
 @pytest.mark.parametrize("world", WORLDS)
 def test_round_trips_and_gradients(pools, world):
-    _assert_clean(pools(world).run(_run_round_trips, timeout=240))
+    assert_no_mismatches(pools(world).run(_run_round_trips, timeout=240))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_batch_sharding(pools, world):
     pool = pools(world)
-    _assert_clean(pool.run(_run_batches, timeout=120))
-    _assert_clean(pool.run(_run_attention_mask_4d, timeout=60))
+    assert_no_mismatches(pool.run(_run_batches, timeout=120))
+    assert_no_mismatches(pool.run(_run_attention_mask_4d, timeout=60))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_direct_form_thd_position_map_and_callable(pools, world):
-    _assert_clean(pools(world).run(_run_direct_form, timeout=60))
+    assert_no_mismatches(pools(world).run(_run_direct_form, timeout=60))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_closed_form_before_any_shard(pools, world):
-    _assert_clean(pools(world).run(_run_no_layout_yet, timeout=60))
+    assert_no_mismatches(pools(world).run(_run_no_layout_yet, timeout=60))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_gather_moves_no_index_tensors(pools, world):
-    _assert_clean(pools(world).run(_run_count_collectives, timeout=60))
+    assert_no_mismatches(pools(world).run(_run_count_collectives, timeout=60))
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_errors_raise_on_every_rank(pools, world):
-    _assert_clean(pools(world).run(_run_errors, timeout=60))
+    assert_no_mismatches(pools(world).run(_run_errors, timeout=60))
 
 
 @pytest.mark.parametrize("world,kind", [(1, "none"), (2, "mesh")])
 def test_group_kinds(pools, world, kind):
     specs = [("head_tail", None), ("balanced", None)]
-    _assert_clean(pools(world).run(_run_round_trips, kind, specs, timeout=240))
+    assert_no_mismatches(pools(world).run(_run_round_trips, kind, specs, timeout=240))
 
 
 def _unnamed_entries(rank: int, world: int) -> list[str]:

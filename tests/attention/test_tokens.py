@@ -1,4 +1,4 @@
-"""CP attention knows whose tokens it attends (SPEC §3.4: "tokens of another layout raise").
+"""CP attention knows whose tokens it attends: tokens sharded for another layout (or step) raise.
 
 A sharded batch's ``position_ids`` belong to the step (and layout) whose context came with it.
 Attention run on them under another context, or outside any context, used to attend wrongly
@@ -13,15 +13,16 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.helpers import EXAMPLES
+
 pytest.importorskip("transformers")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+sys.path.insert(0, str(EXAMPLES))
 
 import cp_decoder  # noqa: E402
 

@@ -1,5 +1,6 @@
-"""The NeMo Automodel mirror (``cpshard.nemo``, SPEC §3.6) on gloo at W = 1-4: the seed items
-that involve a collective, each against an independent reference written here.
+"""The NeMo Automodel mirror (``cpshard.nemo``) on gloo at W = 1-4: the items of NeMo's
+documented behaviour that involve a collective, each against an independent reference written
+here.
 
 Every rank builds the same FULL tensors from fixed seeds; its shard is a slice of them, and its
 upstream gradient ``U_r`` is seeded by its rank, so the expected gradient of any rank is

@@ -3,29 +3,29 @@
 Every rank shards full q/k/v (``[B, H, S, D]``, float64) with the sharder of the layout under
 test, attends inside the sharder's context with ``cpshard.cp_attention`` and back-propagates its
 share of a weighted sum; the gathered outputs and the summed gradients of the full q/k/v must
-equal dense per-document causal attention (:func:`test_blockdiag._reference`).
+equal dense per-document causal attention (:func:`tests.helpers.dense_attention`).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_blockdiag import (
-    D,
-    _packing,
-    _path,
-    _reference,
-    compare_compiled,
-    record_host_reads,
-)
 
 from cpshard.attention import active_state
 from cpshard.layouts import LAYOUTS
+from tests.helpers import (
+    D,
+    compare_compiled,
+    dense_attention,
+    kernel_path,
+    packed_doc_ids,
+    record_host_reads,
+)
 
 
 def _batch(name: str, b: int, s: int, heads: int, kv_heads: int) -> tuple[torch.Tensor, ...]:
     """Document ids, full q/k/v and the upstream weight of a case."""
-    doc = _packing(name, b, s)
+    doc = packed_doc_ids(name, b, s)
     g = torch.Generator().manual_seed(1000 * b + s)
     q, k, v, w = (
         torch.randn(b, h, s, D, dtype=torch.float64, generator=g)
@@ -60,7 +60,7 @@ def _distributed(
     from cpshard import ContextParallelSharder, cp_attention
 
     results = []
-    with _path(path):
+    with kernel_path(path):
         for layout in layouts:
             for name, b, s, heads, kv_heads in CASES:
                 doc, *full = _batch(name, b, s, heads, kv_heads)
@@ -87,7 +87,7 @@ def _check(got: list[list[tuple]], layouts: list[str], world: int, causal: bool 
         for case in CASES:
             doc, q, k, v, w = _batch(*case)
             leaves = [t.requires_grad_() for t in (q, k, v)]
-            want = _reference(*leaves, doc, causal)
+            want = dense_attention(*leaves, doc, causal)
             grads = torch.autograd.grad((want * w).sum(), leaves)
             where = f"{layout} W={world} {case} causal={causal}"
             for r in range(world):
@@ -223,7 +223,7 @@ def test_other_layouts_tokens_raise() -> None:
     inside an active one, raise naming the layouts."""
     from cpshard import ContextParallelSharder, cp_attention, make_cp_blockdiag_batch_and_ctx
 
-    doc = _packing("short_docs", 1, 24)
+    doc = packed_doc_ids("short_docs", 1, 24)
     ctx, _ = ContextParallelSharder(None, "stripe").shard({"input_ids": doc.clone()})
     q = torch.randn(1, 2, 23, D, dtype=torch.float64)
     expect = "rank 0: .*23/23/23 tokens .* 'stripe' layout has 24"
@@ -257,7 +257,7 @@ def _transfers(rank: int, world: int) -> dict[str, list[int]]:
     consensus.all_gather_small = counting("rounds", real[0])
     exchange.all_to_all_v = counting("exchanges", real[1])
     try:
-        doc = _packing("pad_rank", 1, 40)
+        doc = packed_doc_ids("pad_rank", 1, 40)
         sharder = ContextParallelSharder(dist.group.WORLD, "balanced")
         ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
         got = {}
@@ -328,7 +328,7 @@ def _opcheck_exchange(rank: int, world: int) -> None:
     from cpshard.attention.needed_rows import kv_needed_rows as layout_exchange
     from cpshard.attention.needed_rows import kv_needed_rows_return as layout_exchange_return
 
-    doc = _packing("random", 2, 37)
+    doc = packed_doc_ids("random", 2, 37)
     sharder = ContextParallelSharder(dist.group.WORLD, "head_tail")
     ctx, batch = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
     with ctx():
@@ -459,6 +459,6 @@ def _scaled(rank: int, world: int) -> torch.Tensor:
 def test_scale(pools) -> None:
     """``scale`` replaces 1/sqrt(D): the same as queries scaled by ``scale * sqrt(D)``."""
     doc, q, k, v, _ = _batch("random", 2, 37, 4, 2)
-    want = _reference(q * 0.3 * D**0.5, k, v, doc)
+    want = dense_attention(q * 0.3 * D**0.5, k, v, doc)
     for got in pools(2).run(_scaled, timeout=60):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

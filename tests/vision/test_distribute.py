@@ -1,4 +1,4 @@
-"""Multi-process tests of ``maybe_distribute_visual`` (SPEC §3.2) on gloo, W = 1..4.
+"""Multi-process tests of ``maybe_distribute_visual`` (``cpshard.vision``) on gloo, W = 1..4.
 
 The vision tower is written here: a small frame-independent ViT (patch embedding, learned
 spatial position tables indexed through ``grid_thw``, attention within each frame, a 2x2 patch

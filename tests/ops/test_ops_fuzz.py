@@ -43,6 +43,7 @@ from hypothesis import HealthCheck, assume, given, note, settings
 from hypothesis import strategies as st
 
 from cpshard import ops
+from tests.helpers import REPO
 
 pytestmark = pytest.mark.fuzz
 
@@ -1202,7 +1203,7 @@ def _run_isolated(code: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        cwd=REPO,
     )
 
 

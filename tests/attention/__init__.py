@@ -1,0 +1,1 @@
+"""CP attention (cpshard.attention): every layout against a dense reference, blocks, tokens."""

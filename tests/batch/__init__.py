@@ -1,0 +1,1 @@
+"""The batch of a CP step (cpshard.batch): documents from every format, positions, labels."""

@@ -1,0 +1,1 @@
+"""cpshard bench (cpshard.bench): the CLI and its sections."""

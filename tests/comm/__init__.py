@@ -1,0 +1,1 @@
+"""The communication layer (cpshard.comm): the native NCCL communicator and its bootstrap."""

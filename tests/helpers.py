@@ -1,0 +1,425 @@
+"""What several test modules share: independent references, case tables and instruments.
+
+Imported by the test files as ``tests.helpers`` (``tests`` and its folders are packages, so the
+repository root, or the scratch copy CI runs from, is on ``sys.path``); no test file imports
+another. Worker-side functions here pickle by reference, like those of the test modules.
+
+* paths: :data:`REPO`, :data:`EXAMPLES`;
+* results of a rank pool: :func:`assert_no_mismatches`;
+* attention: :func:`packed_doc_ids` (named packing patterns), :func:`dense_attention` (the dense
+  per-document attention reference), :class:`StandInVarlen` and :func:`kernel_path` (routing
+  cp_blockdiag_sdpa's kernels on CPU), :func:`compare_compiled`, :func:`recording_host_reads` and
+  :func:`record_host_reads` (the hot path's host reads of tensor data);
+* transport: :data:`GATHER_ERROR_CASES` and :func:`call_gather_case` (one rank's bad input to a
+  gather, and the words its error must contain), :func:`counting_collectives` (the
+  torch.distributed calls made inside a block).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from cpshard import check_mode, gather_halo, gather_metadata, gather_ragged, gather_sequence
+from cpshard.attention import active_state
+from cpshard.attention.engine import part_kernel as _PART_KERNEL
+from cpshard.attention.engine import varlen_kernel as _VARLEN_KERNEL
+
+F64 = torch.float64
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"
+
+
+def assert_no_mismatches(results: list[list[str]], first: int = 40) -> None:
+    """A rank pool's results, one list of mismatches per rank, are all empty."""
+    problems = [f"rank {r}: {p}" for r, res in enumerate(results) for p in res]
+    assert not problems, f"{len(problems)} mismatches, first ones:\n" + "\n".join(problems[:first])
+
+
+# --------------------------------------------------------------------------- attention
+
+D = 8  # head dim of the attention cases
+
+def packed_doc_ids(name: str, b: int, s: int) -> torch.Tensor:
+    """Document ids [b, s] for a named packing pattern."""
+    doc = torch.zeros(b, s, dtype=torch.long)
+    for row in range(b):
+        if name == "short_docs":
+            doc[row] = torch.arange(s) // 3 + 1
+        elif name == "one_doc":
+            doc[row] = 1
+        elif name == "interior_pad":
+            doc[row, : s // 3] = 1
+            doc[row, s // 3 + 2 : s - 1] = 2
+        elif name == "leading_pad":
+            doc[row, 5:] = 7
+        elif name == "pad_rank":  # a whole middle stretch of padding (a full rank at W <= 4)
+            doc[row, : s // 5] = 1
+            doc[row, s - s // 5 :] = 2
+        elif name == "reused_ids":
+            doc[row] = torch.tensor([1, 1, 2, 2, 2, 1, 1, 0, 1, 1, 3, 3] * s)[:s]
+        elif name == "random":
+            g = torch.Generator().manual_seed(17 * row + s)
+            i = 0
+            while i < s:
+                n = int(torch.randint(1, max(2, s // 2), (1,), generator=g))
+                doc[row, i : i + n] = int(torch.randint(0, 3, (1,), generator=g))
+                i += n
+        else:
+            raise AssertionError(name)
+    return doc
+
+
+def dense_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, doc: torch.Tensor, causal: bool = True
+) -> torch.Tensor:
+    """Dense block-diagonal causal (or bidirectional) attention on the full sequence (pads
+    output zeros)."""
+    s = q.shape[2]
+    new_run = torch.ones_like(doc, dtype=torch.bool)
+    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    run = torch.cumsum(new_run.long(), dim=1)
+    pos = torch.arange(s)
+    mask = (
+        (run[:, :, None] == run[:, None, :])
+        & (doc[:, :, None] != 0)
+        & ((pos[:, None] >= pos[None, :]) | (not causal))
+    )
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    probs = torch.softmax(scores.masked_fill(~mask[:, None], float("-inf")), dim=-1).nan_to_num(0.0)
+    return probs @ v
+
+
+class StandInVarlen:
+    """torch's varlen flash contract (``aten._flash_attention_forward`` / ``_backward``) in plain
+    PyTorch: packed ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA
+    by head groups, the causal mask aligned bottom-right (a query sees every key of a longer
+    prefix) or none, ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
+    same statement (``torch.func``: autograd is off inside a custom op). It
+    records every packing it is handed."""
+
+    def __init__(self) -> None:
+        self.packings: list = []
+        self.calls = {"forward": 0, "backward": 0}
+
+    def _attend(self, q, k, v, p, scale):
+        cu_q, cu_k = p.cu_q, p.cu_k
+        assert (
+            cu_q.dtype == cu_k.dtype == torch.int32
+            and isinstance(p.max_q, int)
+            and isinstance(p.max_k, int)
+        )
+        assert p.max_q == int((cu_q[1:] - cu_q[:-1]).max()) and p.max_k == int(
+            (cu_k[1:] - cu_k[:-1]).max()
+        )
+        assert q.shape[0] == int(cu_q[-1]) and k.shape[0] == v.shape[0] == int(cu_k[-1])
+        self.packings.append(p)
+        outs, lses = [], []
+        for i in range(len(cu_q) - 1):
+            qs = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+            rep = q.shape[1] // k.shape[1]
+            ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+            vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
+            n, m = qs.shape[1], ks.shape[1]
+            visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+            visible |= not p.causal
+            scores = (
+                qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+            ).masked_fill(~visible, float("-inf"))
+            outs.append((torch.softmax(scores, dim=-1) @ vs).transpose(0, 1))
+            wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # the kernel's lse
+            lses.append(torch.logsumexp(scores.to(wide), dim=-1))
+        return torch.cat(outs), torch.cat(lses, dim=1)
+
+    def forward(self, q, k, v, p, scale):
+        self.calls["forward"] += 1
+        return self._attend(q, k, v, p, scale)
+
+    def backward(self, grad, q, k, v, out, lse, p, scale):
+        self.calls["backward"] += 1
+        (again, again_lse), vjp = torch.func.vjp(lambda *t: self._attend(*t, p, scale), q, k, v)
+        torch.testing.assert_close(again, out, rtol=0, atol=0)
+        torch.testing.assert_close(again_lse, lse, rtol=0, atol=0)
+        return vjp((grad, torch.zeros_like(lse)))
+
+
+PATHS = ["per_segment", "varlen", "math"]
+
+
+@contextmanager
+def kernel_path(name: str) -> Iterator[StandInVarlen | None]:
+    """Route cp_blockdiag_sdpa's kernels on CPU: the CPU flash loop (``per_segment``), the
+    one-launch varlen path of CUDA fp16/bf16 with :class:`StandInVarlen` as its kernel
+    (``varlen``), or the loop with the explicit part kernel of CUDA fp32/fp64 (``math``)."""
+    from cpshard.attention import engine as attention
+    from cpshard.attention.kernels import MathPart
+
+    kernel = StandInVarlen() if name == "varlen" else None
+    try:
+        if kernel is not None:
+            attention.varlen_kernel = lambda q, d_k, d_v: kernel
+        if name == "math":
+            attention.part_kernel = lambda q: MathPart()
+        yield kernel
+    finally:
+        attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL
+
+
+def compare_compiled(
+    compiled, eager, ctx, qkv: tuple[torch.Tensor, ...], weight: torch.Tensor, name: str
+) -> None:
+    """Inside ``ctx()``, ``compiled(q, k, v)`` equals ``eager(q, k, v)``, forward and gradients."""
+    got = []
+    for fn in (compiled, eager):
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        with ctx():
+            out = fn(*leaves)
+        got.append((out.detach(), *torch.autograd.grad((out * weight).sum(), leaves)))
+    for a, e in zip(*got, strict=True):
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-13, msg=f"{name} compiled vs eager")
+
+
+HOST_READS = ["item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__"]
+
+
+@contextmanager
+def recording_host_reads(reads: list[str], allowed: torch.Tensor) -> Iterator[None]:
+    """Record every host read of tensor data (``.item()``, ``.tolist()``, ``.cpu()``, ``int()``,
+    ``bool()``, ...) and every tensor built from host data (``torch.tensor``) made by library
+    code (the nearest caller outside torch is cpshard); reads of ``allowed`` (the step's CPU
+    key) and reads by test code (the kernel stand-in above) are not recorded."""
+    saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+    built = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
+
+    def spy(name: str, real, check_self: bool):
+        def call(*args, **kwargs):
+            frame = sys._getframe(1)
+            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            by_library = (
+                frame is not None and f"{os.sep}cpshard{os.sep}" in frame.f_code.co_filename
+            )
+            if by_library and not (check_self and args[0] is allowed):
+                reads.append(f"{name} from {frame.f_code.co_filename}:{frame.f_lineno}")
+            return real(*args, **kwargs)
+
+        return call
+
+    try:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, spy(name, real, True))
+        for name, real in built.items():
+            setattr(torch, name, spy(name, real, False))
+        yield
+    finally:
+        for name, real in saved.items():
+            setattr(torch.Tensor, name, real)
+        for name, real in built.items():
+            setattr(torch, name, real)
+
+
+def record_host_reads(ctx, attend, qkv: tuple[torch.Tensor, ...], path: str) -> list[str]:
+    """The host reads of two layers of ``attend(q, k, v, enable_gqa=True)`` inside ``ctx()`` and
+    their backward, through the kernel ``path``; asserts that a varlen kernel is handed the
+    packing the step's state built."""
+    reads: list[str] = []
+    with ctx():
+        state = active_state()
+    with kernel_path(path) as kernel, recording_host_reads(reads, state.key):
+        for _ in range(2):  # two layers
+            with ctx():
+                out = attend(*qkv, enable_gqa=True)
+            out.sum().backward()
+    if kernel is not None:
+        assert kernel.packings and all(p is state.packing for p in kernel.packings)
+    return reads
+
+
+# --------------------------------------------------------------------------- transport
+
+def _gather_counts(world: int) -> list[int]:
+    return [2 + r for r in range(world)]
+
+
+def call_gather_case(rank: int, world: int, case: str, bad: int, mode: str = "call") -> str:
+    """Run gather ``case`` with valid arguments on every rank but ``bad``, in check ``mode``."""
+    with check_mode(mode):
+        return _gather_case(rank, world, case, bad)
+
+
+def _gather_case(rank: int, world: int, case: str, bad: int) -> str:
+    me = rank == bad
+    g = dist.group.WORLD
+    counts = _gather_counts(world)
+    n = counts[rank]
+    x = torch.randn(2, n, 4, dtype=F64)  # ragged along dim 1
+    s = torch.randn(2, 3, 4, dtype=F64)  # equal shards along dim 1
+
+    if case.startswith("ragged"):
+        dim = 1
+        if me:
+            if case == "ragged_wrong_count":
+                x = torch.randn(2, n + 1, 4, dtype=F64)
+            elif case == "ragged_wrong_hidden":
+                x = torch.randn(2, n, 5, dtype=F64)
+            elif case == "ragged_wrong_dtype":
+                x = x.float()
+            elif case == "ragged_wrong_ndim":
+                x = x.unsqueeze(-1)
+            elif case == "ragged_counts_too_long":
+                counts = counts + [1]
+            elif case == "ragged_counts_too_short":
+                counts = counts[:-1]
+            elif case == "ragged_counts_differ":
+                counts = list(counts)
+                counts[(bad + 1) % world] += 1  # its own entry still matches x
+            elif case == "ragged_counts_negative":
+                counts = list(counts)
+                counts[(bad + 1) % world] = -1
+            elif case == "ragged_counts_tensor":
+                counts = torch.tensor(counts)
+            elif case == "ragged_dim_out_of_range":
+                dim = 5
+            elif case == "ragged_dim_differs":
+                # tokens along dim 2 here, along dim 1 elsewhere
+                x, dim = x.transpose(1, 2).contiguous(), 2
+            elif case == "ragged_not_tensor":
+                x = x.tolist()
+            else:
+                raise AssertionError(case)
+        gather_ragged(x, g, counts, dim)
+    elif case.startswith("seq") or case.startswith("meta"):
+        fn = gather_metadata if case.startswith("meta") else gather_sequence
+        seq_dim = 1
+        if case.startswith("meta"):
+            s = torch.arange(6).view(2, 3) + 3 * rank
+        if me:
+            if case == "seq_uneven":
+                s = torch.randn(2, 4, 4, dtype=F64)
+            elif case == "seq_wrong_hidden":
+                s = torch.randn(2, 3, 6, dtype=F64)
+            elif case == "seq_wrong_dtype":
+                s = s.to(torch.bfloat16)
+            elif case == "seq_wrong_ndim":
+                s = s[..., 0]
+            elif case == "seq_dim_out_of_range":
+                seq_dim = 3
+            elif case == "seq_not_tensor":
+                s = None
+            elif case == "meta_requires_grad":
+                s = s.double().requires_grad_()
+            elif case == "meta_wrong_dtype":
+                s = s.int()
+            else:
+                raise AssertionError(case)
+        fn(s, g, seq_dim=seq_dim)
+    elif case.startswith("halo"):
+        halo, left, seq_dim = 4, 1, 1
+        if me:
+            if case == "halo_negative":
+                halo = -1
+            elif case == "halo_list_wrong_length":
+                halo = [4] * (world + 1)
+            elif case == "halo_list_differs":
+                halo = [4] * world
+                halo[(bad + 1) % world] = 2
+            elif case == "halo_not_int":
+                halo = 2.5
+            elif case == "halo_negative_padding":
+                left = -1
+            elif case == "halo_wrong_hidden":
+                s = torch.randn(2, 3, 5, dtype=F64)
+            elif case == "halo_uneven":
+                s = torch.randn(2, 2, 4, dtype=F64)
+            elif case == "halo_wrong_dtype":
+                s = s.float()
+            elif case == "halo_dim_out_of_range":
+                seq_dim = -4
+            elif case == "halo_not_tensor":
+                s = s.numpy()
+            else:
+                raise AssertionError(case)
+        gather_halo(s, g, halo, left_padding=left, seq_dim=seq_dim)
+    else:
+        raise AssertionError(case)
+    return "returned normally"
+
+
+# case -> words the failing rank's message must contain (lower-cased). Field mismatches are
+# detected by comparison, so there every rank gets the same message, naming the odd rank.
+GATHER_ERROR_CASES = {
+    "ragged_wrong_count": ["counts[{bad}]", "x.shape[1]"],
+    "ragged_wrong_hidden": ["x.shape", "differs on rank {bad}"],
+    "ragged_wrong_dtype": ["dtype", "differs on rank {bad}"],
+    "ragged_wrong_ndim": ["x.shape", "differs on rank {bad}"],
+    "ragged_counts_too_long": ["counts has {world_plus}", "{world} ranks"],
+    "ragged_counts_too_short": ["counts has {world_minus}", "{world} ranks"],
+    "ragged_counts_differ": ["counts differs on rank {bad}"],
+    "ragged_counts_negative": ["negative"],
+    "ragged_counts_tensor": ["counts must be a list"],
+    "ragged_dim_out_of_range": ["dim=5", "out of range"],
+    "ragged_dim_differs": ["token dim differs on rank {bad}"],
+    "ragged_not_tensor": ["x must be a torch.tensor", "list"],
+    "seq_uneven": ["x.shape", "differs on rank {bad}"],
+    "seq_wrong_hidden": ["x.shape", "differs on rank {bad}"],
+    "seq_wrong_dtype": ["dtype", "differs on rank {bad}"],
+    "seq_wrong_ndim": ["x.shape", "differs on rank {bad}"],
+    "seq_dim_out_of_range": ["seq_dim=3", "out of range"],
+    "seq_not_tensor": ["x must be a torch.tensor", "nonetype"],
+    "meta_requires_grad": ["requires grad"],
+    "meta_wrong_dtype": ["dtype", "differs on rank {bad}"],
+    "halo_negative": ["halo_size=-1"],
+    "halo_list_wrong_length": ["halo_size has {world_plus}"],
+    "halo_list_differs": ["halo_size differs on rank {bad}"],
+    "halo_not_int": ["halo_size", "2.5"],
+    "halo_negative_padding": ["left_padding", "-1"],
+    "halo_wrong_hidden": ["x.shape", "differs on rank {bad}"],
+    "halo_uneven": ["x.shape", "differs on rank {bad}"],
+    "halo_wrong_dtype": ["dtype", "differs on rank {bad}"],
+    "halo_dim_out_of_range": ["seq_dim=-4", "out of range"],
+    "halo_not_tensor": ["x must be a torch.tensor", "ndarray"],
+}
+
+
+# Every collective and point-to-point entry of torch.distributed a transport could use
+# (isend/irecv stay unwrapped: P2POp checks their identity; they are counted through
+# batch_isend_irecv, the only way the transport posts them).
+DIST_ENTRIES = (
+    "batch_isend_irecv", "all_to_all_single", "all_gather_into_tensor", "all_gather",
+    "all_gather_single", "reduce_scatter_tensor", "reduce_scatter_single", "all_reduce",
+    "broadcast", "broadcast_object_list", "all_gather_object", "send", "recv", "barrier",
+    "reduce_scatter", "gather", "scatter", "all_to_all",
+)
+
+
+@contextmanager
+def counting_collectives() -> Iterator[Counter]:
+    """Count calls of every torch.distributed entry in ``DIST_ENTRIES`` inside the block."""
+    seen: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in DIST_ENTRIES if hasattr(dist, name)}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            seen[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield seen
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+

@@ -1,0 +1,1 @@
+"""The transformers integration (cpshard.integrations.transformers) on real tiny models."""

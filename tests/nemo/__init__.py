@@ -1,0 +1,1 @@
+"""The NeMo Automodel mirror (cpshard.nemo): its documented contract, its collective items."""

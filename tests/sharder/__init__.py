@@ -1,0 +1,1 @@
+"""The sharder (cpshard.sharder): ContextParallelSharder, its padding, the block-diagonal batch."""

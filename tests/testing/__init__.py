@@ -1,0 +1,1 @@
+"""The multi-rank harness (cpshard.testing): RankPool and run_ranks."""

@@ -1,0 +1,1 @@
+"""Vision frame sharding (cpshard.vision): the planner and config, the distributed tower call."""
