@@ -31,9 +31,12 @@ class Group:
 
 
 def resolve_group(group: GroupLike, what: str) -> Group:
-    """``group`` (ProcessGroup | 1-D DeviceMesh | None) as a :class:`Group`."""
+    """``group`` (ProcessGroup | 1-D DeviceMesh | None, or a :class:`Group` already resolved,
+    returned as is) as a :class:`Group`."""
     if group is None:
         return Group(None, 0, 1)
+    if isinstance(group, Group):
+        return group
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(f"{what}: group must be a 1-D DeviceMesh, got a {group.ndim}-D mesh")

@@ -1,6 +1,6 @@
 """The vision sharding-group scope: which group :func:`maybe_distribute_visual` shards over.
 
-A plain module-level holder (one of the documented scope holders, SPEC §1.5), set by the VLM
+A plain module-level holder (one of the documented scope holders), set by the VLM
 CP recipe around the model forward and read synchronously when the vision tower runs. A plain
 attribute, not a ``ContextVar``: activation-checkpoint recompute re-enters vision submodules
 after frame selection, not :func:`maybe_distribute_visual`, so there is no cross-thread read;
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -26,6 +27,7 @@ __all__ = [
     "cp_vision_group",
     "current_cp_vision_scope",
     "reset_cp_vision_group",
+    "stored_scope",
     "set_cp_vision_group",
 ]
 
@@ -166,9 +168,22 @@ def make_scope(
     return None if group is None else CpVisionGroupScope(_resolve(group, config), config, spans_only_cp)
 
 
-def swap_scope(scope: CpVisionGroupScope | None) -> CpVisionGroupScope | None:
-    """Install ``scope`` as the current one and return the one it replaces (no tokens)."""
+def swap_scope(scope: Any) -> Any:
+    """Install ``scope`` as the current one and return the one it replaces, as it was stored (no
+    tokens). ``scope`` is a :class:`CpVisionGroupScope`, None, or a deferred scope: an object
+    with ``resolve() -> CpVisionGroupScope`` (the NeMo mirror's, whose group is checked when the
+    scope is first used rather than when it is published); :func:`current_cp_vision_scope`
+    resolves it."""
     return _HOLDER.swap(scope)
+
+
+def stored_scope() -> Any:
+    """The scope as it was installed (a deferred scope unresolved; see :func:`swap_scope`)."""
+    return _HOLDER.get()
+
+
+def _resolved(value: Any) -> CpVisionGroupScope | None:
+    return value if value is None or isinstance(value, CpVisionGroupScope) else value.resolve()
 
 
 def reset_cp_vision_group(token: CpVisionGroupToken) -> None:
@@ -194,8 +209,9 @@ def cp_vision_group(
 
 
 def current_cp_vision_scope() -> CpVisionGroupScope | None:
-    """The scope currently set (``None`` outside any scope or inside ``set_cp_vision_group(None)``)."""
-    return _HOLDER.get()
+    """The scope currently set (``None`` outside any scope or inside ``set_cp_vision_group(None)``);
+    a deferred scope is resolved here, so its group errors surface on first use."""
+    return _resolved(_HOLDER.get())
 
 
 def cp_vision_frame_sharding_active() -> bool:
@@ -203,5 +219,7 @@ def cp_vision_frame_sharding_active() -> bool:
     config is enabled, and its group has more than one rank) — the same policy
     :func:`maybe_distribute_visual` applies, for model code that wants to leave its ordinary
     multimodal path untouched otherwise."""
-    scope = _HOLDER.get()
-    return scope is not None and scope.active
+    value = _HOLDER.get()
+    if value is None or not value.config.enabled:
+        return False
+    return _resolved(value).active

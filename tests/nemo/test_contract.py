@@ -10,6 +10,7 @@ lists of ``cp_vision_frame_shard`` are those of NeMo's published API reference.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -529,3 +530,169 @@ def test_direct_form_reports_and_uses_nemo_layouts():
     assert torch.equal(sharder._indices(2, None), torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="does not match"):
         sharder._indices(6, None)
+
+
+# --------------------------------------------------------------------------- NeMo's conventions
+
+
+class _RecordingTower(torch.nn.Module):
+    """A trainable tower: per-row linear then a mean over each ``merge**2`` rows; records its
+    calls (the pixel rows and grid it was given)."""
+
+    spatial_merge_size = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3, dtype=torch.float64)
+        self.calls: list[tuple[object, object]] = []
+
+    def forward(self, pixel_values, grid_thw=None, return_dict=True):
+        self.calls.append((pixel_values, grid_thw))
+        if pixel_values is None:
+            return SimpleNamespace(pooler_output=torch.zeros(1, 3), deepstack_features=None)
+        merged = self.proj(pixel_values).reshape(-1, 4, 3).mean(dim=1)
+        return SimpleNamespace(pooler_output=merged, deepstack_features=None)
+
+
+def _media(entries: list[tuple[int, int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    grid = torch.tensor(entries, dtype=torch.long)
+    rows = int(grid.prod(dim=-1).sum())
+    return torch.randn(rows, 4, generator=torch.Generator().manual_seed(5), dtype=torch.float64), grid
+
+
+@pytest.fixture
+def _unusable_group():
+    """A published group cpshard cannot resolve (``object()``), reset afterwards."""
+    tokens = []
+
+    def publish(config, spans_only_cp: bool = True):
+        tokens.append(vfs.set_cp_vision_group(object(), config=config, spans_only_cp=spans_only_cp))
+
+    yield publish
+    for token in reversed(tokens):
+        vfs.reset_cp_vision_group(token)
+    assert cpshard.current_cp_vision_scope() is None
+
+
+def test_vision_group_is_checked_when_used_not_when_set(_unusable_group):
+    """``set_cp_vision_group`` accepts any group; the fall-backs that need none (no media,
+    disabled, a small workload) and the trainable-tower check run before the group is used;
+    only a call that would shard raises ``TypeError`` naming the published group and the rank.
+    cpshard's own ``set_cp_vision_group`` still checks its group when it is set."""
+    pixels, grid = _media([(1, 2, 2), (1, 4, 4), (2, 2, 4)])
+    cfg = vfs.CpVisionFrameShardingConfig(enabled=True, min_tokens=0, min_frames=32)
+    _unusable_group(cfg)
+    assert isinstance(vfs._CP_VISION_GROUP.get(), vfs._GroupScope)
+    tower = _RecordingTower()
+    want = tower(pixels, grid_thw=grid).pooler_output
+    tower.calls.clear()
+    # no media: the plain call with both arguments unchanged
+    for pv, g in ((None, None), (pixels, None), (None, grid)):
+        out = vfs.maybe_distribute_visual(tower, pv, g)
+        assert tower.calls[-1][0] is pv and tower.calls[-1][1] is g
+        assert out.pooler_output.shape == ((1, 3) if pv is None else (9, 3))
+    # a trainable tower over a group not declared CP-only: ValueError before the group is used
+    _unusable_group(cfg, spans_only_cp=False)
+    with pytest.raises(ValueError, match="spans_only_cp"):
+        vfs.maybe_distribute_visual(tower, pixels, grid)
+    # the same call would shard: now the group is used, and refused
+    _unusable_group(cfg)
+    with pytest.raises(TypeError, match=r"rank 0: the group published by set_cp_vision_group") as info:
+        vfs.maybe_distribute_visual(tower, pixels, grid)
+    assert "got object" in str(info.value)
+    with pytest.raises(TypeError, match="set_cp_vision_group"):
+        cpshard.cp_vision_frame_sharding_active()
+    # disabled, then below both minimums: the plain call, equal to the tower's own output
+    for policy in (vfs.CpVisionFrameShardingConfig(enabled=False, min_tokens=0),
+                   vfs.CpVisionFrameShardingConfig(enabled=True, min_tokens=999, min_frames=999)):
+        _unusable_group(policy)
+        tower.calls.clear()
+        out = vfs.maybe_distribute_visual(tower, pixels, grid)
+        assert len(tower.calls) == 1 and tower.calls[0][0] is pixels
+        assert torch.equal(out.pooler_output, want)
+    with pytest.raises(TypeError, match="got object"):
+        cpshard.set_cp_vision_group(object())
+    with pytest.raises(TypeError, match="spans_only_cp"):
+        vfs.set_cp_vision_group(object(), config=cfg, spans_only_cp=1)  # type: ignore[arg-type]
+
+
+def test_vision_disabled_scope_is_inactive_without_using_its_group(_unusable_group):
+    _unusable_group(vfs.CpVisionFrameShardingConfig(enabled=False))
+    assert vfs.cp_vision_frame_sharding_active() is False
+    assert cpshard.cp_vision_frame_sharding_active() is False
+
+
+def test_doc_ids_prefer_packed_ids_over_a_disagreeing_mask():
+    """``_packed_seq_ids`` wins over a 4-D block-causal mask that says otherwise (NeMo's
+    documented preference), in the doc-id helper and in the batch builder; cpshard's own
+    :func:`cpshard.document_ids` still refuses the contradiction."""
+    b, s = 1, 6
+    packed = torch.tensor([[1, 1, 2, 2, 2, 0]])
+    block = torch.ones(b, 1, s, s, dtype=torch.bool).tril()  # one document, no padding
+    batch = {"_packed_seq_ids": packed, "attention_mask": block}
+    assert torch.equal(bd._cp_blockdiag_doc_ids(batch, s, "cpu", b), packed)
+    with pytest.raises(ValueError):
+        cpshard.document_ids(batch, s, "cpu", b)
+    embeds = torch.randn(b, s, 2)
+    ctx, out = bd.make_cp_blockdiag_batch_and_ctx(
+        None, None, {"inputs_embeds": embeds, "_packed_seq_ids": packed, "attention_mask": block}
+    )
+    assert "attention_mask" not in out
+    assert out["padding_mask"].tolist() == [[False] * 5 + [True]]
+
+
+class _DuckMesh:
+    """NeMo's duck-typed CP mesh: ``get_group()``, ``size()``, ``get_local_rank()``."""
+
+    def __init__(self, size: int, rank: int = 0, group=None) -> None:
+        self._size, self._rank, self._group = size, rank, group
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+    def get_group(self):
+        return self._group
+
+
+class _DuckDeviceMesh(dict):
+    """A duck-typed device mesh: ``mesh_dim_names`` and ``mesh["cp"]``."""
+
+    def __init__(self, cp) -> None:
+        super().__init__(cp=cp)
+        self.mesh_dim_names = ["cp"]
+
+
+def test_duck_meshes_single_rank_and_offline():
+    """A duck mesh of one rank is no CP; an offline one (no process group while
+    torch.distributed is not initialized) gives its rank and size to the layout-only verbs."""
+    embeds = torch.randn(1, 5, 2)
+    for mesh in (_DuckMesh(1), _DuckMesh(1, group=object())):
+        _, out = bd.make_cp_blockdiag_batch_and_ctx(mesh, None, {"inputs_embeds": embeds.clone()})
+        _, want = bd.make_cp_blockdiag_batch_and_ctx(None, None, {"inputs_embeds": embeds.clone()})
+        assert torch.equal(out["inputs_embeds"], want["inputs_embeds"])
+        assert torch.equal(out["padding_mask"], want["padding_mask"])
+    assert not torch.distributed.is_initialized()
+    layout = sh.ShardLayout(local_token_global_indices=torch.tensor([[5, 4, 1]], dtype=torch.int32))
+    sharder = sh.ContextParallelSharder(
+        device_mesh=_DuckDeviceMesh(_DuckMesh(2, rank=1)),
+        shard_batch=lambda *a, **k: (contextlib.nullcontext, {}, None), shard_layout=layout,
+    )
+    assert torch.equal(sharder._indices(6, None), torch.tensor([5, 4, 1]))
+    with pytest.raises(ValueError, match=r"rank 1: .*3 local x cp_size 2.*padded_seq_len=8.*does not match"):
+        sharder._indices(8, None)
+    data_dependent = sh.ContextParallelSharder(
+        device_mesh=_DuckDeviceMesh(_DuckMesh(2)), shard_batch=lambda *a, **k: (contextlib.nullcontext, {}, None)
+    )
+    with pytest.raises(NotImplementedError, match="data-dependent"):
+        data_dependent.shard_token_tensor(torch.randn(1, 8))
+    with pytest.raises(TypeError, match=r"cp_mesh\.get_group\(\) returned None"):
+        class _NoRank:
+            def size(self):
+                return 2
+
+            def get_group(self):
+                return None
+        bd.make_cp_blockdiag_batch_and_ctx(_NoRank(), None, {"inputs_embeds": embeds.clone()})

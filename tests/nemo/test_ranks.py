@@ -25,6 +25,7 @@ from cpshard.nemo.components.distributed.blockdiag_cp import batch as bd
 from cpshard.nemo.components.distributed.blockdiag_cp import runtime as bd_runtime
 from cpshard.nemo.components.distributed.context_parallel import sharder as sh
 from cpshard.nemo.components.models.step5 import cp as step5
+from tests.helpers import assert_no_mismatches
 
 WORLDS = [1, 2, 3, 4]
 F64 = torch.float64
@@ -40,11 +41,6 @@ def _close(bad: list[str], tag: str, got: torch.Tensor, want: torch.Tensor) -> N
         bad.append(f"{tag}: shape {tuple(got.shape)} != {tuple(want.shape)}")
     elif not torch.allclose(got, want, atol=ATOL, rtol=0):
         bad.append(f"{tag}: max error {(got - want).abs().max().item():.3g}")
-
-
-def _assert_clean(results: list[list[str]]) -> None:
-    bad = [msg for rank_bad in results for msg in rank_bad]
-    assert not bad, "\n".join(bad[:20])
 
 
 def _raises_everywhere(bad: list[str], tag: str, exc: type, call, match: str = "") -> None:
@@ -498,13 +494,61 @@ def _check_thd_and_repositioned(bad: list[str], tag: str, rank: int, world: int,
     _close(bad, f"{tag} repositioned gather(trim)", back, torch.where(positions >= 0, x, -5.0))
 
 
+class _DuckMesh:
+    """NeMo's duck-typed CP mesh over ``group``: ``get_group()``, ``size()``, ``get_local_rank()``."""
+
+    def __init__(self, group, size: int, rank: int) -> None:
+        self._group, self._size, self._rank = group, size, rank
+
+    def get_group(self):
+        return self._group
+
+    def size(self) -> int:
+        return self._size
+
+    def get_local_rank(self) -> int:
+        return self._rank
+
+
+def _run_duck_meshes(rank: int, world: int) -> list[str]:
+    """A duck-typed mesh shards exactly like its process group; one whose size() is not its
+    group's raises on every rank."""
+    bad: list[str] = []
+    b, s = 1, 7
+    padded = -(-s // world) * world
+    local = padded // world
+    embeds = _rand((b, s, 2), 11)
+    doc = torch.tensor([[1, 1, 2, 2, 2, 3, 0]])
+    block = torch.ones(b, 1, s, s, dtype=torch.bool).tril()  # disagrees with doc: ignored
+    batch = {"inputs_embeds": embeds.clone(), "_packed_seq_ids": doc, "attention_mask": block}
+    _, out = bd.make_cp_blockdiag_batch_and_ctx(_DuckMesh(dist.group.WORLD, world, rank), None, batch)
+    full = torch.cat([embeds, torch.zeros(b, padded - s, 2, dtype=F64)], 1)
+    _close(bad, f"W={world} r={rank} duck inputs_embeds", out["inputs_embeds"], full[:, rank * local:(rank + 1) * local])
+    pad = torch.cat([doc == 0, torch.ones(b, padded - s, dtype=torch.bool)], 1)[:, rank * local:(rank + 1) * local]
+    if not torch.equal(out["padding_mask"], pad):
+        bad.append(f"W={world} r={rank} duck padding_mask: {out['padding_mask'].tolist()} != {pad.tolist()}")
+    idx = torch.arange(rank * 3, rank * 3 + 3)
+    sharder = sh.ContextParallelSharder(
+        device_mesh=_DuckMesh(dist.group.WORLD, world, rank),
+        shard_batch=lambda *a, **k: (None, {}, None), shard_layout=sh.ShardLayout(local_token_global_indices=idx),
+    )
+    if world > 1 and not torch.equal(sharder._indices(3 * world, None), idx):
+        bad.append(f"W={world} r={rank} duck sharder indices")
+    if world > 1:
+        _raises_everywhere(bad, f"W={world} r={rank} duck size", ValueError,
+                           lambda: bd.make_cp_blockdiag_batch_and_ctx(
+                               _DuckMesh(dist.group.WORLD, world + 1, rank), None, {"inputs_embeds": embeds.clone()}),
+                           match=f"rank {rank}: cp_mesh.get_group() has {world} ranks")
+    return bad
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharder_shard_raises_on_every_rank(pools, world):
-    _assert_clean(pools(world).run(_run_one_rank_bad_shard, timeout=60))
+    assert_no_mismatches(pools(world).run(_run_one_rank_bad_shard, timeout=60))
 
 
 RANK_CASES = [(_run_step5, 120), (_run_vision_gathers, 60), (_run_visual, 120), (_run_blockdiag, 60),
-              (_run_sharder, 120)]
+              (_run_sharder, 120), (_run_duck_meshes, 60)]
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -512,4 +556,4 @@ RANK_CASES = [(_run_step5, 120), (_run_vision_gathers, 60), (_run_visual, 120), 
 def test_on_ranks(pools, case, world):
     """Every area's grid of cases on one spawned group of ``world`` ranks."""
     fn, timeout = case
-    _assert_clean(pools(world).run(fn, timeout=timeout))
+    assert_no_mismatches(pools(world).run(fn, timeout=timeout))

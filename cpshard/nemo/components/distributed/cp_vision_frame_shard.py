@@ -78,35 +78,49 @@ class _GroupScope:
     spans_only_cp: bool = True
 
     def _resolved(self) -> _vision.CpVisionGroupScope | None:
-        """cpshard's scope for this one (group resolved and checked); built once."""
+        """cpshard's scope for this one (group resolved and checked); built once, on first use."""
         top = self.__dict__.get("_top")
         if top is None:
-            top = _scope.make_scope(self.group, self.config, self.spans_only_cp)
+            try:
+                top = _scope.make_scope(self.group, self.config, self.spans_only_cp)
+            except (TypeError, ValueError) as exc:
+                rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+                raise type(exc)(
+                    f"{_WHAT}: rank {rank}: the group published by set_cp_vision_group cannot be "
+                    f"used: {exc}"
+                ) from exc
             if top is not None:  # (group None: no scope, nothing to remember)
                 object.__setattr__(self, "_top", top)
                 _BY_RESOLVED[id(top)] = self
         return top
 
+    def resolve(self) -> _vision.CpVisionGroupScope | None:
+        """The deferred-scope hook of cpshard's holder (:func:`cpshard.vision.scope.swap_scope`):
+        the group is resolved and checked when the published scope is first used."""
+        return self._resolved()
+
 
 # Token restoring the previous published scope; opaque to callers.
 CpVisionGroupToken = _GroupScope | None
 
-# The mirror scope each cpshard scope was published from (so the holder hands back the very
+# The mirror scope each cpshard scope was resolved from (so the holder hands back the very
 # object that was set); an entry lives as long as its mirror scope.
 _BY_RESOLVED: weakref.WeakValueDictionary[int, _GroupScope] = weakref.WeakValueDictionary()
 
 
-def _mirror(top: _vision.CpVisionGroupScope | None) -> _GroupScope | None:
-    """The mirror scope of cpshard's scope ``top`` (the one it was set from, or a new view of a
-    scope set through :func:`cpshard.set_cp_vision_group`)."""
-    if top is None:
-        return None
-    known = _BY_RESOLVED.get(id(top))
-    if known is not None and known.__dict__.get("_top") is top:
+def _mirror(stored: Any) -> _GroupScope | None:
+    """The mirror scope of what cpshard's holder stores: a mirror scope as is, else the mirror
+    scope cpshard's scope ``stored`` was resolved from, or a view of a scope set through
+    :func:`cpshard.set_cp_vision_group`."""
+    if stored is None or isinstance(stored, _GroupScope):
+        return stored
+    known = _BY_RESOLVED.get(id(stored))
+    if known is not None and known.__dict__.get("_top") is stored:
         return known
-    view = _GroupScope(top.group.pg, top.config, top.spans_only_cp)
-    object.__setattr__(view, "_top", top)
-    _BY_RESOLVED[id(top)] = view
+    view = _GroupScope(stored.group.pg, stored.config, stored.spans_only_cp)
+    object.__setattr__(view, "_top", stored)
+    object.__setattr__(view, "_view", True)
+    _BY_RESOLVED[id(stored)] = view
     return view
 
 
@@ -125,7 +139,7 @@ class _GroupHolder:
         self._value: _GroupScope | None = None
 
     def get(self) -> _GroupScope | None:
-        return _mirror(_scope.current_cp_vision_scope()) if self._shared else self._value
+        return _mirror(_scope.stored_scope()) if self._shared else self._value
 
     def set(self, value: _GroupScope | None) -> _GroupScope | None:
         if not self._shared:
@@ -133,7 +147,10 @@ class _GroupHolder:
             return token
         if value is not None and not isinstance(value, _GroupScope):
             raise TypeError(f"{_WHAT}: the scope must be a _GroupScope or None, got {type(value).__name__}")
-        return _mirror(_scope.swap_scope(None if value is None else value._resolved()))
+        # A view of a scope set through cpshard goes back as that scope (its token stays valid);
+        # a scope published here is stored unresolved: its group is checked on first use.
+        stored = value.__dict__["_top"] if value is not None and value.__dict__.get("_view") else value
+        return _mirror(_scope.swap_scope(stored))
 
     def reset(self, token: _GroupScope | None) -> None:
         self.set(token)
@@ -160,12 +177,19 @@ def set_cp_vision_group(
 
     Returns:
         A token to pass to :func:`reset_cp_vision_group` (the previous scope).
+
+    ``config`` and ``spans_only_cp`` are checked here (``TypeError``); ``group`` when the scope
+    is first used: :func:`maybe_distribute_visual` raises ``TypeError`` / ``ValueError`` for a
+    group cpshard cannot resolve only once it would shard (its fall-backs — no media, disabled,
+    a small workload — and its trainable-tower check run first).
     """
-    scope = None if group is None else _GroupScope(group, config, spans_only_cp)
-    if scope is not None:
-        scope._resolved()  # checks the arguments now, as cpshard.set_cp_vision_group does
-    elif not isinstance(config, _vision.CpVisionFrameShardingConfig):
+    if not isinstance(config, _vision.CpVisionFrameShardingConfig):
         raise TypeError(f"{_WHAT}: config must be a CpVisionFrameShardingConfig, got {type(config).__name__}")
+    if not isinstance(spans_only_cp, bool):
+        raise TypeError(f"{_WHAT}: spans_only_cp must be a bool, got {type(spans_only_cp).__name__}")
+    # The group is checked when the scope is first used (maybe_distribute_visual,
+    # cp_vision_frame_sharding_active), not here: the fall-backs that need no group never do.
+    scope = None if group is None else _GroupScope(group, config, spans_only_cp)
     return _CP_VISION_GROUP.set(scope)
 
 
@@ -290,6 +314,24 @@ def maybe_distribute_visual(
     """
     if "return_dict" in kwargs:
         raise TypeError(f"{_WHAT}: return_dict is always True; do not pass it")
+    # NeMo's order: the fall-backs that need no group come before the group is used.
+    if pixel_values is None or grid_thw is None:
+        return _distribute._replicated(visual, pixel_values, grid_thw, kwargs)
+    scope = _CP_VISION_GROUP.get()
+    if scope is None or not scope.config.enabled:
+        return _distribute._replicated(visual, pixel_values, grid_thw, kwargs)
+    try:
+        scope._resolved()
+    except (TypeError, ValueError):
+        # A group cpshard cannot use: its error stands unless this call never needs the group
+        # (the trainable-tower check raises first; a small workload falls back, as NeMo's do).
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        local = _vision.CpVisionGroupScope(Group(None, rank, 1), scope.config, scope.spans_only_cp)
+        _distribute._check_group_scope_for_trainable(visual, pixel_values, local)
+        inputs = _distribute._inspect(visual, pixel_values, grid_thw, local)
+        if inputs.problem is None and (not inputs.grid or _distribute._small(inputs, scope.config)):
+            return _distribute._replicated(visual, pixel_values, grid_thw, kwargs)
+        raise
     return _distribute.distribute_visual(
         visual, pixel_values, grid_thw, kwargs, local_fallbacks=True, floor_dummy_frames=False,
         what=f"{__name__}.maybe_distribute_visual",

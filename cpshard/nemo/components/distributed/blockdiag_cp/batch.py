@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard.batch import document_ids
 from cpshard.sharder import make_cp_blockdiag_batch_and_ctx as _make_batch_and_ctx
 from cpshard.comm import resolve_group
+from cpshard.nemo._mesh import cp_group
 
 __all__ = ["_cp_blockdiag_doc_ids", "make_cp_blockdiag_batch_and_ctx"]
 
@@ -29,9 +30,17 @@ _WHAT = "cpshard.nemo make_cp_blockdiag_batch_and_ctx"
 
 def _cp_blockdiag_doc_ids(batch: dict, seq_len: int, device, batch_size: int) -> torch.Tensor:
     """Resolve per-position document ids ``[B, S]`` (0 == padding) for the mask: the collator's
-    ``_packed_seq_ids``, else a 4-D block-causal ``attention_mask``'s diagonal, else a 2-D
-    ``attention_mask``, else one document per row (:func:`cpshard.document_ids`)."""
-    return document_ids(batch, seq_len, device, batch_size)
+    ``_packed_seq_ids`` when present (preferred: the batch's other sources, e.g. the
+    ``attention_mask``, are not read then), else a 4-D block-causal ``attention_mask``'s
+    diagonal, else a 2-D ``attention_mask``, else one document per row
+    (:func:`cpshard.document_ids`)."""
+    return document_ids(_preferred_sources(batch), seq_len, device, batch_size)
+
+
+def _preferred_sources(batch: dict) -> dict:
+    """The batch as NeMo reads its documents: ``_packed_seq_ids`` alone when present."""
+    packed = batch.get("_packed_seq_ids") if isinstance(batch, dict) else None
+    return batch if packed is None else {"_packed_seq_ids": packed}
 
 
 def make_cp_blockdiag_batch_and_ctx(
@@ -47,11 +56,17 @@ def make_cp_blockdiag_batch_and_ctx(
     shifted (NeMo's are targets already), ``batch`` is updated in place and returned with
     ``attention_mask`` dropped, ``padding_mask`` added, ``labels``, ``loss_mask`` (when given or
     present) and ``_packed_seq_ids`` (when present) sharded and kept in it, and padded
-    ``position_ids`` set to 0. ``tp_mesh`` and ``padding_token_id`` are accepted for signature
+    ``position_ids`` set to 0. Documents come from ``_packed_seq_ids`` when present (a 4-D
+    ``attention_mask`` is not read then, as :func:`_cp_blockdiag_doc_ids`). ``cp_mesh`` may be a
+    ``DeviceMesh``, a ``ProcessGroup``, None, or a duck-typed mesh (``get_group()``, ``size()``,
+    ``get_local_rank()``). ``tp_mesh`` and ``padding_token_id`` are accepted for signature
     compatibility (``padding_token_id`` pads ``input_ids`` when the batch has them). Returns
     ``(train_ctx, batch)``; entering ``train_ctx()`` activates the step's per-document CP
     attention.
     """
+    cp_mesh = cp_group(cp_mesh, _WHAT, "cp_mesh")
+    if isinstance(batch, dict) and batch.get("_packed_seq_ids") is not None:
+        batch.pop("attention_mask", None)  # dropped anyway; the packed ids are preferred
     ref = batch.get("inputs_embeds", batch.get("input_ids")) if isinstance(batch, dict) else None
     seq_len = ref.shape[1] if isinstance(ref, torch.Tensor) and ref.dim() >= 2 else None
     train_ctx, out = _make_batch_and_ctx(

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard import layouts as _layout
 from cpshard import sharder as _sharder
 from cpshard.comm import resolve_group
+from cpshard.nemo._mesh import cp_group, is_duck_mesh
 
 __all__ = ["ContextParallelSharder", "ShardLayout"]
 
@@ -61,18 +62,22 @@ class ShardLayout:
 
 
 def _axis(mesh: Any, name: str) -> Any:
-    """``mesh[name]`` of a DeviceMesh with that axis name, else None."""
+    """``mesh[name]`` of a mesh with that axis name (a DeviceMesh, or a duck-typed mesh naming
+    it in ``mesh_dim_names``), else None."""
     names = getattr(mesh, "mesh_dim_names", None) or ()
-    return mesh[name] if isinstance(mesh, DeviceMesh) and name in names else None
+    if name not in names or isinstance(mesh, dist.ProcessGroup):
+        return None
+    return mesh[name] if isinstance(mesh, DeviceMesh) or callable(getattr(mesh, "__getitem__", None)) else None
 
 
 def _cp_of(device_mesh: Any) -> Any:
-    """The CP group: the mesh's ``cp`` axis, a 1-D mesh or a ProcessGroup as is, else None."""
+    """The CP group: the mesh's ``cp`` axis, a 1-D mesh, a duck-typed 1-D mesh (``get_group()``
+    / ``size()``) or a ProcessGroup as is, else None."""
     cp = _axis(device_mesh, "cp")
-    if cp is None and (isinstance(device_mesh, dist.ProcessGroup)
+    if cp is None and (isinstance(device_mesh, dist.ProcessGroup) or is_duck_mesh(device_mesh)
                        or (isinstance(device_mesh, DeviceMesh) and device_mesh.ndim == 1)):
         cp = device_mesh
-    return cp
+    return cp_group(cp, _WHAT, "device_mesh['cp']")
 
 
 def _identity_shard_batch(cp_mesh, tp_mesh, batch, *, loss_mask=None, padding_token_id: int = 0):
@@ -298,9 +303,12 @@ class ContextParallelSharder:
         if lay is not None and lay.local_token_global_indices is not None:
             expected = lay.local_token_global_indices.numel() * self._impl.world_size
             if padded_seq_len != expected:
+                world = self._impl.world_size
                 raise ValueError(
-                    f"{_WHAT}: rank {self._impl.rank}: the reported indices cover a padded stream of "
-                    f"{expected} tokens, which does not match padded_seq_len = {padded_seq_len}"
+                    f"{_WHAT}: rank {self._impl.rank}: the reported CP indices cover a padded stream "
+                    f"of {expected} tokens ({expected // world} local x cp_size {world}), got "
+                    f"padded_seq_len={padded_seq_len}. The tensor does not match the batch this "
+                    "sharder last sharded."
                 )
         return self._impl._indices(padded_seq_len, device)
 
