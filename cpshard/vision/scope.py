@@ -1,10 +1,10 @@
 """The vision sharding-group scope: which group :func:`maybe_distribute_visual` shards over.
 
-A plain module-level holder (one of the documented scope holders), set by the VLM
-CP recipe around the model forward and read synchronously when the vision tower runs. A plain
-attribute, not a ``ContextVar``: activation-checkpoint recompute re-enters vision submodules
-after frame selection, not :func:`maybe_distribute_visual`, so there is no cross-thread read;
-training steps are sequential, and token-based restore handles nesting.
+One of cpshard's documented scopes (a :class:`~cpshard.scoped.ScopedValue`), set by the VLM CP
+recipe around the model forward and read synchronously when the vision tower runs: activation-
+checkpoint recompute re-enters vision submodules after frame selection, not
+:func:`maybe_distribute_visual`, so there is no cross-thread read; training steps are
+sequential, and token-based restore handles nesting.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.comm import Group, GroupLike, resolve_group
+from cpshard.scoped import ScopedValue, ScopeToken
 from cpshard.vision.config import CpVisionFrameShardingConfig
 
 __all__ = [
@@ -53,60 +54,17 @@ class CpVisionGroupScope:
         return self.config.enabled and self.group.world > 1
 
 
-class CpVisionGroupToken:
+class CpVisionGroupToken(ScopeToken):
     """Restores the scope that was current before :func:`set_cp_vision_group`; opaque, one use."""
 
-    __slots__ = ("_installed", "_previous", "_used")
-
-    def __init__(self, previous: CpVisionGroupScope | None, installed: CpVisionGroupScope | None) -> None:
-        self._previous = previous
-        self._installed = installed
-        self._used = False
-
-    def __repr__(self) -> str:
-        state = "used" if self._used else "unused"
-        return f"<CpVisionGroupToken {state}>"
+    __slots__ = ()
 
 
-class _GroupHolder:
-    """Plain get/set/reset holder for the scope of the current model forward."""
-
-    def __init__(self) -> None:
-        self._value: CpVisionGroupScope | None = None
-
-    def get(self) -> CpVisionGroupScope | None:
-        return self._value
-
-    def set(self, value: CpVisionGroupScope | None) -> CpVisionGroupToken:
-        token = CpVisionGroupToken(self._value, value)
-        self._value = value
-        return token
-
-    def swap(self, value: CpVisionGroupScope | None) -> CpVisionGroupScope | None:
-        """Install ``value`` and return the scope it replaces, with no token bookkeeping: the
-        NeMo mirror's plain get/set/reset holder (:mod:`cpshard.nemo`) is built on it, so both
-        APIs publish into this one holder."""
-        previous, self._value = self._value, value
-        return previous
-
-    def reset(self, token: CpVisionGroupToken) -> None:
-        if not isinstance(token, CpVisionGroupToken):
-            raise TypeError(
-                f"cpshard.reset_cp_vision_group: token must be the value set_cp_vision_group returned, "
-                f"got {type(token).__name__}"
-            )
-        if token._used:
-            raise RuntimeError("cpshard.reset_cp_vision_group: this token has already been used")
-        if self._value is not token._installed:
-            raise RuntimeError(
-                "cpshard.reset_cp_vision_group: scopes must be reset in the reverse order they were set "
-                "(the token's scope is not the current one: a nested scope is still set)"
-            )
-        token._used = True
-        self._value = token._previous
-
-
-_HOLDER = _GroupHolder()
+# The scope of the current model forward (both the top-level API and the NeMo mirror publish
+# into it).
+_HOLDER: ScopedValue[Any] = ScopedValue(
+    None, "cpshard.reset_cp_vision_group", "set_cp_vision_group", CpVisionGroupToken
+)
 
 
 def _resolve(group: GroupLike, config: CpVisionFrameShardingConfig) -> Group:
@@ -201,11 +159,10 @@ def cp_vision_group(
 ) -> Iterator[CpVisionGroupScope | None]:
     """``with cp_vision_group(group, config=...) as scope:`` — :func:`set_cp_vision_group` on
     entry, :func:`reset_cp_vision_group` on exit (also on an exception). Yields the scope."""
-    token = set_cp_vision_group(group, config=config, spans_only_cp=spans_only_cp)
-    try:
-        yield _HOLDER.get()
-    finally:
-        reset_cp_vision_group(token)
+    if config is None:
+        config = CpVisionFrameShardingConfig(enabled=True)
+    with _HOLDER.scope(make_scope(group, config, spans_only_cp)) as scope:
+        yield scope
 
 
 def current_cp_vision_scope() -> CpVisionGroupScope | None:
