@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cpshard.validation import is_int
+
 GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
 SECTION_OPS = ("planner", "vision", "layouts", "blockdiag", "attention")
 OPS = (*GATHER_OPS, "strategies", *SECTION_OPS)
@@ -43,7 +45,7 @@ class BenchConfig:
             return ValueError(f"BenchConfig.{field}={value!r}: {need}")
 
         if self.world is not None and (
-            isinstance(self.world, bool) or not isinstance(self.world, int) or self.world < 2
+            not is_int(self.world) or self.world < 2
         ):
             raise bad("world", self.world, "must be an int >= 2")
         if (
@@ -53,12 +55,12 @@ class BenchConfig:
         ):
             raise bad("ops", self.ops, f"must be distinct names from {', '.join(OPS)}")
         if not self.sizes or any(
-            isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in self.sizes
+            not is_int(s) or s < 1 for s in self.sizes
         ):
             raise bad("sizes", self.sizes, "must be ints >= 1 (tokens per rank)")
         for field, low in (("hidden", 1), ("repeats", 1), ("warmup", 0), ("iters", 0)):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            if not is_int(value) or value < low:
                 raise bad(field, value, f"must be an int >= {low}")
         if self.dtype not in DTYPES:
             raise bad("dtype", self.dtype, f"must be one of {', '.join(DTYPES)}")

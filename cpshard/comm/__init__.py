@@ -8,6 +8,7 @@ the native NCCL communicator.
 * :mod:`~cpshard.comm.select`: which backend serves a tensor;
 * :mod:`~cpshard.comm.host`: the host-side channel of the per-step consensus;
 * :mod:`~cpshard.comm.reduce`: sum reductions (a loss's token count, parameter gradients);
+* :mod:`~cpshard.comm.hugepages`: fresh CPU buffers backed by transparent huge pages;
 * :mod:`~cpshard.comm.collectives`: the verbs as ``torch.library`` custom ops keyed by group
   name, with fake kernels and autograd, so ``torch.compile`` traces the transport.
 """

@@ -35,7 +35,7 @@ from cpshard.comm import verbs
 from cpshard.comm.group import group_from_name
 from cpshard.comm.nvtx import nvtx_range
 from cpshard.comm.select import transport_for
-from cpshard.hugepages import new_buffer
+from cpshard.comm.hugepages import new_buffer
 
 # ------------------------------------------------------------------ gathers / reduce-scatters
 

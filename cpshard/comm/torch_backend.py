@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from cpshard.comm.group import Group
 from cpshard.comm.verbs import offsets
-from cpshard.hugepages import new_buffer
+from cpshard.comm.hugepages import new_buffer
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

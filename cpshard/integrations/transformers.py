@@ -51,34 +51,6 @@ def _cp_rank() -> int:
     return state.group.rank if state is not None else 0
 
 
-def _cp_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    sliding_window: int | None,
-    position_ids: torch.Tensor | None,
-) -> torch.Tensor:
-    """The active CP attention, ``[B, H, L, D]`` in and out: causal (or bidirectional) within
-    documents, with the module's sliding window; what it cannot do exactly (or tokens sharded for
-    another context, by their ``position_ids``), it refuses."""
-    return cp_attention(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=query.shape[1] != key.shape[1],
-        window=sliding_window,
-        position_ids=position_ids,
-    )
-
-
 @contextmanager
 def _cp_attention_suspended() -> Iterator[None]:
     """No CP attention inside: for a module whose tokens are not the sharded sequence (a
@@ -127,8 +99,17 @@ def cpshard_attention(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    out = _cp_attention(
-        query, key, value, attention_mask, dropout, causal, scaling, window, position_ids
+    out = cp_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        is_causal=causal,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+        window=window,
+        position_ids=position_ids,
     )
     return out.transpose(1, 2).contiguous(), None
 

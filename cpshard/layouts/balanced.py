@@ -131,7 +131,7 @@ def plan_balanced(doc_ids: torch.Tensor, world: int, tolerance: float = 0.02) ->
     """Owner rank ``[B, P]`` of every position under ``balanced`` (module doc): equal token
     counts per rank and row, per-rank causal cost within ``1 + tolerance`` of the mean where the
     packing allows, documents split as little as that needs."""
-    what = "cpshard.balance.plan_balanced"
+    what = "cpshard.layouts.plan_balanced"
     check_doc_ids(doc_ids, world, what)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
         raise ValueError(f"{what}: tolerance must be a number >= 0, got {tolerance!r}")

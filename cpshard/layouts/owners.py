@@ -60,7 +60,7 @@ def stack_rows(rows: list[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
 def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
     """``[W, B, P/W]``: every rank's positions of every row, ascending, from owner ranks
     ``[B, P]`` (each rank must own exactly ``P / W`` positions of every row)."""
-    what = "cpshard.balance.owner_to_indices"
+    what = "cpshard.layouts.owner_to_indices"
     if owner.dim() != 2 or owner.shape[1] % world:
         raise ValueError(f"{what}: owner must be [B, P] with P a multiple of world = {world}")
     rows, length = owner.shape

@@ -28,7 +28,7 @@ def plan_per_document_head_tail(
     doc_ids: torch.Tensor, world: int, num_chunks: int | None = None
 ) -> torch.Tensor:
     """Owner rank ``[B, P]`` of every position under ``per_document_head_tail`` (module doc)."""
-    what = "cpshard.balance.plan_per_document_head_tail"
+    what = "cpshard.layouts.plan_per_document_head_tail"
     check_doc_ids(doc_ids, world, what)
     chunks = default_num_chunks(world) if num_chunks is None else num_chunks
     if not is_int(chunks) or chunks < 1 or chunks % world:

@@ -23,7 +23,7 @@ __all__ = [
     "lookup",
 ]
 
-WHAT = "cpshard.layout"  # the default entry point named in errors
+WHAT = "cpshard.layouts"  # the default entry point named in errors
 
 # Registration order is the order names are listed in (LAYOUTS, errors).
 STRATEGIES: dict[str, LayoutStrategy] = {

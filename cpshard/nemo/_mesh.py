@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.comm import Group
+from cpshard.validation import is_int
 
 
 def is_duck_mesh(mesh: Any) -> bool:
@@ -36,7 +37,7 @@ def cp_group(mesh: Any, what: str, arg: str) -> Any:
     if not is_duck_mesh(mesh):
         return mesh
     world = mesh.size()
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+    if not is_int(world) or world < 1:
         raise TypeError(f"{what}: {arg}.size() must return an int >= 1, got {world!r}")
     local = getattr(mesh, "get_local_rank", None)
     rank = local() if callable(local) else None
@@ -52,7 +53,7 @@ def cp_group(mesh: Any, what: str, arg: str) -> Any:
             )
     if rank is None:
         rank = dist.get_rank(pg)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+    if not is_int(rank) or not 0 <= rank < world:
         raise ValueError(f"{what}: {arg}.get_local_rank() must be in [0, {world}), got {rank!r}")
     if pg is None:  # offline: no collective can run (torch.distributed is not initialized)
         return Group(None, rank, world)

@@ -1,1 +1,1 @@
-"""The sharding layouts and ShardLayout (cpshard.layout, cpshard.balance)."""
+"""The sharding layouts and ShardLayout (cpshard.layouts)."""

@@ -1,4 +1,4 @@
-"""Layouts and ShardLayout (``cpshard.layout``), single process: pure functions of sizes and ids.
+"""Layouts and ShardLayout (``cpshard.layouts``), single process: pure functions of sizes and ids.
 
 Every layout is compared with an independent definition written here token by token:
 

@@ -34,6 +34,7 @@ from cpshard import layouts as _layout
 from cpshard import sharder as _sharder
 from cpshard.comm import resolve_group
 from cpshard.nemo._mesh import cp_group, is_duck_mesh
+from cpshard.validation import is_int
 
 __all__ = ["ContextParallelSharder", "ShardLayout"]
 
@@ -166,7 +167,7 @@ class ContextParallelSharder:
                 raise TypeError(f"{_WHAT}: local_token_global_indices and shard_layout require shard_batch")
             if batch is None:
                 raise TypeError(f"{_WHAT}: batch is required when shard_batch is not provided")
-            if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks < 1:
+            if not is_int(num_chunks) or num_chunks < 1:
                 raise ValueError(f"{_WHAT}: num_chunks must be an int >= 1, got {num_chunks!r}")
             shard_batch, local_token_global_indices = self._resolve(cp, batch)
         self._cp_mesh = cp

@@ -1,4 +1,4 @@
-"""Huge-page advice for the transport's large CPU buffers (cpshard.hugepages)."""
+"""Huge-page advice for the transport's large CPU buffers (cpshard.comm.hugepages)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from cpshard.hugepages import HUGE_PAGE, MIN_BYTES, new_buffer
+from cpshard.comm.hugepages import HUGE_PAGE, MIN_BYTES, new_buffer
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
 
