@@ -83,8 +83,10 @@ def agree(
 
     A rank with a local error raises its own detail; the others name the failed rank(s). A field
     that differs names the ranks that disagree with the most common value (rank 0's on a tie).
+    One rank, or an offline group (no process group: torch.distributed is not initialised, so no
+    collective can follow either), checks locally.
     """
-    if group.world == 1:
+    if group.world == 1 or group.pg is None:  # one rank, or an offline group: nothing to agree
         if local_error is not None:
             raise ValueError(f"{what}: rank {group.rank}: {local_error}")
         return

@@ -26,7 +26,11 @@ class Group:
     def name(self) -> str:
         """The process group's registered name: the key the transport custom ops take, so a
         traced graph names its group by a string (as torch's functional collectives do)."""
-        assert self.pg is not None
+        if self.pg is None:
+            raise RuntimeError(
+                f"cpshard: rank {self.rank} of {self.world}: this CP group has no process group "
+                "(torch.distributed is not initialized), so no collective can run over it"
+            )
         return self.pg.group_name
 
 

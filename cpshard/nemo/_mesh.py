@@ -55,7 +55,10 @@ def cp_group(mesh: Any, what: str, arg: str) -> Any:
         rank = dist.get_rank(pg)
     if not is_int(rank) or not 0 <= rank < world:
         raise ValueError(f"{what}: {arg}.get_local_rank() must be in [0, {world}), got {rank!r}")
-    if pg is None:  # offline: no collective can run (torch.distributed is not initialized)
+    offline = not (dist.is_available() and dist.is_initialized())
+    if pg is None or (offline and not isinstance(pg, dist.ProcessGroup)):
+        # offline (torch.distributed is not initialized): no collective can run, so the group
+        # is this rank and the size alone; the per-step agreement is local (see consensus.agree)
         return Group(None, rank, world)
     group_world = dist.get_world_size(pg)
     if group_world != world:

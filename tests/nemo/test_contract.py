@@ -696,3 +696,26 @@ def test_duck_meshes_single_rank_and_offline():
             def get_group(self):
                 return None
         bd.make_cp_blockdiag_batch_and_ctx(_NoRank(), None, {"inputs_embeds": embeds.clone()})
+
+
+def test_offline_duck_mesh_of_two_ranks_shards_the_block_diagonal_batch():
+    """NeMo's offline two-rank mesh (a stand-in group while torch.distributed is not
+    initialised): each rank's batch is its contiguous half, with the per-step agreement local
+    (no collective can run); a collective over that group raises naming the rank."""
+    assert not torch.distributed.is_initialized()
+    embeds = torch.randn(1, 6, 3)
+    batch = {
+        "inputs_embeds": embeds,
+        "labels": torch.arange(6).view(1, 6),
+        "_packed_seq_ids": torch.tensor([[1, 1, 1, 2, 2, 0]]),
+    }
+    loss_mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    for rank in (0, 1):
+        mesh = _DuckMesh(2, rank=rank, group=object())
+        _, out = bd.make_cp_blockdiag_batch_and_ctx(mesh, None, dict(batch), loss_mask=loss_mask)
+        mine = slice(3 * rank, 3 * rank + 3)
+        assert torch.equal(out["inputs_embeds"], embeds[:, mine])
+        assert torch.equal(out["loss_mask"], loss_mask[:, mine])
+        assert torch.equal(out["padding_mask"], torch.tensor([[False, False, False, False, False, True]])[:, mine])
+    with pytest.raises(RuntimeError, match="rank 1 of 2: this CP group has no process group"):
+        cpshard.gather_sequence(torch.randn(1, 3), cpshard.comm.Group(None, 1, 2))
