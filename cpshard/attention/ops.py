@@ -20,10 +20,8 @@ from __future__ import annotations
 import torch
 
 from cpshard.attention.engine import implementation
-from cpshard.attention.kernels import Tensors, lse_dtype
+from cpshard.attention.kernels import T, Tensors, lse_dtype
 from cpshard.attention.state import state_for
-
-T = torch.Tensor
 
 
 def _split(kv: torch.Tensor, d_k: int) -> Tensors:
