@@ -73,9 +73,19 @@ class Partition:
         self.group, self.cp_mesh = group, cp_mesh
         self.layout, self.num_chunks = layout, num_chunks
         self.user_indices = user_indices
-        self.shard_layout = shard_layout
         self._cache: dict[tuple, Any] = {}
-        self._cache_owner: ShardLayout | None = None
+        self.shard_layout = shard_layout
+
+    @property
+    def shard_layout(self) -> ShardLayout | None:
+        return self._shard_layout
+
+    @shard_layout.setter
+    def shard_layout(self, layout: ShardLayout | None) -> None:
+        """A new partition (every shard sets one, even the same object: a caller's indices
+        callable may answer differently per step): the derived index tensors are dropped."""
+        self._shard_layout = layout
+        self._cache.clear()
 
     @property
     def rank(self) -> int:
@@ -152,9 +162,6 @@ class Partition:
 
     def cached(self, key: tuple, make: Callable[[], _T]) -> _T:
         """Index tensors (and plans) derived from the current shard layout, per device."""
-        if self._cache_owner is not self.shard_layout:  # a new layout (also if assigned directly)
-            self._cache.clear()
-            self._cache_owner = self.shard_layout
         if key not in self._cache:
             self._cache[key] = make()
         return self._cache[key]

@@ -852,3 +852,23 @@ def _unnamed_entries(rank: int, world: int) -> list[str]:
 @pytest.mark.parametrize("world", [1, 3])
 def test_unnamed_sequence_entries_are_sharded(pools, world):
     assert pools(world).run(_unnamed_entries, timeout=120) == [[]] * world
+
+
+def test_direct_form_indices_follow_every_shard():
+    """A direct-form ``shard_batch`` may report the same ShardLayout object every step while its
+    ``local_token_global_indices`` callable answers per step: every shard drops the positions
+    derived from the previous one, so the token verbs follow this step's."""
+    layout = ShardLayout("custom", 1, 4, 4)
+    order = [torch.arange(4)]
+
+    sh = ContextParallelSharder(
+        None,
+        None,
+        shard_batch=lambda *a, **k: (contextlib.nullcontext, {}, layout),
+        local_token_global_indices=lambda mesh, padded, device=None: order[0].to(device),
+    )
+    t = torch.arange(8.0).view(2, 4)
+    for step in (torch.arange(4), torch.tensor([3, 1, 0, 2])):
+        order[0] = step
+        sh.shard({})
+        assert torch.equal(sh.shard_token_tensor(t), t[:, step])
