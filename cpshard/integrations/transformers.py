@@ -36,9 +36,7 @@ _WHAT = "cpshard.integrations.transformers"
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
 
-# ------------------------------------------------------------------ the CP attention in use
-# The one place that knows which CP attention serves the model: cpshard.cp_attention, which
-# serves whichever state is active (a sharder layout's or the block-diagonal batch's).
+# ------------------------------------------------------------------ the active CP step
 
 
 def _cp_active() -> bool:

@@ -88,7 +88,7 @@ class ContextParallelSharder:
         what = "cpshard.ContextParallelSharder"
         self._group = resolve_group(group_or_mesh, what)
         where = f"{what}: rank {self._group.rank}"
-        self.layout, self.num_chunks = _layout_arguments(
+        layout, num_chunks = _layout_arguments(
             layout, num_chunks, shard_batch, self._group.world, where
         )
         check_int(padding_token_id, "padding_token_id", where)
@@ -108,13 +108,13 @@ class ContextParallelSharder:
         self._loss_mask = loss_mask
         self._padding_token_id = padding_token_id
         self._planner = BatchPlanner(
-            self.layout, self.num_chunks, pad_multiple, extras, pad_values, shift_labels
+            layout, num_chunks, pad_multiple, extras, pad_values, shift_labels
         )
         self._partition = Partition(
             self._group,
             group_or_mesh,
-            self.layout,
-            self.num_chunks,
+            layout,
+            num_chunks,
             local_token_global_indices,
             shard_layout,
         )
@@ -122,7 +122,7 @@ class ContextParallelSharder:
         self.shard_batch = shard_batch if shard_batch is not None else self._planner.shard_batch
         if local_token_global_indices is not None:
             self.local_token_global_indices = local_token_global_indices
-        elif is_closed_form(self.layout):
+        elif is_closed_form(layout):
             self.local_token_global_indices = self._partition.closed_form_indices
         else:
             self.local_token_global_indices = None
@@ -136,6 +136,15 @@ class ContextParallelSharder:
     @property
     def world_size(self) -> int:
         return self._group.world
+
+    @property
+    def layout(self) -> str | None:
+        """The built-in layout's canonical name (None in the direct form)."""
+        return self._partition.layout
+
+    @property
+    def num_chunks(self) -> int | None:
+        return self._partition.num_chunks
 
     @property
     def shard_layout(self) -> ShardLayout | None:
