@@ -4,6 +4,15 @@ from cpshard._build import BuildInfo, build_info
 from cpshard.attention import cp_attention, cp_blockdiag_sdpa
 from cpshard.batch import BatchTargets, ShardedBatch, document_ids
 from cpshard.consensus import check_mode, current_check_mode, raise_on_any_rank
+from cpshard.layouts import (
+    LAYOUT_ALIASES,
+    LAYOUTS,
+    ShardLayout,
+    local_token_global_indices,
+    make_layout,
+    rank_major_inverse,
+)
+from cpshard.loss import cp_cross_entropy, reduce_cp_gradients
 from cpshard.ops import (
     DocumentSegments,
     deinterleave_sequence,
@@ -13,15 +22,6 @@ from cpshard.ops import (
     interleave_sequence,
     pack_ragged,
     unpack_ragged,
-)
-from cpshard.loss import cp_cross_entropy, reduce_cp_gradients
-from cpshard.layouts import (
-    LAYOUT_ALIASES,
-    LAYOUTS,
-    ShardLayout,
-    local_token_global_indices,
-    make_layout,
-    rank_major_inverse,
 )
 from cpshard.sharder import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
 from cpshard.transport import gather_halo, gather_metadata, gather_ragged, gather_sequence

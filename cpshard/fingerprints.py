@@ -17,8 +17,6 @@ _DTYPES = [
 ]
 
 
-
-
 def dtype_code(dtype: torch.dtype) -> int:
     """A small integer that names dtype identically on every rank (and in every process)."""
     return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES) + zlib.crc32(str(dtype).encode()) % 1000

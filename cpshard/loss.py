@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 import torch.nn.functional as F
 
+from cpshard.batch.padding import IGNORE_INDEX
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.comm.reduce import all_reduce_sum_
-from cpshard.batch.padding import IGNORE_INDEX
 from cpshard.consensus import agree, check_call
 from cpshard.fingerprints import device_code, digest, dtype_code
 from cpshard.validation import is_int

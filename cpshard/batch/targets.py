@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cpshard.batch.padding import IGNORE_INDEX
 from cpshard.batch.documents import DOCUMENT_KEYS
+from cpshard.batch.padding import IGNORE_INDEX
 
 __all__ = ["BatchTargets", "CONSUMED_KEYS", "ShardedBatch", "shift_targets"]
 

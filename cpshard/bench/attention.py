@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard import LAYOUTS, ContextParallelSharder, cp_attention
+from cpshard.attention import active_state
 from cpshard.bench.blockdiag import (
     HEAD_DIM,
     HEADS,
@@ -30,7 +31,6 @@ from cpshard.bench.blockdiag import (
 from cpshard.bench.memory import saved_bytes
 from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
-from cpshard.attention import active_state
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
 DOC_LENS, QUICK_DOC_LENS = (256, 769), (16, 49)

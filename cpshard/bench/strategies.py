@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 import cpshard
 from cpshard.bench.cases import ragged_counts
-from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.floor import p2p_exchange
+from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
 from cpshard.comm import Group, TorchTransport, offsets

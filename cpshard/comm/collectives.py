@@ -33,9 +33,9 @@ import torch
 
 from cpshard.comm import verbs
 from cpshard.comm.group import group_from_name
+from cpshard.comm.hugepages import new_buffer
 from cpshard.comm.nvtx import nvtx_range
 from cpshard.comm.select import transport_for
-from cpshard.comm.hugepages import new_buffer
 
 # ------------------------------------------------------------------ gathers / reduce-scatters
 

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from cpshard.comm.group import Group
-from cpshard.comm.verbs import offsets
 from cpshard.comm.hugepages import new_buffer
+from cpshard.comm.verbs import offsets
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:

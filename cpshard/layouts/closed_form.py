@@ -39,4 +39,3 @@ def check_closed_form(
             f"{strategy.name!r}, world {world}{f', num_chunks {chunks}' if chunks else ''})"
         )
     return strategy, world, padded, chunks
-

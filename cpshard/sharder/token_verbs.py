@@ -15,8 +15,8 @@ from cpshard import ops
 from cpshard.consensus import check_call
 from cpshard.layouts import ShardLayout, rank_major_inverse
 from cpshard.sharder.partition import Partition, gather_rows, invert_position_map, take
-from cpshard.validation import Problem, dim_arg, tensor_arg
 from cpshard.transport import gather_metadata, gather_ragged, gather_sequence
+from cpshard.validation import Problem, dim_arg, tensor_arg
 
 
 class TokenVerbs:

@@ -41,6 +41,8 @@ __all__ = ["maybe_distribute_visual", "spatial_merge_size"]
 logger = logging.getLogger(__name__)
 
 _WHAT = "cpshard.maybe_distribute_visual"
+
+
 def spatial_merge_size(visual: object) -> int | None:
     """The tower's spatial merge factor (merged tokens per frame = ``h*w / m**2``): its
     ``spatial_merge_size`` attribute, else ``visual.config.spatial_merge_size``, else the same

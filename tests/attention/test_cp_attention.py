@@ -128,7 +128,7 @@ def test_bidirectional_within_documents(pools, world: int, path: str) -> None:
 def _refusals(rank: int, world: int, kind: str) -> None:
     import torch.distributed as dist
 
-    from cpshard import ContextParallelSharder, cp_attention, make_cp_blockdiag_batch_and_ctx
+    from cpshard import ContextParallelSharder, cp_attention
 
     doc, q, k, v, _ = _batch("short_docs", 1, 24, 2, 2)  # documents of 3 tokens
     sharder = ContextParallelSharder(dist.group.WORLD, "stripe")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from cpshard.bench.layouts import BALANCED_GOAL, QUICK_BALANCE, QUICK_CASES
 from cpshard.layouts import CLOSED_FORM_LAYOUTS, LAYOUTS
 

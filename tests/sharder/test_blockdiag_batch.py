@@ -243,8 +243,7 @@ def test_document_ids_priority() -> None:
 def _bad_rank(rank: int, world: int, kind: str) -> None:
     import torch.distributed as dist
 
-    from cpshard import check_mode
-    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import check_mode, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     s = 12 if not (kind == "seq_len" and rank == 1) else 13
     batch = {
@@ -378,8 +377,7 @@ def _rounds_and_transfers(rank: int, world: int) -> dict[str, list[int]]:
     (host channel) and the halo transfers (exchange, return) it issued."""
     import torch.distributed as dist
 
-    from cpshard import check_mode, consensus
-    from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
+    from cpshard import check_mode, consensus, cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
     from cpshard.attention import halo as attention
 
     counts = {"rounds": 0, "exchange": 0, "return": 0}

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from cpshard import (
-    check_mode,
     gather_halo,
     gather_metadata,
     gather_ragged,

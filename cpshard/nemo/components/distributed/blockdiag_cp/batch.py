@@ -19,9 +19,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard.batch import document_ids
-from cpshard.sharder import make_cp_blockdiag_batch_and_ctx as _make_batch_and_ctx
 from cpshard.comm import resolve_group
 from cpshard.nemo._mesh import cp_group
+from cpshard.sharder import make_cp_blockdiag_batch_and_ctx as _make_batch_and_ctx
 
 __all__ = ["_cp_blockdiag_doc_ids", "make_cp_blockdiag_batch_and_ctx"]
 
