@@ -100,11 +100,50 @@ def dense_attention(
     return probs @ v
 
 
+def variant_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    doc: torch.Tensor,
+    causal: bool = True,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Dense per-document attention on the full sequence with the variants: a sliding
+    ``window`` (keys a query sees, itself included), soft-capped logits, a sink logit per query
+    head (a softmax column with no value), v's head dim free; pads output zeros."""
+    s = q.shape[2]
+    new_run = torch.ones_like(doc, dtype=torch.bool)
+    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    run = torch.cumsum(new_run.long(), dim=1)
+    pos = torch.arange(s)
+    mask = (run[:, :, None] == run[:, None, :]) & (doc[:, :, None] != 0)
+    if causal:
+        mask &= pos[:, None] >= pos[None, :]
+    if window is not None:
+        mask &= pos[:, None] - pos[None, :] < window
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    logits = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~mask[:, None], float("-inf"))
+    if sinks is not None:
+        column = sinks.view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        probs = torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return (probs @ v) * (doc != 0)[:, None, :, None]
+
+
 class StandInVarlen:
     """torch's varlen flash contract (``aten._flash_attention_forward`` / ``_backward``) in plain
     PyTorch: packed ``[tokens, heads, D]`` sequences delimited by int32 cumulative lengths, GQA
     by head groups, the causal mask aligned bottom-right (a query sees every key of a longer
-    prefix) or none, ``lse`` ``[heads, tokens]``; the backward is the vector-Jacobian product of the
+    prefix; with the packing's window, only its last ``window`` keys) or none, ``lse``
+    ``[heads, tokens]``; the backward is the vector-Jacobian product of the
     same statement (``torch.func``: autograd is off inside a custom op). It
     records every packing it is handed."""
 
@@ -131,7 +170,10 @@ class StandInVarlen:
             ks = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
             vs = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1).repeat_interleave(rep, 0)
             n, m = qs.shape[1], ks.shape[1]
-            visible = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n)
+            diagonal = torch.arange(n)[:, None] + (m - n)
+            visible = torch.arange(m)[None, :] <= diagonal
+            if p.window is not None:
+                visible &= torch.arange(m)[None, :] > diagonal - p.window
             visible |= not p.causal
             scores = (
                 qs @ ks.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
@@ -146,11 +188,14 @@ class StandInVarlen:
         return self._attend(q, k, v, p, scale)
 
     def backward(self, grad, q, k, v, out, lse, p, scale):
+        """The kernels' backward reads the output it is given only in ``D = rowsum(grad * out)``
+        (``dS = P * (dP - D)``): the vector-Jacobian product with the log-sum-exp cotangent
+        ``D(forward's output) - D(out)`` (``d lse / dS = P``) is that statement."""
         self.calls["backward"] += 1
         (again, again_lse), vjp = torch.func.vjp(lambda *t: self._attend(*t, p, scale), q, k, v)
-        torch.testing.assert_close(again, out, rtol=0, atol=0)
         torch.testing.assert_close(again_lse, lse, rtol=0, atol=0)
-        return vjp((grad, torch.zeros_like(lse)))
+        shift = ((grad * again).sum(-1) - (grad * out).sum(-1)).t().to(lse.dtype)
+        return vjp((grad, shift))
 
 
 PATHS = ["per_segment", "varlen", "math"]
@@ -169,7 +214,7 @@ def kernel_path(name: str) -> Iterator[StandInVarlen | None]:
         if kernel is not None:
             attention.varlen_kernel = lambda q, d_k, d_v: kernel
         if name == "math":
-            attention.part_kernel = lambda q: MathPart()
+            attention.part_kernel = lambda q, softcap=None: MathPart(softcap)
         yield kernel
     finally:
         attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL

@@ -1,5 +1,5 @@
 """The public CP attention functions: :func:`cp_attention` (causal or bidirectional within
-documents, sliding windows, a sharded batch's token check) and :func:`cp_blockdiag_sdpa` (a
+documents, sliding windows, soft-capping, sinks, a sharded batch's token check) and :func:`cp_blockdiag_sdpa` (a
 drop-in for ``F.scaled_dot_product_attention``). Both attend under the active step state
 (:mod:`cpshard.attention.state`), whatever layout the ranks' tokens follow, and are plain SDPA
 when no CP attention context is active."""
@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from cpshard.attention.ops import cp_attention_op
+from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.tokens import check_outside, token_problem
 from cpshard.consensus import check_call
@@ -29,7 +29,17 @@ def _window(window: object) -> int | None:
         raise TypeError(f"{_WHAT}: window must be an int or None, got {type(window).__name__}")
     if window < 1:
         raise ValueError(f"{_WHAT}: window must be >= 1, got {window}")
-    return window
+    return int(window)
+
+
+def _softcap(softcap: object) -> float | None:
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, int | float):
+        raise TypeError(f"{_WHAT}: softcap must be a number or None, got {type(softcap).__name__}")
+    if not softcap > 0:
+        raise ValueError(f"{_WHAT}: softcap must be > 0, got {softcap}")
+    return float(softcap)
 
 
 def _position_ids(position_ids: object) -> torch.Tensor | None:
@@ -41,26 +51,17 @@ def _position_ids(position_ids: object) -> torch.Tensor | None:
     return position_ids
 
 
-def _refusal(state: AttentionState, window: int | None) -> str | None:
-    """Why CP attention cannot serve the call exactly on this step (``state``: the step's state
-    for the call's mask), or None. It depends on the step alone (``reach`` is the same on every
-    rank), so every rank refuses."""
-    if window is not None and not state.causal:
-        return "window needs is_causal=True"
-    if window is not None and window < state.reach:
-        return (
-            f"window={window} is shorter than the longest document prefix of this step "
-            f"({state.reach} tokens), where sliding-window attention differs from causal "
-            "attention; sliding windows shorter than a document are not supported by CP attention"
-        )
+def _sinks_problem(sinks: object, q: torch.Tensor) -> str | None:
+    """What is wrong with ``sinks`` for queries ``q`` ``[B, H, L, D]`` (None: nothing)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        return f"sinks must be a tensor or None, got {type(sinks).__name__}"
+    if sinks.dim() != 1 or q.dim() != 4 or sinks.shape[0] != q.shape[1]:
+        return f"sinks must be [query heads] = [{q.shape[1]}], got {tuple(sinks.shape)}"
+    if sinks.device != q.device or not sinks.is_floating_point():
+        return f"sinks must be a floating tensor on {q.device}, got {sinks.dtype} on {sinks.device}"
     return None
-
-
-def _band(q: torch.Tensor, k: torch.Tensor, window: int) -> torch.Tensor:
-    """``[Lq, Lk]`` bool: causal (aligned top-left, as SDPA's ``is_causal``) within ``window``."""
-    i = torch.arange(q.shape[-2], device=q.device)[:, None]
-    j = torch.arange(k.shape[-2], device=q.device)[None, :]
-    return (j <= i) & (j > i - window)
 
 
 def cp_attention(
@@ -74,18 +75,27 @@ def cp_attention(
     enable_gqa: bool = False,
     window: int | None = None,
     *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of ``[B, H, L, D]`` queries, keys and values.
+    """Attention of ``[B, H, L, D]`` queries and keys and ``[B, H, L, D_v]`` values (``D_v`` may
+    differ from ``D``: multi-head latent attention).
 
     Inside a CP attention context (``ContextParallelSharder.shard``'s or
     ``make_cp_blockdiag_batch_and_ctx``'s): causal attention within each document over the whole
     sequence, whatever layout the ranks' tokens follow, exact forward and backward (``attn_mask``
     must be None and ``dropout_p`` 0: the documents define the mask); ``is_causal=False``:
-    bidirectional within each document.
-    ``window`` (keys a query sees, itself included) is exact when no document prefix of the step
-    is longer; otherwise it raises rather than attend differently. Checks are local unless
-    checked mode is on (then every rank raises).
+    bidirectional within each document. The variants, in any combination, exact:
+
+    * ``window``: a sliding window, the keys a query sees (itself included) within its
+      document; causal only. A windowed layer exchanges at most ``window - 1`` rows before each
+      run (the step plans each window once, on its first use);
+    * ``softcap``: logits ``softcap * tanh(score / softcap)`` (Gemma 2);
+    * ``sinks``: ``[H]`` learned logits, one per query head, in every softmax denominator with
+      no value (gpt-oss); differentiable.
+
+    Checks are local unless checked mode is on (then every rank raises).
 
     ``position_ids``: the positions of the call's tokens as the model received them (the sharded
     batch's ``position_ids``). When they are a sharded batch's, tokens of another step or layout
@@ -93,13 +103,17 @@ def cp_attention(
     (:mod:`cpshard.attention.tokens`); equal local lengths would otherwise attend wrongly
     without an error. Other tensors (positions a model derives itself) are not checked.
 
-    Outside: ``F.scaled_dot_product_attention`` (with ``window``, a causal band mask)."""
+    Outside: ``F.scaled_dot_product_attention`` (with ``window``, a causal band mask; with
+    ``softcap`` or ``sinks``, the explicit statement)."""
     window = _window(window)
+    softcap = _softcap(softcap)
     position_ids = _position_ids(position_ids)
     state = active_state()
     if state is not None:
         chosen = state if is_causal else state.bidirectional()
-        problem = token_problem(position_ids, state) or _refusal(chosen, window)
+        problem = token_problem(position_ids, state) or _sinks_problem(sinks, query)
+        if problem is None and window is not None and not is_causal:
+            problem = "window needs is_causal=True"
         return attend(
             chosen,
             query,
@@ -111,13 +125,18 @@ def cp_attention(
             enable_gqa,
             _WHAT,
             problem,
+            window=window,
+            softcap=softcap,
+            sinks=sinks,
         )
     check_outside(position_ids, _WHAT)
-    if window is not None:
-        if attn_mask is not None or not is_causal:
-            raise ValueError(f"{_WHAT}: window needs is_causal=True and no attn_mask")
-        attn_mask, is_causal = _band(query, key, window), False
-    return plain_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    problem = _sinks_problem(sinks, query)
+    if problem is not None:
+        raise ValueError(f"{_WHAT}: {problem}")
+    return plain_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        window, softcap, sinks,
+    )  # fmt: skip
 
 
 def _problem(
@@ -167,7 +186,13 @@ def _problem(
 
 
 def _fields(
-    state: AttentionState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    state: AttentionState,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> Callable[[], dict[str, Sequence[int]]]:
     """What every rank's call must agree on (checked mode only: it reads the step's plan)."""
     return lambda: {
@@ -177,7 +202,12 @@ def _fields(
         "q, k, v heads and dims": [q.shape[1], k.shape[1], q.shape[3], k.shape[3], v.shape[3]],
         # ranks that differ here would block in the backward exchange
         "requires_grad": [int(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))],
-        "exchange plan": digest(state.exchange.plan),
+        "window, softcap, sinks": [
+            window or 0,
+            digest([ord(c) for c in repr(softcap)]),
+            int(sinks is not None),
+        ],
+        "exchange plan": digest(state.windowed(window if state.causal else None).exchange.plan),
     }
 
 
@@ -192,14 +222,20 @@ def attend(
     enable_gqa: bool,
     what: str,
     problem: str | None = None,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention within documents under ``state``: the step's K/V exchange, then the
-    spans' attention. ``problem``: the caller's own finding about its arguments, reported like
-    the shape checks (locally, or on every rank in checked mode)."""
+    """Causal attention within documents under ``state`` (its ``window``, ``softcap`` and
+    ``sinks`` variants: :func:`cp_attention`): the step's K/V exchange, then the spans'
+    attention. ``problem``: the caller's own finding about its arguments, reported like the
+    shape checks (locally, or on every rank in checked mode)."""
     problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
-    check_call(state.group, what, problem, _fields(state, query, key, value))
+    fields = _fields(state, query, key, value, window, softcap, sinks)
+    check_call(state.group, what, problem, fields)
     kv = torch.cat([key, value], dim=-1)
-    out, _ = cp_attention_op(query, kv, state.key, key.shape[-1], scale)
+    out, _ = cp_attention_op(query, kv, state.key, key.shape[-1], scale, window, softcap, sinks)
     return out
 
 
@@ -222,28 +258,5 @@ def cp_blockdiag_sdpa(
     consensus round so that bad input on one rank makes every rank raise."""
     state = active_state()
     if state is None:
-        return plain_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return plain_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     return attend(state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _SDPA_WHAT)
-
-
-def plain_sdpa(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    is_causal: bool,
-    scale: float | None,
-    enable_gqa: bool,
-) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (what the CP attention functions do outside a context)."""
-    return F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attn_mask,
-        dropout_p=dropout_p,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=enable_gqa,
-    )

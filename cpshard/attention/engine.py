@@ -5,7 +5,8 @@ to back where a kernel serves the queries (:class:`Varlen`), else a loop over sp
 The loop splits a span whose document starts before the run into a non-causal prefix part and
 a causal square part, merged by their log-sum-exp (flash-attention's decomposition), so no
 ``[L, S]`` mask is ever built; runs of a few tokens (``stripe`` gives single-token runs) go in
-blocks of one document, one masked call each (:mod:`cpshard.attention.blocks`). Each span packs
+blocks of one document, one masked call each, and so do the tiles of a run a sliding window
+cuts (:mod:`cpshard.attention.blocks`). Each span packs
 its document's prefix, so a step whose packing would exceed ``PACKED_KEYS_PER_ROW`` key rows per
 buffer row (many short runs per document) has no packing and runs the loop.
 """
@@ -57,8 +58,8 @@ class Loop:
     """The per-span loop: each long span's parts and each block of short spans
     (:mod:`cpshard.attention.blocks`) through the part kernel, parts merged by LSE."""
 
-    def __init__(self, state: AttentionState, q: torch.Tensor) -> None:
-        self.state, self.kern, self.heads = state, part_kernel(q), q.shape[1]
+    def __init__(self, state: AttentionState, q: torch.Tensor, softcap: float | None) -> None:
+        self.state, self.kern, self.heads = state, part_kernel(q, softcap), q.shape[1]
         self.blocks, self.dtype = state.blocks_on(q.device), q.dtype
 
     def _items(self) -> Iterator[tuple[tuple[slice, ...], list[Part]]]:
@@ -172,9 +173,11 @@ class Varlen:
         )
 
 
-def implementation(state: AttentionState, q: torch.Tensor, d_k: int, d_v: int) -> Loop | Varlen:
-    """One varlen launch where a kernel serves q (and the rank has spans, and the step a
-    packing), else the loop."""
-    kern = varlen_kernel(q, d_k, d_v)
+def implementation(
+    state: AttentionState, q: torch.Tensor, d: int, softcap: float | None
+) -> Loop | Varlen:
+    """One varlen launch where a kernel serves q with head dim ``d`` (and the rank has spans, the
+    step a packing, and the logits no soft-cap), else the loop."""
+    kern = varlen_kernel(q, d, d) if softcap is None else None
     packing = state.packing_on(q.device) if kern is not None and state.spans else None
-    return Loop(state, q) if packing is None else Varlen(kern, packing)
+    return Loop(state, q, softcap) if packing is None else Varlen(kern, packing)

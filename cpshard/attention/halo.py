@@ -64,14 +64,21 @@ class HaloExchange:
 
 
 def halo_spans(
-    exchange: HaloExchange, runs: Sequence[tuple[int, int, int, int]]
+    exchange: HaloExchange, runs: Sequence[tuple[int, int, int, int]], window: int | None = None
 ) -> tuple[Span, ...]:
     """This rank's runs ``(row, begin, length, doc_start)`` (global positions) as spans over
-    the halo-extended key buffer (causal: each run sees its document from its start)."""
+    the halo-extended key buffer (causal: each run sees its document from its start, or from
+    its first query's ``window``)."""
     origin = exchange.start - exchange.halo  # global position of the buffer's first row
+
+    def first(begin: int, doc_start: int) -> int:
+        return doc_start if window is None else max(doc_start, begin - window + 1)
+
     return tuple(
-        Span(row, begin - exchange.start, length, doc_start - origin, begin - origin)
-        for row, begin, length, doc_start in runs
+        Span(
+            row, begin - exchange.start, length, first(begin, ds) - origin, begin - origin, ds
+        )
+        for row, begin, length, ds in runs
     )
 
 

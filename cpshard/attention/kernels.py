@@ -7,15 +7,17 @@ backward cannot use autograd).
   for every span of the step. No flash-attn package is needed (flash-attn's
   ``flash_attn_varlen_func`` is an autograd function, which a custom op's explicit backward
   cannot call; torch ships the same FA2 kernels).
+  A windowed step's packing passes its window as the kernels' left window.
 * Part kernels for the per-span loop: :class:`CpuFlash` (torch's CPU flash kernel) and
-  :class:`MathPart` (explicit matmul-softmax, memory O(n * m) per part) for devices and dtypes no
-  flash kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take): use
-  fp16/bf16 on GPUs.
+  :class:`MathPart` (explicit matmul-softmax in query chunks) for devices and dtypes no flash
+  kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take) and for
+  soft-capped logits: use fp16/bf16 on GPUs.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Protocol, TypeVar
 
 import torch
@@ -59,11 +61,19 @@ PartKernel = Kernel[Visible]
 
 
 class TorchFlashVarlen:
-    """torch's own varlen flash-attention kernels (CUDA fp16/bf16), dropout off."""
+    """torch's own varlen flash-attention kernels (CUDA fp16/bf16), dropout off; a windowed
+    packing's window is the kernels' left window (keys ``window - 1`` before a query and the
+    query itself)."""
+
+    @staticmethod
+    def _window(p: Packing) -> dict[str, int | None]:
+        left = None if p.window is None else p.window - 1
+        return {"window_size_left": left, "window_size_right": None if left is None else 0}
 
     def forward(self, q: T, k: T, v: T, p: Packing, scale: float | None) -> Tensors:
         out, lse, *_ = torch.ops.aten._flash_attention_forward(
-            q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, p.causal, False, scale=scale
+            q, k, v, p.cu_q, p.cu_k, p.max_q, p.max_k, 0.0, p.causal, False, scale=scale,
+            **self._window(p),
         )
         return out, lse
 
@@ -88,6 +98,7 @@ class TorchFlashVarlen:
             rng,
             unused,
             scale=scale,
+            **self._window(p),
         )
         return dq, dk, dv
 
@@ -102,7 +113,8 @@ def _flash_runs_on(device: torch.device) -> bool:
 
 def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
     """The one-launch kernel for CUDA fp16/bf16 queries with equal head dims that the flash
-    kernels take (a multiple of 8, at most 256) on a GPU they run on, else None (the loop)."""
+    kernels take (a multiple of 8, at most 256) on a GPU they run on, else None (the loop).
+    (Unequal q/k and v head dims reach the kernels padded to the larger one.)"""
     fits = d_k == d_v and d_k % 8 == 0 and d_k <= 256
     half = q.dtype in (torch.float16, torch.bfloat16)
     if q.is_cuda and half and fits and _flash_runs_on(q.device):
@@ -136,33 +148,44 @@ def _causal_and_mask(how: Visible) -> tuple[bool, torch.Tensor | None]:
 
 class MathPart:
     """Explicit matmul-softmax (fp16/bf16 computed in fp32), for devices and dtypes no flash
-    kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take)."""
+    kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take) and for logit
+    soft-capping (``softcap * tanh(score / softcap)``, which no flash kernel here implements).
+    Queries go in chunks of at most ``SCORES`` score elements: memory O(SCORES) per part, not
+    O(n * m)."""
 
-    @staticmethod
-    def _probs(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        lse: torch.Tensor | None,
-        how: Visible,
-        scale: float | None,
-    ) -> Tensors:
-        s = scale if scale is not None else q.shape[-1] ** -0.5
-        scores = (q @ k.transpose(-1, -2)) * s
+    SCORES = 1 << 22
+
+    def __init__(self, softcap: float | None = None) -> None:
+        self.softcap = softcap
+
+    def _chunks(self, n: int, m: int) -> Iterator[slice]:
+        step = max(1, self.SCORES // max(m, 1))
+        return (slice(i, min(i + step, n)) for i in range(0, n, step))
+
+    def _scores(self, q: T, k: T, how: Visible, rows: slice, s: float) -> Tensors:
+        """The chunk ``rows``' raw scores ``q k^T * s`` and the logits the softmax takes (capped,
+        masked)."""
+        raw = (q[:, :, rows] @ k.transpose(-1, -2)) * s
+        logits = raw if self.softcap is None else self.softcap * torch.tanh(raw / self.softcap)
         if isinstance(how, torch.Tensor):
-            scores = scores + how.to(scores.dtype)
+            logits = logits + how[:, :, rows].to(logits.dtype)
         elif how:
-            n = q.shape[2]
-            scores = scores.masked_fill(
-                torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf")
-            )
-        if lse is None:
-            lse = torch.logsumexp(scores, dim=-1)
-        return torch.exp(scores - lse.unsqueeze(-1)), lse
+            i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
+            j = torch.arange(k.shape[2], device=q.device)[None, :]
+            logits = logits.masked_fill(j > i, float("-inf"))
+        return raw, logits
 
     def forward(self, q: T, k: T, v: T, how: Visible, scale: float | None) -> Tensors:
-        wide = lse_dtype(q.dtype)  # fp16/bf16 computed in fp32
-        probs, lse = self._probs(q.to(wide), k.to(wide), None, how, scale)
-        return (probs @ v.to(wide)).to(q.dtype), lse
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        dtype, wide = q.dtype, lse_dtype(q.dtype)  # fp16/bf16 computed in fp32
+        q, k, v = (t.to(wide) for t in (q, k, v))
+        out = q.new_empty(*q.shape[:3], v.shape[-1])
+        lse = q.new_empty(q.shape[:3])
+        for rows in self._chunks(q.shape[2], k.shape[2]):
+            _, logits = self._scores(q, k, how, rows, s)
+            lse[:, :, rows] = torch.logsumexp(logits, dim=-1)
+            out[:, :, rows] = torch.exp(logits - lse[:, :, rows, None]) @ v
+        return out.to(dtype), lse
 
     def backward(
         self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: Visible, scale: float | None
@@ -170,12 +193,20 @@ class MathPart:
         s = scale if scale is not None else q.shape[-1] ** -0.5
         dtype, wide = q.dtype, lse_dtype(q.dtype)
         grad, q, k, v, out = (t.to(wide) for t in (grad, q, k, v, out))
-        probs, _ = self._probs(q, k, lse, how, scale)
-        dv = probs.transpose(-1, -2) @ grad
-        dscores = probs * (grad @ v.transpose(-1, -2) - (grad * out).sum(-1, keepdim=True)) * s
-        return tuple(t.to(dtype) for t in (dscores @ k, dscores.transpose(-1, -2) @ q, dv))
+        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for rows in self._chunks(q.shape[2], k.shape[2]):
+            raw, logits = self._scores(q, k, how, rows, s)
+            probs = torch.exp(logits - lse[:, :, rows, None])
+            g = grad[:, :, rows]
+            dv += probs.transpose(-1, -2) @ g
+            dlogits = probs * (g @ v.transpose(-1, -2) - (g * out[:, :, rows]).sum(-1, keepdim=True))
+            if self.softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+                dlogits = dlogits * (1 - torch.tanh(raw / self.softcap) ** 2)
+            dq[:, :, rows] = (dlogits @ k) * s
+            dk += (dlogits.transpose(-1, -2) @ q[:, :, rows]) * s
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype)
 
 
-def part_kernel(q: torch.Tensor) -> PartKernel:
-    """The per-segment part kernel for q's device."""
-    return CpuFlash() if q.device.type == "cpu" else MathPart()
+def part_kernel(q: torch.Tensor, softcap: float | None = None) -> PartKernel:
+    """The per-segment part kernel for q's device (soft-capped logits: the explicit one)."""
+    return CpuFlash() if q.device.type == "cpu" and softcap is None else MathPart(softcap)

@@ -115,7 +115,8 @@ def _cover(
 
 @dataclass(frozen=True)
 class NeededRowsPlan:
-    """This rank's spans and exchange for one attention mask, and the step's ``reach``."""
+    """This rank's spans and exchange for one attention mask, and the step's ``reach`` (the
+    most keys a query attends without a window)."""
 
     spans: tuple[Span, ...]
     exchange: NeededRowsExchange
@@ -123,11 +124,12 @@ class NeededRowsPlan:
 
 
 def plan_needed_rows(
-    group: Group, layout: ShardLayout, doc: torch.Tensor, causal: bool
+    group: Group, layout: ShardLayout, doc: torch.Tensor, causal: bool, window: int | None = None
 ) -> NeededRowsPlan:
     """This rank's plan from the padded document ids ``doc`` ``[B, P]`` (host int64, 0 = pad):
     each run reaches its document's keys from the document start to the run's end
-    (``causal``) or to the document's end."""
+    (``causal``) or to the document's end; with a (causal) ``window``, from the window's start
+    of its first query, at most ``window - 1`` rows before the run."""
     b, padded = doc.shape
     world, me = group.world, group.rank
     length = padded // world
@@ -143,8 +145,9 @@ def plan_needed_rows(
         idx = layout.indices(r).to(torch.int64).expand(b, length)
         row, q, n, ds, begin = rank_runs(idx, doc, starts)
         end = begin + n if causal else ends[row, begin]
+        lo = ds if window is None else torch.maximum(ds, begin - window + 1)
         reach = max(reach, int((end - ds).max()) if n.numel() else 0)
-        need = _cover((b, padded), row, ds, end)
+        need = _cover((b, padded), row, lo, end)
         width = int(need.sum(1).max()) if b else 0
         pb, pp = torch.nonzero(need, as_tuple=True)  # row-major: global order per row
         order = torch.sort(owner[pb, pp], stable=True).indices
@@ -158,7 +161,9 @@ def plan_needed_rows(
             split = at[row, begin] if causal else at[row, end - 1] + 1
             spans = tuple(
                 Span(*v)
-                for v in zip(*(t.tolist() for t in (row, q, n, at[row, ds], split)), strict=True)
+                for v in zip(
+                    *(t.tolist() for t in (row, q, n, at[row, lo], split, ds)), strict=True
+                )
             )
             buffer_len = width
     tables = Tables(pinned(torch.cat(sends)), pinned(recv_rows))

@@ -1,14 +1,27 @@
 """CP attention as ``torch.library`` custom ops, so that ``torch.compile`` traces a call as one
 opaque node (and its backward as another) and never sees the step's spans.
 
-* ``cpshard::cp_attention(q, kv, key, d_k, scale)`` -> ``(out, lse)``: the step's K/V exchange
-  (:mod:`cpshard.attention.exchange`) builds the key buffer from this rank's K and V
-  (concatenated on the last dim) and the spans attend it (:mod:`cpshard.attention.engine`). It
-  saves only this rank's own K/V: the backward (``cpshard::cp_attention_backward``, from the
-  saved output and log-sum-exp) runs the exchange again and sends the buffer's gradients back
-  to their owners (an all-padding rank joins too). A model's layers thus keep their own K/V for
-  backward, not the exchanged buffer (up to W times larger for long documents or ``stripe``),
-  for one more exchange per layer.
+* ``cpshard::cp_attention(q, kv, key, d_k, scale, window, softcap, sinks)`` -> ``(out, lse)``:
+  the step's K/V exchange (:mod:`cpshard.attention.exchange`) builds the key buffer from this
+  rank's K and V (concatenated on the last dim) and the spans attend it
+  (:mod:`cpshard.attention.engine`). It saves only this rank's own K/V: the backward
+  (``cpshard::cp_attention_backward``, from the saved output and log-sum-exp) runs the exchange
+  again and sends the buffer's gradients back to their owners (an all-padding rank joins too).
+  A model's layers thus keep their own K/V for backward, not the exchanged buffer (up to W
+  times larger for long documents or ``stripe``), for one more exchange per layer.
+
+The attention variants of today's models, each exact forward and backward:
+
+* ``window``: a sliding window (keys a query sees, itself included); the step's windowed state
+  (:meth:`~cpshard.attention.state.AttentionState.windowed`) exchanges only the rows the
+  windows reach and its spans start where their windows do;
+* ``softcap``: logits ``softcap * tanh(score / softcap)`` (the explicit kernel: no flash kernel
+  here implements it);
+* ``sinks``: a learned logit per query head in every softmax denominator, with no value (the
+  output scaled by ``sigmoid(lse - sink)``); its gradient is returned;
+* q/k and v head dims that differ (multi-head latent attention): the smaller side is padded
+  with zeros to the larger after the exchange (nothing padded on the wire), which changes no
+  score and no output.
 
 ``key`` is the step state's CPU scalar key (:func:`cpshard.attention.state.state_for`): the
 spans, the exchange plan and the varlen packing were computed once per step and moved to the
@@ -18,32 +31,68 @@ device once, so a call reads no device data on the host and copies nothing host-
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from cpshard.attention.engine import implementation
 from cpshard.attention.kernels import T, Tensors, lse_dtype
-from cpshard.attention.state import state_for
+from cpshard.attention.state import AttentionState, state_for
 
 
 def _split(kv: torch.Tensor, d_k: int) -> Tensors:
     return kv[..., :d_k], kv[..., d_k:]
 
 
+def _widen(t: torch.Tensor, d: int) -> torch.Tensor:
+    """``t`` with zeros appended on the last dim up to ``d``."""
+    return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
+
+
+def _gate(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``[B, H, L, 1]``: each query's softmax mass left to its keys next to its head's sink."""
+    return torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None]).unsqueeze(-1)
+
+
+def _state(key: torch.Tensor, window: int | None) -> AttentionState:
+    return state_for(key).windowed(window)
+
+
 @torch.library.custom_op("cpshard::cp_attention", mutates_args=())
 def cp_attention_op(
-    q: torch.Tensor, kv: torch.Tensor, key: torch.Tensor, d_k: int, scale: float | None
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    key: torch.Tensor,
+    d_k: int,
+    scale: float | None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-document causal attention of q ``[B, Hq, L, d_k]`` over the key buffer the step's
     exchange builds from this rank's ``kv`` ``[B, Hkv, L, d_k + d_v]``: the output
-    ``[B, Hq, L, d_v]`` (zeros on pad rows) and its log-sum-exp ``[B, Hq, L]`` (-inf on pad
-    rows)."""
-    state = state_for(key)
+    ``[B, Hq, L, d_v]`` (zeros on pad rows) and the log-sum-exp of its logits ``[B, Hq, L]``
+    (-inf on pad rows; without the sinks)."""
+    state = _state(key, window)
     k, v = _split(state.extend(kv), d_k)
-    return implementation(state, q, d_k, v.shape[-1]).forward(q, k, v, scale)
+    d_v, d = v.shape[-1], max(d_k, v.shape[-1])
+    scale = d_k**-0.5 if scale is None else scale
+    q, k, v = (_widen(t, d) for t in (q, k, v))
+    out, lse = implementation(state, q, d, softcap).forward(q, k, v, scale)
+    out = out[..., :d_v]
+    if sinks is not None:
+        out = out * _gate(lse, sinks).to(out.dtype)
+    return out.contiguous(), lse
 
 
 @cp_attention_op.register_fake
 def _cp_attention_op_fake(
-    q: T, kv: T, key: T, d_k: int, scale: float | None
+    q: T,
+    kv: T,
+    key: T,
+    d_k: int,
+    scale: float | None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: T | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     out = q.new_empty(*q.shape[:3], kv.shape[3] - d_k)
     return out, q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
@@ -59,33 +108,68 @@ def cp_attention_backward_op(
     key: torch.Tensor,
     d_k: int,
     scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of q and of this rank's ``kv``: the exchange again, the spans' backward over
-    the buffer, and the buffer's gradients returned to their owners (zeros where no query
-    attends: an all-padding rank still joins both exchanges its peers wait for)."""
-    state = state_for(key)
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, of this rank's ``kv`` and of the sinks (empty without): the exchange
+    again, the spans' backward over the buffer, and the buffer's gradients returned to their
+    owners (zeros where no query attends: an all-padding rank still joins both exchanges its
+    peers wait for).
+
+    With sinks, ``out`` is the gated output ``O * g`` (``g = sigmoid(lse - sink)``): the kernels'
+    backward given ``grad * g`` and the gated output is the exact backward of the gated
+    attention (its softmax is the kernels' scaled by ``g``), and the sink's gradient is
+    ``-sum((1 - g) * <grad, out>)``."""
+    state = _state(key, window)
     k, v = _split(state.extend(kv), d_k)
-    impl = implementation(state, q, d_k, v.shape[-1])
-    dq, dk, dv = impl.backward(grad.contiguous(), q, k, v, out, lse, scale)
-    return dq, state.restore(torch.cat([dk, dv], dim=-1), kv.shape[2])
+    d_v, d = v.shape[-1], max(d_k, v.shape[-1])
+    scale = d_k**-0.5 if scale is None else scale
+    grad = grad.contiguous()
+    dsinks = q.new_zeros(0)
+    if sinks is not None:
+        gate = _gate(lse, sinks)
+        mass = (grad.to(gate.dtype) * out.to(gate.dtype)).sum(-1, keepdim=True)
+        dsinks = (-((1 - gate) * mass).sum((0, 2, 3))).to(sinks.dtype)
+        grad = grad * gate.to(grad.dtype)
+    q_, k, v, grad, out = (_widen(t, d) for t in (q, k, v, grad, out))
+    impl = implementation(state, q_, d, softcap)
+    dq, dk, dv = impl.backward(grad, q_, k, v, out, lse, scale)
+    dkv = torch.cat([dk[..., :d_k], dv[..., :d_v]], dim=-1)
+    return dq[..., :d_k].contiguous(), state.restore(dkv, kv.shape[2]), dsinks
 
 
 @cp_attention_backward_op.register_fake
 def _cp_attention_backward_op_fake(
-    grad: T, q: T, kv: T, out: T, lse: T, key: T, d_k: int, scale: float | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), torch.empty_like(kv)
+    grad: T,
+    q: T,
+    kv: T,
+    out: T,
+    lse: T,
+    key: T,
+    d_k: int,
+    scale: float | None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: T | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
+    return torch.empty_like(q), torch.empty_like(kv), dsinks
 
 
 def _keep_attention(ctx, inputs, output) -> None:
-    q, kv, key, ctx.d_k, ctx.scale = inputs
-    ctx.save_for_backward(q, kv, key, *output)
+    q, kv, key, ctx.d_k, ctx.scale, ctx.window, ctx.softcap, sinks = inputs
+    ctx.has_sinks = sinks is not None
+    ctx.save_for_backward(q, kv, key, *output, sinks)
 
 
 def _cp_attention_op_grad(ctx, grad: torch.Tensor, grad_lse: torch.Tensor | None):
-    q, kv, key, out, lse = ctx.saved_tensors
-    dq, dkv = cp_attention_backward_op(grad, q, kv, out, lse, key, ctx.d_k, ctx.scale)
-    return dq, dkv, None, None, None
+    q, kv, key, out, lse, sinks = ctx.saved_tensors
+    dq, dkv, dsinks = cp_attention_backward_op(
+        grad, q, kv, out, lse, key, ctx.d_k, ctx.scale, ctx.window, ctx.softcap,
+        sinks if ctx.has_sinks else None,
+    )  # fmt: skip
+    return dq, dkv, None, None, None, None, None, dsinks if ctx.has_sinks else None
 
 
 cp_attention_op.register_autograd(_cp_attention_op_grad, setup_context=_keep_attention)

@@ -30,6 +30,7 @@ class Packing:
     max_k: int
     shared_keys: bool  # a key row serves several spans (its gradients must be added up)
     causal: bool  # causal aligned bottom-right, else every key of a span visible
+    window: int | None = None  # causal: each query sees only this many keys, itself included
 
     def to(self, device: torch.device) -> Packing:
         """The same packing on ``device`` (non-blocking copies; the host tensors are pinned when
@@ -44,6 +45,7 @@ class Packing:
             self.max_k,
             self.shared_keys,
             self.causal,
+            self.window,
         )
 
 
@@ -60,11 +62,17 @@ def _runs(first: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Ten
 
 
 def pack(
-    spans: Sequence[Span], local_len: int, key_len: int, causal: bool, batch_size: int
+    spans: Sequence[Span],
+    local_len: int,
+    key_len: int,
+    causal: bool,
+    batch_size: int,
+    window: int | None = None,
 ) -> Packing | None:
     """The varlen packing of ``spans`` over ``[B * local_len]`` queries and ``[B * key_len]``
     keys (host tensors, pinned when CUDA is available); None when it would pack more than
-    ``PACKED_KEYS_PER_ROW`` key rows per buffer row."""
+    ``PACKED_KEYS_PER_ROW`` key rows per buffer row. ``window``: the kernel hides keys beyond
+    each query's window (a span's keys start where its first query's window does)."""
     k_lens = [s.split + (s.n if causal else 0) - s.k for s in spans]
     if sum(k_lens) > PACKED_KEYS_PER_ROW * batch_size * key_len:
         return None
@@ -77,6 +85,7 @@ def pack(
         max(k_lens, default=0),
         overlap(k_first, k_lens),
         causal,
+        window,
     )
 
 

@@ -10,10 +10,20 @@ class Span:
     """A run of queries in the kernel's coordinates: local queries ``[q, q + n)`` of batch row
     ``row`` attend the keys ``[k, split)`` of the row's key buffer all visible and, in a causal
     state, ``[split, split + n)`` causally (query ``q + i`` sees ``split .. split + i``): the
-    keys of one document in order (a bidirectional state's spans end at ``split``)."""
+    keys of one document in order (a bidirectional state's spans end at ``split``). In a
+    windowed state query ``q + i`` sees only the window's last keys up to ``split + i``; ``k``
+    is then the first key its first query sees. ``doc`` names the run's document (its start's
+    global position: spans of one row with equal ``doc`` are runs of one document)."""
 
     row: int
     q: int
     n: int
     k: int
     split: int
+    doc: int = 0
+
+    def key_range(self, i: int, causal: bool, window: int | None) -> tuple[int, int]:
+        """``[first, end)`` of the buffer keys query ``q + i`` sees."""
+        end = self.split + i + 1 if causal else self.split
+        first = self.k if window is None else max(self.k, end - window)
+        return first, end

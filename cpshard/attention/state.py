@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -48,7 +48,11 @@ class AttentionState:
     builds), their varlen packing, the loop's blocks of short runs, and a registry key.
 
     ``causal``: spans see their document's prefix, else the whole document. ``twin``: the
-    step's bidirectional state (of a causal one; a bidirectional state has none)."""
+    step's bidirectional state (of a causal one; a bidirectional state has none). ``window``:
+    each query sees only that many keys of its prefix, itself included (a windowed state
+    exchanges only the rows its windows reach). ``plan_window``: how the step's causal state
+    plans the state of a window (once per window and step, on first use: see
+    :meth:`windowed`)."""
 
     group: Group
     layout: str  # the layout whose shards the state serves
@@ -59,6 +63,10 @@ class AttentionState:
     spans: tuple[Span, ...]
     exchange: KVExchange
     twin: AttentionState | None = None
+    window: int | None = None
+    plan_window: Callable[[int], AttentionState] | None = field(
+        default=None, repr=False, compare=False
+    )
     key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
     packing: Packing | None = field(init=False, repr=False, compare=False)  # host (pinned) copy
     blocks: Blocks = field(init=False, repr=False, compare=False)  # the loop's view, host copy
@@ -68,16 +76,26 @@ class AttentionState:
     _blocks_on: dict[torch.device, Blocks] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    _windows: dict[int, AttentionState] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if self.causal == (self.twin is None):
             raise ValueError("a causal attention state needs its bidirectional twin, only it")
         key = next(_keys)
+        if self.window is not None and not self.causal:
+            raise ValueError("a sliding window needs a causal attention state")
         packing = pack(
-            self.spans, self.local_len, self.exchange.key_len, self.causal, self.batch_size
+            self.spans,
+            self.local_len,
+            self.exchange.key_len,
+            self.causal,
+            self.batch_size,
+            self.window,
         )
         object.__setattr__(self, "packing", packing)
-        object.__setattr__(self, "blocks", plan_blocks(self.spans, self.causal))
+        object.__setattr__(self, "blocks", plan_blocks(self.spans, self.causal, self.window))
         object.__setattr__(self, "key", torch.tensor(key, dtype=torch.int64))
         _registry[key] = self
 
@@ -107,6 +125,20 @@ class AttentionState:
     def bidirectional(self) -> AttentionState:
         """The step's state for bidirectional attention within documents."""
         return self if not self.causal else self.twin
+
+    def windowed(self, window: int | None) -> AttentionState:
+        """The step's causal state for a sliding ``window`` (keys a query sees, itself
+        included): this state when no query of the step attends more keys (``reach``), else
+        the window's own state, planned on its first use in the step and kept (host work from
+        the step's document ids: every rank plans it alike, nothing is read from a device)."""
+        if window is None or window >= self.reach or window == self.window:
+            return self
+        if self.plan_window is None:
+            raise ValueError("cpshard CP attention: a sliding window needs a causal state")
+        state = self._windows.get(window)
+        if state is None:
+            state = self._windows[window] = self.plan_window(window)
+        return state
 
 
 def state_for(key: torch.Tensor) -> AttentionState:

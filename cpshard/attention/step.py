@@ -5,10 +5,14 @@ causal state (what causal layers attend) and its bidirectional twin (``is_causal
 contiguous layout's causal state builds its key buffer with the multi-hop halo
 (:mod:`cpshard.attention.halo`: a few rows from the preceding ranks), every other state with the
 needed-rows all-to-all-v (:mod:`cpshard.attention.needed_rows`; the rows after a run that
-bidirectional attention reaches are not a halo).
+bidirectional attention reaches are not a halo). A sliding window gets the causal state's
+plan with each run's keys starting at its first query's window (at most ``window - 1`` rows
+before the run), made once per window and step when a layer first asks for it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -21,10 +25,15 @@ from cpshard.layouts import ShardLayout
 
 
 def _state(
-    group: Group, layout: ShardLayout, doc: torch.Tensor, twin: AttentionState | None
+    group: Group,
+    layout: ShardLayout,
+    doc: torch.Tensor,
+    twin: AttentionState | None,
+    window: int | None = None,
+    plan_window: Callable[[int], AttentionState] | None = None,
 ) -> AttentionState:
     """The needed-rows state (causal when it is given the bidirectional ``twin``)."""
-    plan = plan_needed_rows(group, layout, doc, causal=twin is not None)
+    plan = plan_needed_rows(group, layout, doc, twin is not None, window)
     b, padded = doc.shape
     return AttentionState(
         group=group,
@@ -36,15 +45,22 @@ def _state(
         spans=plan.spans,
         exchange=plan.exchange,
         twin=twin,
+        window=window,
+        plan_window=plan_window,
     )
 
 
 def _halo_state(
-    group: Group, layout: ShardLayout, doc: torch.Tensor, twin: AttentionState
+    group: Group,
+    layout: ShardLayout,
+    doc: torch.Tensor,
+    twin: AttentionState,
+    window: int | None = None,
+    plan_window: Callable[[int], AttentionState] | None = None,
 ) -> AttentionState:
     """The causal state of a layout whose ranks hold contiguous runs (``contiguous``): each
-    rank's runs see their document from its start, over its K/V with the halo its first tokens'
-    documents reach back to in front."""
+    rank's runs see their document from its start (or their ``window``), over its K/V with the
+    halo its first tokens' documents (windows) reach back to in front."""
     b, padded = doc.shape
     world, local = group.world, padded // group.world
     starts = document_starts(doc)
@@ -53,7 +69,8 @@ def _halo_state(
         idx = torch.arange(r * local, (r + 1) * local).expand(b, local)
         row, q, n, ds, begin = rank_runs(idx, doc, starts)
         first = q == 0  # runs holding the rank's first token
-        halos.append(int((r * local - ds[first]).max()) if bool(first.any()) else 0)
+        back = int((r * local - ds[first]).max()) if bool(first.any()) else 0
+        halos.append(back if window is None else min(back, window - 1))
         reach = max(reach, int((begin + n - ds).max()) if n.numel() else 0)
         if r == group.rank:
             mine = tuple(zip(*(t.tolist() for t in (row, begin, n, ds)), strict=True))
@@ -65,9 +82,11 @@ def _halo_state(
         batch_size=b,
         reach=reach,
         causal=True,
-        spans=halo_spans(exchange, mine),
+        spans=halo_spans(exchange, mine, window),
         exchange=exchange,
         twin=twin,
+        window=window,
+        plan_window=plan_window,
     )
 
 
@@ -81,7 +100,15 @@ def step_state(
     device)."""
     doc = doc_ids.to("cpu", torch.int64)
     both = _state(group, layout, doc, None)
-    state = (_halo_state if layout.contiguous_shards else _state)(group, layout, doc, both)
+    causal = _halo_state if layout.contiguous_shards else _state
+
+    def plan_window(window: int) -> AttentionState:
+        state = causal(group, layout, doc, both, window)
+        if device is not None:
+            state.place_on(device)
+        return state
+
+    state = causal(group, layout, doc, both, plan_window=plan_window)
     if device is not None:  # the attention's metadata on the batch's device, once per step
         for s in (state, both):
             s.place_on(device)

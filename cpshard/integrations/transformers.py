@@ -16,6 +16,7 @@ imported when :func:`register` runs, never when cpshard is imported.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -31,9 +32,12 @@ __all__ = ["ATTN_IMPLEMENTATION", "cpshard_attention", "register", "wrap_vision_
 
 ATTN_IMPLEMENTATION = "cpshard"
 _WHAT = "cpshard.integrations.transformers"
-# Keyword arguments of transformers' attention call that change the attention itself: the CP
-# attention has no support for them, so they are refused rather than dropped.
-_UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
+# Keyword arguments of transformers' attention call that change the attention itself and that
+# the CP attention does not implement: refused rather than dropped.
+_UNSUPPORTED = ("position_bias",)
+# The ones it implements, which transformers' "sdpa" does not: outside CP the model file's own
+# eager attention serves a call that passes one.
+_EAGER_ONLY = ("softcap", "s_aux")
 
 
 # ------------------------------------------------------------------ the active CP step
@@ -72,12 +76,14 @@ def cpshard_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (``[B, H, S, D]`` in, ``([B, S, H, D], None)``
-    out): the active CP attention, else transformers' ``"sdpa"`` function unchanged.
+    out): the active CP attention, else transformers' ``"sdpa"`` function unchanged (for a call
+    with ``softcap`` or sinks, which "sdpa" does not implement, the model file's own eager
+    attention).
 
     Under CP, ``is_causal`` (else the module's ``is_causal``), ``scaling``, GQA (from the head
-    counts) and the sliding window (the call's ``sliding_window``, else the module's) go to the
-    CP attention, which refuses what it cannot do exactly; so do a mask, dropout, and the
-    arguments that alter attention (``softcap``, sinks, ``position_bias``).
+    counts), the sliding window (the call's ``sliding_window``, else the module's), logit
+    soft-capping (``softcap``) and attention sinks (``s_aux``) go to the CP attention, which
+    refuses what it cannot do exactly: a mask, dropout, ``position_bias``.
 
     The model's ``position_ids`` (transformers passes them in ``kwargs``) tell whose tokens
     these are: a sharded batch's raise under another step's or layout's context, and outside any
@@ -85,9 +91,8 @@ def cpshard_attention(
     position_ids = kwargs.get("position_ids")
     if not _cp_active():
         check_outside(position_ids, _WHAT)
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
+        forward = _outside_cp(module, kwargs)
+        return forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
     extra = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
@@ -107,9 +112,27 @@ def cpshard_attention(
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
         window=window,
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
         position_ids=position_ids,
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _outside_cp(module: torch.nn.Module, kwargs: dict[str, Any]) -> Callable[..., Any]:
+    """The attention function for a call outside CP: transformers' "sdpa", or the module's
+    model file's ``eager_attention_forward`` for the arguments only eager implements."""
+    if any(kwargs.get(name) is not None for name in _EAGER_ONLY):
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(
+                f"{_WHAT}: {type(module).__name__} passes softcap or sinks, which transformers' "
+                "sdpa attention does not implement, and its model file has no eager attention"
+            )
+        return eager
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
 
 
 def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:

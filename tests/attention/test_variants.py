@@ -1,0 +1,120 @@
+"""CP attention's variants — sliding windows of any size, logit soft-capping, attention sinks,
+a value head size unlike the query/key one — against the dense single-process reference
+(:func:`tests.helpers.variant_attention`), every sharder layout and the block-diagonal batch,
+W = 1..4, every kernel path, forward and float64 backward (the sinks' gradient included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpshard.layouts import LAYOUTS
+from tests.helpers import kernel_path, packed_doc_ids, variant_attention
+
+D = 8
+
+# (name, packing, B, S, heads, kv heads, d_v, window, softcap, sinks)
+CASES = [
+    ("window 1", "one_doc", 1, 23, 2, 2, D, 1, None, False),
+    ("window 3", "interior_pad", 2, 30, 2, 1, D, 3, None, False),
+    ("window 5 GQA", "random", 1, 37, 4, 2, D, 5, None, False),
+    ("window 9 short docs", "short_docs", 2, 26, 4, 2, D, 9, None, False),  # covers every doc
+    ("window 40 long runs", "one_doc", 1, 160, 2, 1, D, 40, None, False),  # tiles of a long run
+    ("softcap", "random", 2, 29, 4, 2, D, None, 0.7, False),
+    ("sinks", "interior_pad", 2, 30, 4, 2, D, None, None, True),
+    ("sinks window softcap", "reused_ids", 2, 19, 2, 2, D, 2, 1.5, True),
+    ("sinks window", "random", 2, 29, 4, 2, D, 4, None, True),
+    ("value dim 12", "random", 1, 37, 4, 2, 12, None, None, False),
+    ("value dim 4 window", "interior_pad", 2, 30, 2, 2, 4, 6, None, False),
+]
+
+
+def _case(case: tuple) -> tuple[torch.Tensor, ...]:
+    _, packing, b, s, heads, kv_heads, d_v, *_ = case
+    doc = packed_doc_ids(packing, b, s)
+    g = torch.Generator().manual_seed(31 * b + s + d_v)
+    q = torch.randn(b, heads, s, D, dtype=torch.float64, generator=g)
+    k = torch.randn(b, kv_heads, s, D, dtype=torch.float64, generator=g)
+    v = torch.randn(b, kv_heads, s, d_v, dtype=torch.float64, generator=g)
+    w = torch.randn(b, heads, s, d_v, dtype=torch.float64, generator=g)
+    sinks = torch.randn(heads, dtype=torch.float64, generator=g)
+    return doc, q, k, v, w, sinks
+
+
+def _sharded(sharder, t: torch.Tensor) -> torch.Tensor:
+    return sharder.shard_token_tensor(t.transpose(1, 2), seq_dim=1, fill=0.0).transpose(1, 2)
+
+
+def _distributed(rank: int, world: int, layouts: list[str], path: str) -> list[tuple]:
+    """Per (layout, case): the gathered output and this rank's gradients of q, k, v, sinks."""
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder, cp_attention, make_cp_blockdiag_batch_and_ctx
+
+    results = []
+    with kernel_path(path):
+        for layout in layouts:
+            for case in CASES:
+                *_, window, softcap, with_sinks = case
+                doc, *full, sinks = _case(case)
+                q, k, v = (t.requires_grad_() for t in full[:3])
+                sinks.requires_grad_()
+                batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+                if layout == "blockdiag":
+                    ctx, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
+                    sharder = ContextParallelSharder(dist.group.WORLD, "contiguous")
+                    sharder.shard(dict(batch))  # its token verbs for the test's tensors
+                else:
+                    sharder = ContextParallelSharder(dist.group.WORLD, layout)
+                    ctx, _ = sharder.shard(batch)
+                with ctx():
+                    out = cp_attention(
+                        *(_sharded(sharder, t) for t in (q, k, v)),
+                        enable_gqa=q.shape[1] != k.shape[1],
+                        window=window,
+                        softcap=softcap,
+                        sinks=sinks if with_sinks else None,
+                    )
+                (out * _sharded(sharder, full[3])).sum().backward()
+                gathered = sharder.gather_token_tensor(out.detach().transpose(1, 2), 1, trim=True)
+                grads = (q.grad, k.grad, v.grad, sinks.grad if with_sinks else None)
+                results.append((gathered.transpose(1, 2), *grads))
+    return results
+
+
+def _check(got: list[list[tuple]], layouts: list[str], world: int, path: str) -> None:
+    at = 0
+    for layout in layouts:
+        for case in CASES:
+            *_, window, softcap, with_sinks = case
+            doc, q, k, v, w, sinks = _case(case)
+            leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+            want = variant_attention(
+                *leaves[:3], doc, True, window, softcap, leaves[3] if with_sinks else None
+            )
+            grads = torch.autograd.grad((want * w).sum(), leaves, allow_unused=True)
+            where = f"{layout} {path} W={world} {case[0]}"
+            for r in range(world):
+                torch.testing.assert_close(
+                    got[r][at][0], want, rtol=0, atol=1e-12, msg=f"{where} output on rank {r}"
+                )
+            for j, name in enumerate(["q", "k", "v", "sinks"][: 3 + with_sinks]):
+                total = sum(got[r][at][1 + j] for r in range(world))
+                torch.testing.assert_close(
+                    total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}"
+                )
+            at += 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_layout_and_the_blockdiag_batch(pools, world: int) -> None:
+    layouts = [*LAYOUTS, "blockdiag"]
+    _check(pools(world).run(_distributed, layouts, "per_segment", timeout=600), layouts, world, "")
+
+
+@pytest.mark.parametrize("path", ["varlen", "math"])
+def test_kernel_paths(pools, path: str) -> None:
+    """The one-launch varlen path (its CPU stand-in honouring the window) and the explicit
+    part kernel (CUDA fp32/fp64), W = 3."""
+    layouts = ["contiguous", "stripe", "balanced", "blockdiag"]
+    _check(pools(3).run(_distributed, layouts, path, timeout=600), layouts, 3, path)
