@@ -19,7 +19,8 @@ The package, in call order (each module imports only those after it):
 """
 
 from cpshard.attention.api import cp_attention, cp_blockdiag_sdpa
-from cpshard.attention.state import AttentionState, activated, active_state
+from cpshard.attention.activation import activated
+from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.step import step_state
 
 __all__ = [

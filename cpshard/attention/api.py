@@ -204,7 +204,7 @@ def _fields(
         "requires_grad": [int(torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))],
         "window, softcap, sinks": [
             window or 0,
-            digest([ord(c) for c in repr(softcap)]),
+            *digest([ord(c) for c in repr(softcap)]),
             int(sinks is not None),
         ],
         "exchange plan": digest(state.windowed(window if state.causal else None).exchange.plan),

@@ -1,10 +1,10 @@
-"""The per-step CP attention state, its registry, and the scope that activates it.
+"""The per-step CP attention state, its registry, and the scoped value that holds the active one.
 
 The state is module-level because attention layers deep inside a model read it without a way to
 pass arguments; entering the step's context (``train_ctx()`` of
 ``make_cp_blockdiag_batch_and_ctx``, or the one ``ContextParallelSharder.shard`` returns)
-installs it and leaving restores whatever was there (nesting works; a context of another layout
-inside an active one raises).
+installs it (:func:`cpshard.attention.activation.activated`) and leaving restores whatever was
+there (nesting works; a context of another layout inside an active one raises).
 
 Everything the attention needs from the step's documents is computed ONCE, on the host, when the
 state is built (:mod:`cpshard.attention.step`): the spans each query run attends, the K/V
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -160,18 +159,3 @@ current: ScopedValue[AttentionState | None] = ScopedValue(None, "cpshard CP atte
 def active_state() -> AttentionState | None:
     """The state installed by the innermost active attention context, if any."""
     return current.get()
-
-
-@contextmanager
-def activated(state: AttentionState) -> Iterator[None]:
-    """Install ``state`` for the block, then restore the previous one. Entering it inside an
-    active state of another layout raises: the model's shards would follow one of the two."""
-    outer = current.get()
-    if outer is not None and outer.layout != state.layout:
-        raise ValueError(
-            f"cpshard CP attention: rank {state.group.rank}: a {state.layout!r} attention context "
-            f"entered inside an active {outer.layout!r} one; shards of one layout cannot be "
-            "attended with the other's state"
-        )
-    with current.scope(state):
-        yield

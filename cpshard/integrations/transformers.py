@@ -16,7 +16,6 @@ imported when :func:`register` runs, never when cpshard is imported.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 
 from cpshard.attention.api import cp_attention
+from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside
 from cpshard.vision import maybe_distribute_visual
@@ -35,8 +35,8 @@ _WHAT = "cpshard.integrations.transformers"
 # Keyword arguments of transformers' attention call that change the attention itself and that
 # the CP attention does not implement: refused rather than dropped.
 _UNSUPPORTED = ("position_bias",)
-# The ones it implements, which transformers' "sdpa" does not: outside CP the model file's own
-# eager attention serves a call that passes one.
+# The ones it implements, which transformers' "sdpa" does not: outside CP cpshard's plain
+# attention serves a call that passes one.
 _EAGER_ONLY = ("softcap", "s_aux")
 
 
@@ -77,8 +77,8 @@ def cpshard_attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract (``[B, H, S, D]`` in, ``([B, S, H, D], None)``
     out): the active CP attention, else transformers' ``"sdpa"`` function unchanged (for a call
-    with ``softcap`` or sinks, which "sdpa" does not implement, the model file's own eager
-    attention).
+    with ``softcap`` or sinks, which "sdpa" does not implement, cpshard's plain attention on the
+    same masks).
 
     Under CP, ``is_causal`` (else the module's ``is_causal``), ``scaling``, GQA (from the head
     counts), the sliding window (the call's ``sliding_window``, else the module's), logit
@@ -93,8 +93,9 @@ def cpshard_attention(
         check_outside(position_ids, _WHAT)
         forward = _outside_cp(module, kwargs)
         return forward(
-            module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
-        )
+            module, query, key, value, attention_mask,
+            dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs,
+        )  # fmt: skip
     extra = [name for name in _UNSUPPORTED if kwargs.get(name) is not None]
     if extra:
         raise ValueError(
@@ -120,19 +121,36 @@ def cpshard_attention(
 
 
 def _outside_cp(module: torch.nn.Module, kwargs: dict[str, Any]) -> Callable[..., Any]:
-    """The attention function for a call outside CP: transformers' "sdpa", or the module's
-    model file's ``eager_attention_forward`` for the arguments only eager implements."""
+    """The attention function for a call outside CP: transformers' "sdpa", or, for the
+    arguments "sdpa" does not implement (soft-capping, sinks), the same call on cpshard's plain
+    attention (which reads the "sdpa" masks this implementation's mask builder makes)."""
     if any(kwargs.get(name) is not None for name in _EAGER_ONLY):
-        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if eager is None:
-            raise ValueError(
-                f"{_WHAT}: {type(module).__name__} passes softcap or sinks, which transformers' "
-                "sdpa attention does not implement, and its model file has no eager attention"
-            )
-        return eager
+        return _plain_forward
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward
+
+
+def _plain_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention contract on :func:`~cpshard.attention.plain.plain_attention`,
+    with "sdpa"'s reading of the mask (None: causal when the module is)."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = query.shape[2] > 1 and attention_mask is None and causal
+    out = plain_attention(
+        query, key, value, attention_mask, dropout if module.training else 0.0, causal, scaling,
+        query.shape[1] != key.shape[1], None, kwargs.get("softcap"), kwargs.get("s_aux"),
+    )  # fmt: skip
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
@@ -180,6 +198,10 @@ class CpVisionTower:
     """Mixin put in front of a vision tower's class by :func:`wrap_vision_tower`: the tower's
     call goes through :func:`maybe_distribute_visual`, with no CP attention inside (the tower
     attends within this rank's frames, not over the sharded sequence)."""
+
+    # its tokens are this rank's frames, not the sharded sequence: its convolutions (patch
+    # embeddings) are no token mixers of the CP step
+    cpshard_not_sequence = True
 
     def forward(
         self, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None = None, **kwargs: Any

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.state import activated
+from cpshard.attention.activation import activated
 from cpshard.attention.step import step_state
 from cpshard.attention.tokens import register_tokens
 from cpshard.batch.documents import DocumentError, document_positions, read_documents

@@ -138,14 +138,14 @@ def _refusals(rank: int, world: int, kind: str) -> None:
         full = cp_attention(q, k, v)
         if kind == "window_covers":  # a window no document outgrows: exactly causal
             assert torch.equal(cp_attention(q, k, v, window=3), full)
-        elif kind == "window":
-            cp_attention(q, k, v, window=2)
+        elif kind == "sinks":
+            cp_attention(q, k, v, sinks=torch.zeros(3, dtype=torch.float64))
         elif kind == "bidirectional_window":
             cp_attention(q, k, v, is_causal=False, window=5)
 
 
 REFUSALS = {
-    "window": "window=2 is shorter",
+    "sinks": "sinks must be [query heads] = [2]",
     "bidirectional_window": "window needs is_causal=True",
 }
 
@@ -173,7 +173,7 @@ def _blockdiag_bidirectional(rank: int, world: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("kind", list(REFUSALS))
-def test_unsupported_window_and_bidirectional_raise_on_every_rank(pools, kind: str) -> None:
+def test_bidirectional_window_and_bad_sinks_raise_on_every_rank(pools, kind: str) -> None:
     """The refusals depend on the step alone, so every rank raises (default check mode)."""
     outcomes = pools(2).run_collect(_refusals, kind, timeout=60)
     assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes

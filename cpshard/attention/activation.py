@@ -1,0 +1,26 @@
+"""Entering a step's CP attention: its state installed for a block, and the check that refuses
+models whose token mixers CP attention does not shard (:mod:`cpshard.attention.mixers`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from cpshard.attention.mixers import guard_models
+from cpshard.attention.state import AttentionState, current
+
+
+@contextmanager
+def activated(state: AttentionState) -> Iterator[None]:
+    """Install ``state`` for the block, then restore the previous one. Entering it inside an
+    active state of another layout raises: the model's shards would follow one of the two."""
+    outer = current.get()
+    if outer is not None and outer.layout != state.layout:
+        raise ValueError(
+            f"cpshard CP attention: rank {state.group.rank}: a {state.layout!r} attention context "
+            f"entered inside an active {outer.layout!r} one; shards of one layout cannot be "
+            "attended with the other's state"
+        )
+    guard_models()
+    with current.scope(state):
+        yield

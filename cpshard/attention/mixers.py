@@ -1,0 +1,104 @@
+"""Token mixers CP attention does not shard, refused while a CP attention context is active.
+
+Inside a CP step each rank holds a slice of every packed sequence, and only the attention that
+goes through cpshard sees the whole sequence. A layer that mixes tokens along the sequence by
+other means — a convolution over time, a recurrence (linear attention, delta rules, state-space
+scans, RNNs) — would run on the rank's slice alone, across the boundaries of the packed
+documents and with no state from the preceding ranks: the step would train wrong without an
+error. So the first time a model runs inside a CP attention context, :func:`guard_models`'s
+hook walks its modules and raises, on every rank (each runs the same model), naming the first
+such module, before anything is computed. Models it passes are remembered and never walked
+again.
+
+What is refused: ``nn.Conv1d`` with a kernel longer than one token, ``nn.RNNBase`` (LSTM, GRU,
+RNN), and modules whose class names say they are such a mixer (``MIXER_NAMES``: Gated DeltaNet,
+Mamba mixers, RWKV time mixing, linear attention, ...). Modules marked with ``cpshard_not_sequence = True`` (a
+vision tower run on the rank's own frames) are skipped with their children. The check happens
+when the model is called eagerly (a ``torch.compile``d model is checked through its wrapper's
+call); inside a compiled region it is skipped.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from cpshard.attention.state import active_state
+
+# Class-name fragments of token mixers that carry state along the sequence.
+MIXER_NAMES = (
+    "GatedDeltaNet",
+    "DeltaNet",
+    "MambaMixer",
+    "Mamba2Mixer",
+    "RwkvSelfAttention",
+    "RwkvFeedForward",
+    "LinearAttention",
+    "Retention",
+    "ShortConv",
+    "RecurrentBlock",
+    "Rglru",
+)
+
+_verified: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+_handle: torch.utils.hooks.RemovableHandle | None = None
+
+
+def mixer_problem(module: torch.nn.Module) -> str | None:
+    """Why ``module`` mixes tokens along the sequence outside CP attention, or None."""
+    if isinstance(module, torch.nn.Conv1d) and module.kernel_size[0] > 1:
+        return f"a convolution over the sequence (Conv1d, kernel {module.kernel_size[0]})"
+    if isinstance(module, torch.nn.RNNBase):
+        return f"a recurrence over the sequence ({type(module).__name__})"
+    name = type(module).__name__
+    hit = next((f for f in MIXER_NAMES if f in name), None)
+    if hit is not None:
+        return f"a token mixer cpshard does not shard ({name})"
+    return None
+
+
+def _walk(root: torch.nn.Module) -> tuple[str, str] | None:
+    """``(qualified name, problem)`` of the first unsupported mixer under ``root``, or None."""
+    stack = [("", root)]
+    while stack:
+        path, module = stack.pop()
+        if getattr(module, "cpshard_not_sequence", False):
+            continue
+        problem = mixer_problem(module)
+        if problem is not None:
+            return path or type(root).__name__, problem
+        children = list(module.named_children())
+        stack.extend((f"{path}.{n}" if path else n, c) for n, c in reversed(children))
+    return None
+
+
+def check_model(module: torch.nn.Module) -> None:
+    """Raise ``ValueError`` (naming the rank and the module) when ``module`` has a token mixer
+    CP attention does not shard; remember it (and its modules) when it has none."""
+    state = active_state()
+    if state is None or module in _verified:
+        return
+    found = _walk(module)
+    if found is not None:
+        path, problem = found
+        raise ValueError(
+            f"cpshard CP attention: rank {state.group.rank}: {type(module).__name__} runs "
+            f"inside a CP attention context but its module {path!r} is {problem}: it would mix "
+            "the tokens of this rank's shard across documents and without the other ranks' "
+            "context, and train wrong. Run such models outside CP, or without this layer"
+        )
+    _verified.update(module.modules())
+
+
+def _pre_hook(module: torch.nn.Module, args: object) -> None:
+    if not torch.compiler.is_compiling():
+        check_model(module)
+
+
+def guard_models() -> None:
+    """Install (once) the global module pre-hook that checks each model the first time it runs
+    inside a CP attention context (a no-op outside one)."""
+    global _handle
+    if _handle is None:
+        _handle = torch.nn.modules.module.register_module_forward_pre_hook(_pre_hook)

@@ -1,0 +1,217 @@
+"""The attention variants of today's model families under CP, through transformers: tiny random
+configs, float64, one packed row of documents (some longer than every sliding window, interior
+padding), every ContextParallelSharder layout and the block-diagonal batch, W = 1..4.
+
+The reference runs each document alone through a copy of the model whose attention is this
+file's own float64 statement of the module's attention (causal, its sliding window, logit
+soft-capping, sinks, its scaling), so neither cpshard nor transformers' float32-softmax eager
+path is in it. Bounds: loss relative error < 1e-9, every gradient within 1e-8 of the largest.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers import EXAMPLES
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(EXAMPLES))
+
+import cp_decoder  # noqa: E402
+
+from cpshard.integrations import transformers as cp_transformers  # noqa: E402
+
+REFERENCE = "cpshard-test-reference"
+ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; windows are 3 and 4
+LOSS_TOL, GRAD_TOL = 1e-9, 1e-8
+
+
+def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                         is_causal=None, **kwargs):  # fmt: skip
+    """One document's attention, float64, from the module's own settings (no mask: the row is
+    one document with no padding)."""
+    n = query.shape[2]
+    rep = query.shape[1] // key.shape[1]
+    k, v = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+    logits = (query @ k.transpose(-1, -2)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if kwargs.get("softcap") is not None:
+        logits = kwargs["softcap"] * torch.tanh(logits / kwargs["softcap"])
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    visible = j <= i
+    window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    if window is not None:
+        visible &= i - j < window
+    logits = logits.masked_fill(~visible, float("-inf"))
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:
+        column = sinks.view(1, -1, 1, 1).expand(*logits.shape[:3], 1)
+        probs = torch.softmax(torch.cat([logits, column], -1), -1)[..., :-1]
+    else:
+        probs = torch.softmax(logits, -1)
+    return (probs @ v).transpose(1, 2).contiguous(), None
+
+
+def _config(family: str):
+    import transformers as T
+
+    common = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    mixed = ["sliding_attention", "full_attention"]
+    if family == "mistral":
+        return T.MistralConfig(**common, sliding_window=4)
+    if family == "qwen2":  # layer 0 full, layer 1 sliding
+        common.pop("head_dim")
+        return T.Qwen2Config(**common, use_sliding_window=True, sliding_window=3, max_window_layers=1)
+    if family == "gemma2":
+        return T.Gemma2Config(
+            **common, sliding_window=4, attn_logit_softcapping=0.1, final_logit_softcapping=None,
+            query_pre_attn_scalar=8,
+        )
+    if family == "gemma3":
+        return T.Gemma3TextConfig(**common, sliding_window=3, layer_types=mixed, query_pre_attn_scalar=8)
+    if family == "cohere2":
+        return T.Cohere2Config(**common, sliding_window=4, layer_types=mixed)
+    if family == "gpt_oss":
+        return T.GptOssConfig(
+            **common, sliding_window=4, layer_types=mixed, num_local_experts=4,
+            num_experts_per_tok=2, experts_implementation="eager",
+        )
+    if family == "deepseek_v3":  # query/key head dim 12, value head dim 16
+        for name in ("head_dim", "num_key_value_heads"):
+            common.pop(name)
+        return T.DeepseekV3Config(
+            **common, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+            qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=16, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
+            first_k_dense_replace=1, n_group=1, topk_group=1, experts_implementation="eager",
+        )
+    raise AssertionError(family)
+
+
+FAMILIES = ["mistral", "qwen2", "gemma2", "gemma3", "cohere2", "gpt_oss", "deepseek_v3"]
+
+
+def _gemma_norm(self, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def _cohere_norm(self, x: torch.Tensor) -> torch.Tensor:
+    centred = x - x.mean(-1, keepdim=True)
+    return self.weight * centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
+
+# Norms that compute in float32 whatever the input: their float64 statement, so that rounding
+# to float32 does not blur a float64 comparison (the same in the CP model and the reference).
+_FLOAT32_NORMS = {"Gemma2RMSNorm": _gemma_norm, "Gemma3RMSNorm": _gemma_norm, "Cohere2LayerNorm": _cohere_norm}
+
+
+def _model(family: str) -> torch.nn.Module:
+    import transformers
+
+    cp_transformers.register()
+    transformers.AttentionInterface.register(REFERENCE, _reference_attention)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
+    with torch.no_grad():  # gpt-oss initialises its sinks to zero: make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):
+                p.copy_(torch.linspace(-1.0, 1.5, p.numel(), dtype=p.dtype))
+    for module in model.modules():
+        norm = _FLOAT32_NORMS.get(type(module).__name__)
+        if norm is not None:
+            module.forward = norm.__get__(module)
+    model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
+    return model
+
+
+def _step(family: str, layout: str, group) -> tuple[float, float, float]:
+    """One CP step sharded as ``layout`` and the per-document reference: (CP loss summed over
+    ranks, reference loss, worst gradient difference relative to the largest gradient)."""
+    model = _model(family)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation(REFERENCE)
+    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
+
+    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
+        return model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
+
+    cp = cp_decoder.cp_loss(group, batch, forward, layout)
+    ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
+    ref.backward()
+    import cpshard
+
+    cpshard.reduce_cp_gradients(model, group)
+    total = cp.clone().reshape(1)
+    dist.all_reduce(total, group=group)
+    want = dict(reference.named_parameters())
+    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
+    worst = 0.0
+    for name, p in model.named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        h = want[name].grad if want[name].grad is not None else torch.zeros_like(p)
+        worst = max(worst, float((g - h).abs().max()) / largest)
+    return float(total), float(ref.detach()), worst
+
+
+def _layouts(world: int) -> list[str]:
+    """Every layout and the block-diagonal batch (one rank: they are all one shard)."""
+    from cpshard import LAYOUTS
+
+    return ["blockdiag"] if world == 1 else [*LAYOUTS, "blockdiag"]
+
+
+def _cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
+    return {
+        f"{family} {layout}": _step(family, layout, dist.group.WORLD)
+        for family in FAMILIES
+        for layout in _layouts(world)
+    }
+
+
+def _vlm_step(layout: str, group) -> tuple[float, float, float]:
+    """Qwen3-VL through the sharder: the merged inputs carry ``visual_pos_masks`` and one
+    deepstack tensor per level, which the caller does not name; cpshard shards them as
+    sequence-aligned entries."""
+    import cp_vlm
+
+    model = cp_vlm.tiny_vlm(0)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    cp_transformers.wrap_vision_tower(model)
+    batch = cp_vlm.vlm_batch(model, cp_vlm.ROWS, 0)
+    merged = cp_vlm.merged_inputs(model, batch)  # every rank runs the tower on every frame
+    cp = cp_decoder.cp_loss(group, merged, lambda local: cp_vlm.decoder_logits(model, local), layout)
+    ref = cp_decoder.reference_loss(reference, cp_vlm.vlm_documents(batch))
+    ref.backward()
+    return cp_decoder.compare(model, reference, cp, ref, group)
+
+
+def _vlm_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
+    return {layout: _vlm_step(layout, dist.group.WORLD) for layout in _layouts(world)}
+
+
+def _check(results: list[dict[str, tuple[float, float, float]]], world: int, grad_tol: float) -> None:
+    for rank, cases in enumerate(results):
+        for name, (cp, ref, grad) in cases.items():
+            assert abs(cp - ref) <= LOSS_TOL * abs(ref), f"rank {rank} W={world} {name}: {cp!r} vs {ref!r}"
+            assert grad <= grad_tol, f"rank {rank} W={world} {name}: gradient {grad:.2e} off"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_families_match_each_document_alone(pools, world: int) -> None:
+    _check(pools(world).run(_cases, timeout=900), world, GRAD_TOL)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_qwen3_vl_through_the_sharder_without_naming_its_buffers(pools, world: int) -> None:
+    # absolute gradient bound: the vision rotary embedding computes in float32 (see
+    # test_transformers.py)
+    _check(pools(world).run(_vlm_cases, timeout=600), world, 1e-9)
