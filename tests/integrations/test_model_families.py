@@ -210,7 +210,7 @@ def test_families_match_each_document_alone(pools, world: int) -> None:
     _check(pools(world).run(_cases, timeout=900), world, GRAD_TOL)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [4])
 def test_qwen3_vl_through_the_sharder_without_naming_its_buffers(pools, world: int) -> None:
     # absolute gradient bound: the vision rotary embedding computes in float32 (see
     # test_transformers.py)

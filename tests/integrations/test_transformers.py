@@ -126,7 +126,12 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         "bidirectional": lambda local: cp_transformers.cpshard_attention(
             attention, q, kv, kv, None, is_causal=False
         ),
-        "softcap": lambda local: cp_transformers.cpshard_attention(attention, q, kv, kv, None, softcap=30.0),
+        "bidirectional window": lambda local: cp_transformers.cpshard_attention(
+            attention, q, kv, kv, None, is_causal=False, sliding_window=3
+        ),
+        "position_bias": lambda local: cp_transformers.cpshard_attention(
+            attention, q, kv, kv, None, position_bias=torch.zeros(1)
+        ),
     }
     for name, call in calls.items():
         train_ctx, local = make_cp_blockdiag_batch_and_ctx(group, None, dict(batch))
@@ -140,9 +145,10 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
 
 
 def test_unsupported_attention_refused_on_every_rank(pool2):
-    expected = {"sliding window": "window=4", "softcap": "softcap"}
+    expected = {"bidirectional window": "window needs is_causal=True", "position_bias": "position_bias"}
     for rank, outcome in enumerate(pool2.run(_refusals, timeout=120)):
-        assert outcome["bidirectional"] == "no error", (rank, outcome["bidirectional"])
+        for supported in ("bidirectional", "sliding window"):
+            assert outcome[supported] == "no error", (rank, supported, outcome[supported])
         for name, fragment in expected.items():
             assert fragment in outcome[name] and f"rank {rank}" in outcome[name], (rank, name, outcome[name])
 
