@@ -238,11 +238,14 @@ HOST_READS = ["item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool_
 
 
 @contextmanager
-def recording_host_reads(reads: list[str], allowed: torch.Tensor) -> Iterator[None]:
+def recording_host_reads(
+    reads: list[str], allowed: torch.Tensor | tuple[torch.Tensor, ...]
+) -> Iterator[None]:
     """Record every host read of tensor data (``.item()``, ``.tolist()``, ``.cpu()``, ``int()``,
     ``bool()``, ...) and every tensor built from host data (``torch.tensor``) made by library
     code (the nearest caller outside torch is cpshard); reads of ``allowed`` (the step's CPU
-    key) and reads by test code (the kernel stand-in above) are not recorded."""
+    key, or keys) and reads by test code (the kernel stand-in above) are not recorded."""
+    allowed = allowed if isinstance(allowed, tuple) else (allowed,)
     saved = {name: getattr(torch.Tensor, name) for name in HOST_READS}
     built = {name: getattr(torch, name) for name in ("tensor", "as_tensor")}
 
@@ -254,7 +257,7 @@ def recording_host_reads(reads: list[str], allowed: torch.Tensor) -> Iterator[No
             by_library = (
                 frame is not None and f"{os.sep}cpshard{os.sep}" in frame.f_code.co_filename
             )
-            if by_library and not (check_self and args[0] is allowed):
+            if by_library and not (check_self and any(args[0] is a for a in allowed)):
                 reads.append(f"{name} from {frame.f_code.co_filename}:{frame.f_lineno}")
             return real(*args, **kwargs)
 

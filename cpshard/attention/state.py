@@ -37,6 +37,9 @@ from cpshard.comm import Group
 from cpshard.scoped import ScopedValue
 
 _keys = itertools.count()
+# The sliding windows layers have asked for (any step): a step plans their states at its setup,
+# so that from a model's second step on no layer plans in its forward.
+seen_windows: set[int] = set()
 _registry: weakref.WeakValueDictionary[int, AttentionState] = weakref.WeakValueDictionary()
 
 
@@ -128,9 +131,13 @@ class AttentionState:
     def windowed(self, window: int | None) -> AttentionState:
         """The step's causal state for a sliding ``window`` (keys a query sees, itself
         included): this state when no query of the step attends more keys (``reach``), else
-        the window's own state, planned on its first use in the step and kept (host work from
-        the step's document ids: every rank plans it alike, nothing is read from a device)."""
-        if window is None or window >= self.reach or window == self.window:
+        the window's own state, planned at the step's setup when a layer asked for the window
+        in an earlier step, else on its first use, and kept (host work from the step's document
+        ids: every rank plans it alike, nothing is read from a device)."""
+        if window is None or window == self.window:
+            return self
+        seen_windows.add(window)
+        if window >= self.reach:
             return self
         if self.plan_window is None:
             raise ValueError("cpshard CP attention: a sliding window needs a causal state")

@@ -7,7 +7,8 @@ contiguous layout's causal state builds its key buffer with the multi-hop halo
 needed-rows all-to-all-v (:mod:`cpshard.attention.needed_rows`; the rows after a run that
 bidirectional attention reaches are not a halo). A sliding window gets the causal state's
 plan with each run's keys starting at its first query's window (at most ``window - 1`` rows
-before the run), made once per window and step when a layer first asks for it.
+before the run), made once per window and step: at the setup for the windows earlier steps'
+layers used, else when a layer first asks for it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from cpshard.attention.halo import HaloExchange, halo_spans
 from cpshard.attention.needed_rows import plan_needed_rows
-from cpshard.attention.state import AttentionState
+from cpshard.attention.state import AttentionState, seen_windows
 from cpshard.batch.runs import document_starts, rank_runs
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
@@ -112,4 +113,6 @@ def step_state(
     if device is not None:  # the attention's metadata on the batch's device, once per step
         for s in (state, both):
             s.place_on(device)
+    for window in sorted(seen_windows):  # the windows earlier steps' layers used
+        state.windowed(window)
     return state

@@ -118,3 +118,97 @@ def test_kernel_paths(pools, path: str) -> None:
     part kernel (CUDA fp32/fp64), W = 3."""
     layouts = ["contiguous", "stripe", "balanced", "blockdiag"]
     _check(pools(3).run(_distributed, layouts, path, timeout=600), layouts, 3, path)
+
+
+# --------------------------------------------------------------------------- per-step plans
+
+
+class _Layers(torch.nn.Module):
+    """Two attention layers over the same q/k/v: a sliding window of 3 keys, then global."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from cpshard import cp_attention
+
+        windowed = cp_attention(q, k, v, enable_gqa=True, window=3)
+        return cp_attention(windowed, k, v, enable_gqa=True) * 2
+
+
+def _compiled_vs_eager(rank: int, world: int, layout: str) -> list[int]:
+    """The windowed + global model compiled once (fullgraph) over two batches with different
+    documents: outputs and gradients equal eager; returns the compile counts."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
+    from cpshard.attention import active_state
+    from tests.helpers import compare_compiled
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    model = _Layers()
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    plans = set()
+    for packing in ("one_doc", "random"):
+        doc = packed_doc_ids(packing, 2, 24)
+        batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+        sharder = ContextParallelSharder(dist.group.WORLD, "contiguous" if layout == "blockdiag" else layout)
+        ctx, _ = sharder.shard(dict(batch))
+        if layout == "blockdiag":
+            ctx, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
+        g = torch.Generator().manual_seed(len(packing))
+        q, k, v, w = (
+            _sharded(sharder, torch.randn(2, h, 24, D, dtype=torch.float64, generator=g))
+            for h in (4, 2, 2, 4)
+        )
+        compare_compiled(compiled, model, ctx, (q, k, v), w, packing)
+        with ctx():
+            plans.add(active_state().windowed(3).spans)
+    assert world == 1 or len(plans) == 2, plans  # the batches' windowed spans differ
+    return [counter.frame_count, counter.op_count]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "balanced", "blockdiag"])
+def test_windowed_and_global_layers_compile_once(pools, layout: str) -> None:
+    counts = pools(2).run(_compiled_vs_eager, layout, timeout=400)
+    assert all(frames == 1 for frames, _ in counts), counts
+
+
+def _host_reads(rank: int, world: int, path: str) -> list[str]:
+    """Host reads inside the windowed + global layers (forward and backward) in a step after a
+    first one: the windows' plans were made at the step's setup."""
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder
+    from cpshard.attention import active_state
+    from tests.helpers import recording_host_reads
+
+    model = _Layers()
+    reads: list[str] = []
+    for step, packing in enumerate(("random", "interior_pad")):
+        doc = packed_doc_ids(packing, 2, 37)
+        sharder = ContextParallelSharder(dist.group.WORLD, "balanced")
+        ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+        g = torch.Generator().manual_seed(5)
+        qkv = tuple(
+            _sharded(sharder, torch.randn(2, h, 37, D, dtype=torch.float64, generator=g))
+            .requires_grad_()
+            for h in (4, 2, 2)
+        )
+        with ctx():
+            state = active_state()
+        keys = (state.key, state.windowed(3).key) if step else ()
+        with kernel_path(path) as kernel, recording_host_reads(reads if step else [], keys):
+            with ctx():
+                out = model(*qkv)
+            out.sum().backward()
+        if kernel is not None and step:  # handed the packings the step's setup built
+            assert {id(p) for p in kernel.packings} == {
+                id(state.packing), id(state.windowed(3).packing)
+            }
+    return reads
+
+
+@pytest.mark.parametrize("path", ["per_segment", "varlen"])
+def test_windowed_layers_read_no_tensor_data_on_host(pools, path: str) -> None:
+    assert pools(2).run(_host_reads, path, timeout=120) == [[], []]
