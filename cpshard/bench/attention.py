@@ -9,6 +9,11 @@ documents of 256-768 tokens (~512 on average; ``--quick``: 16-48), 8 query / 2 K
 dim 64, one step forward + backward per layout, and the bytes each forward keeps for its
 backward. Per-rank compute is the number of (query, key) pairs a rank's queries attend: its
 max over ranks divided by the mean shows the layout's balance.
+
+The sliding-window rows attend with a window of 4096 keys (``--quick``: 64) over documents
+longer than it (6144-12288 tokens; ``--quick``: 96-192), the baseline with the window in its
+dense mask: a windowed layer receives at most ``window - 1`` rows before each of its runs (the
+bound column), where full attention over such documents receives nearly the whole sequence.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ from cpshard.bench.runtime import Runtime
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
 DOC_LENS, QUICK_DOC_LENS = (256, 769), (16, 49)
+WINDOW, QUICK_WINDOW = 4096, 64
+LONG_DOC_LENS, QUICK_LONG_DOC_LENS = (6144, 12289), (96, 193)
 
 
 def steps(rt: Runtime) -> int:
-    return len(LAYOUTS)
+    return 2 * len(LAYOUTS)
 
 
 def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
@@ -48,39 +55,53 @@ def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(1, sizes.numel() + 1), sizes)[:seq_len].view(1, -1)
 
 
-def _pairs(rt: Runtime) -> list[int]:
+def _pairs(rt: Runtime, window: int | None) -> list[int]:
     """(query, key) pairs every rank's spans attend, from the active state (host)."""
-    spans = active_state().spans
-    mine = sum(s.n * (s.split - s.k) + s.n * (s.n + 1) // 2 for s in spans)
+    state = active_state().windowed(window)
+    mine = sum(
+        end - first
+        for s in state.spans
+        for first, end in (s.key_range(i, True, window) for i in range(s.n))
+    )
     every = torch.zeros(rt.world, dtype=torch.int64)
     every[rt.rank] = mine
     dist.all_reduce(every, group=rt.pg)
     return every.tolist()
 
 
-def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
-    """fwd+bwd time, peak extra memory, K/V rows received and per-rank compute of one layout."""
+def _max(rt: Runtime, value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.pg)
+    return int(t)
+
+
+def run_case(rt: Runtime, layout: str, doc: torch.Tensor, window: int | None = None) -> dict:
+    """fwd+bwd time, peak extra memory, K/V rows received and per-rank compute of one layout
+    (``window``: a sliding window of that many keys)."""
     sharder = ContextParallelSharder(rt.pg, layout)
     ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
     lay = sharder.shard_layout
     mine = lay.indices(rt.rank)
     keys = torch.cat([lay.indices(r) for r in range(rt.world)])  # the gathered keys' positions
     q, k, v, grad = random_qkv(rt, mine.numel())
-    base = all_gather_baseline(rt, dense_mask(doc, mine, keys).to(rt.device))
+    mask = dense_mask(doc, mine, keys)
+    if window is not None:
+        mask = mask & (mine[:, None] - keys[None, :] < window)
+    base = all_gather_baseline(rt, mask.to(rt.device))
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
-            return cp_attention(q, k, v, enable_gqa=True)
+            return cp_attention(q, k, v, enable_gqa=True, window=window)
 
-    check_output(rt, ours, base, (q, k, v), f"attention {layout}")
+    check_output(rt, ours, base, (q, k, v), f"attention {layout} window={window}")
     with ctx():
-        state = active_state()
-        pairs = _pairs(rt)
-    received = state.exchange.received_rows
-    traffic = torch.tensor([received], dtype=torch.int64)
-    dist.all_reduce(traffic, op=dist.ReduceOp.MAX, group=rt.pg)
+        state = active_state().windowed(window)
+        pairs = _pairs(rt, window)
+    runs = len(state.spans)
     out = {
         "layout": layout,
+        "window": window,
+        "window_rows_bound_max": None if window is None else _max(rt, runs * (window - 1)),
         "seq_len": doc.shape[1],
         "world": rt.world,
         "heads": HEADS,
@@ -88,7 +109,7 @@ def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
         "head_dim": HEAD_DIM,
         "documents": int(doc.max()),
         "dtype": rt.cfg.dtype,
-        "ours_kv_rows_received_max": int(traffic),
+        "ours_kv_rows_received_max": _max(rt, state.exchange.received_rows),
         "base_kv_rows_received": mine.numel() * (rt.world - 1),
         "pairs_per_rank": pairs,
         "pairs_max_over_mean": max(pairs) * len(pairs) / max(1, sum(pairs)),
@@ -101,11 +122,17 @@ def run_case(rt: Runtime, layout: str, doc: torch.Tensor) -> dict:
 def run(rt: Runtime) -> list[dict]:
     """Every layout on the whole group, one batch."""
     quick = rt.cfg.quick
-    doc = documents(QUICK_SEQ_LEN if quick else SEQ_LEN, QUICK_DOC_LENS if quick else DOC_LENS)
+    seq_len = QUICK_SEQ_LEN if quick else SEQ_LEN
+    doc = documents(seq_len, QUICK_DOC_LENS if quick else DOC_LENS)
+    long_doc = documents(seq_len, QUICK_LONG_DOC_LENS if quick else LONG_DOC_LENS)
+    window = QUICK_WINDOW if quick else WINDOW
     rows = []
     for layout in LAYOUTS:
-        rt.progress(f"attention {layout} S={doc.shape[1]}")
+        rt.progress(f"attention {layout} S={seq_len}")
         rows.append(run_case(rt, layout, doc))
+    for layout in LAYOUTS:
+        rt.progress(f"attention {layout} S={seq_len} window={window}")
+        rows.append(run_case(rt, layout, long_doc, window))
     return rows
 
 
@@ -123,13 +150,24 @@ def render(rows: list[dict]) -> str:
         f"{'base MiB':>9} {'kept MiB':>9} {'base kept':>9} {'kv rows':>8} {'base rows':>9} "
         f"{'max/mean':>9}",
     ]
+    windowed = [r for r in rows if r.get("window") is not None]
     for r in rows:
+        if r is (windowed[0] if windowed else None):
+            out.append(
+                f"# sliding window {r['window']} over {r['documents']} documents longer than it "
+                "(rows bound: window - 1 per run, max over ranks, in the last column)"
+            )
+        balance = (
+            f"{r['pairs_max_over_mean']:>9.2f}"
+            if r.get("window") is None
+            else f"{r['window_rows_bound_max']:>9}"
+        )
         out.append(
             f" {r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
             f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} "
             f"{r['speedup']:>8.2f} {mib(r['ours_fwd_bwd_peak_bytes']):>12} "
             f"{mib(r['base_fwd_bwd_peak_bytes']):>9} {mib(r['ours_saved_bytes']):>9} "
             f"{mib(r['base_saved_bytes']):>9} {r['ours_kv_rows_received_max']:>8} "
-            f"{r['base_kv_rows_received']:>9} {r['pairs_max_over_mean']:>9.2f}"
+            f"{r['base_kv_rows_received']:>9} {balance}"
         )
     return "\n".join(out)

@@ -380,7 +380,8 @@ def test_attention_bench_section_quick_run(run_bench) -> None:
     proc, data = run_bench(*args.split())
     assert "# attention:" in proc.stdout
     rows = data["attention"]
-    assert [r["layout"] for r in rows] == list(LAYOUTS)
+    assert [r["layout"] for r in rows] == list(LAYOUTS) * 2
+    assert [r["window"] for r in rows] == [None] * len(LAYOUTS) + [64] * len(LAYOUTS)
     for r in rows:
         assert r["ours_fwd_bwd_s"] > 0 and r["base_fwd_bwd_s"] > 0
         assert r["ours_fwd_bwd_peak_bytes"] > 0 and r["base_fwd_bwd_peak_bytes"] > 0
@@ -388,6 +389,8 @@ def test_attention_bench_section_quick_run(run_bench) -> None:
         assert 0 < r["ours_saved_bytes"] < r["base_saved_bytes"]
         assert 0 <= r["ours_kv_rows_received_max"] <= r["base_kv_rows_received"]
         assert len(r["pairs_per_rank"]) == 2 and r["pairs_max_over_mean"] >= 1
+        if r["window"] is not None:  # at most window - 1 rows before each run
+            assert r["ours_kv_rows_received_max"] <= r["window_rows_bound_max"]
 
 
 def _host_reads(rank: int, world: int, path: str) -> list[str]:
