@@ -67,8 +67,18 @@ class TorchFlashVarlen:
 
     @staticmethod
     def _window(p: Packing) -> dict[str, int | None]:
-        left = None if p.window is None else p.window - 1
-        return {"window_size_left": left, "window_size_right": None if left is None else 0}
+        """The kernels' window arguments. A packing whose spans all have ONE query gets a left
+        window covering every key (``max_k``: the same attention): with no window, FlashAttention-2
+        answers single-query GQA calls by folding the head groups into the query dim
+        (``seqlenq_ngroups_swapped``), which reorders the forward's log-sum-exp against the
+        ``[heads, tokens]`` order its backward and the loop's merge read."""
+        if p.window is not None:
+            left = p.window - 1
+        elif p.max_q == 1:
+            left = max(p.max_k, 1)
+        else:
+            return {"window_size_left": None, "window_size_right": None}
+        return {"window_size_left": left, "window_size_right": 0}
 
     def forward(self, q: T, k: T, v: T, p: Packing, scale: float | None) -> Tensors:
         out, lse, *_ = torch.ops.aten._flash_attention_forward(

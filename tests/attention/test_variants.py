@@ -212,3 +212,20 @@ def _host_reads(rank: int, world: int, path: str) -> list[str]:
 @pytest.mark.parametrize("path", ["per_segment", "varlen"])
 def test_windowed_layers_read_no_tensor_data_on_host(pools, path: str) -> None:
     assert pools(2).run(_host_reads, path, timeout=120) == [[], []]
+
+
+def test_varlen_kernel_window_arguments() -> None:
+    """The varlen kernels get the window as their left window, and a packing of single-query
+    spans a left window covering every key (never FlashAttention-2's head-group swap)."""
+    from cpshard.attention.kernels import TorchFlashVarlen
+    from cpshard.attention.packing import Packing
+
+    def packing(max_q: int, window: int | None) -> Packing:
+        e = torch.zeros(0, dtype=torch.int64)
+        return Packing(e, e, e.int(), e.int(), max_q, 9, False, True, window)
+
+    args = TorchFlashVarlen._window
+    assert args(packing(4, None)) == {"window_size_left": None, "window_size_right": None}
+    assert args(packing(4, 3)) == {"window_size_left": 2, "window_size_right": 0}
+    assert args(packing(1, None)) == {"window_size_left": 9, "window_size_right": 0}
+    assert args(packing(1, 5)) == {"window_size_left": 4, "window_size_right": 0}
