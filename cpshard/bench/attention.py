@@ -14,6 +14,9 @@ The sliding-window rows attend with a window of 4096 keys (``--quick``: 64) over
 longer than it (6144-12288 tokens; ``--quick``: 96-192), the baseline with the window in its
 dense mask: a windowed layer receives at most ``window - 1`` rows before each of its runs (the
 bound column), where full attention over such documents receives nearly the whole sequence.
+Two more rows run the ``balanced`` layout on the first batch with soft-capped logits (the
+explicit kernel, as on every device) and with sinks, against the all-gather baseline running the
+same explicit statement.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.distributed as dist
 
 from cpshard import LAYOUTS, ContextParallelSharder, cp_attention
 from cpshard.attention import active_state
+from cpshard.attention.plain import plain_attention
 from cpshard.bench.blockdiag import (
     HEAD_DIM,
     HEADS,
@@ -40,11 +44,12 @@ from cpshard.bench.runtime import Runtime
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
 DOC_LENS, QUICK_DOC_LENS = (256, 769), (16, 49)
 WINDOW, QUICK_WINDOW = 4096, 64
+SOFTCAP = 50.0  # Gemma 2's attention soft-cap
 LONG_DOC_LENS, QUICK_LONG_DOC_LENS = (6144, 12289), (96, 193)
 
 
 def steps(rt: Runtime) -> int:
-    return 2 * len(LAYOUTS)
+    return 2 * len(LAYOUTS) + 2
 
 
 def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
@@ -75,9 +80,17 @@ def _max(rt: Runtime, value: int) -> int:
     return int(t)
 
 
-def run_case(rt: Runtime, layout: str, doc: torch.Tensor, window: int | None = None) -> dict:
+def run_case(
+    rt: Runtime,
+    layout: str,
+    doc: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: bool = False,
+) -> dict:
     """fwd+bwd time, peak extra memory, K/V rows received and per-rank compute of one layout
-    (``window``: a sliding window of that many keys)."""
+    (``window``: a sliding window of that many keys; ``softcap``: soft-capped logits;
+    ``sinks``: one sink logit per head), the baseline with the same variant."""
     sharder = ContextParallelSharder(rt.pg, layout)
     ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
     lay = sharder.shard_layout
@@ -87,20 +100,37 @@ def run_case(rt: Runtime, layout: str, doc: torch.Tensor, window: int | None = N
     mask = dense_mask(doc, mine, keys)
     if window is not None:
         mask = mask & (mine[:, None] - keys[None, :] < window)
-    base = all_gather_baseline(rt, mask.to(rt.device))
+    sink = torch.linspace(-1, 1, HEADS, device=rt.device, dtype=rt.dtype) if sinks else None
+
+    def explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor):
+        return plain_attention(q, k, v, m, 0.0, False, None, True, None, softcap, sink)
+
+    variant = softcap is not None or sinks
+    base = all_gather_baseline(rt, mask.to(rt.device), explicit if variant else None)
 
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
-            return cp_attention(q, k, v, enable_gqa=True, window=window)
+            return cp_attention(
+                q, k, v, enable_gqa=True, window=window, softcap=softcap, sinks=sink
+            )
 
-    check_output(rt, ours, base, (q, k, v), f"attention {layout} window={window}")
+    name = " ".join(
+        [layout]
+        + ([f"window {window}"] if window else [])
+        + ([f"softcap {softcap:g}"] if softcap else [])
+        + (["sinks"] if sinks else [])
+    )
+    check_output(rt, ours, base, (q, k, v), f"attention {name}")
     with ctx():
         state = active_state().windowed(window)
         pairs = _pairs(rt, window)
     runs = len(state.spans)
     out = {
         "layout": layout,
+        "case": name,
         "window": window,
+        "softcap": softcap,
+        "sinks": sinks,
         "window_rows_bound_max": None if window is None else _max(rt, runs * (window - 1)),
         "seq_len": doc.shape[1],
         "world": rt.world,
@@ -133,6 +163,10 @@ def run(rt: Runtime) -> list[dict]:
     for layout in LAYOUTS:
         rt.progress(f"attention {layout} S={seq_len} window={window}")
         rows.append(run_case(rt, layout, long_doc, window))
+    rt.progress(f"attention balanced S={seq_len} softcap")
+    rows.append(run_case(rt, "balanced", doc, softcap=SOFTCAP))
+    rt.progress(f"attention balanced S={seq_len} sinks")
+    rows.append(run_case(rt, "balanced", doc, sinks=True))
     return rows
 
 
@@ -151,19 +185,22 @@ def render(rows: list[dict]) -> str:
         f"{'max/mean':>9}",
     ]
     windowed = [r for r in rows if r.get("window") is not None]
+    variants = [r for r in rows if r.get("softcap") is not None or r.get("sinks")]
     for r in rows:
         if r is (windowed[0] if windowed else None):
             out.append(
                 f"# sliding window {r['window']} over {r['documents']} documents longer than it "
                 "(rows bound: window - 1 per run, max over ranks, in the last column)"
             )
+        if r is (variants[0] if variants else None):
+            out.append("# soft-capped logits and sinks (the baseline: the same explicit statement)")
         balance = (
             f"{r['pairs_max_over_mean']:>9.2f}"
             if r.get("window") is None
             else f"{r['window_rows_bound_max']:>9}"
         )
         out.append(
-            f" {r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
+            f" {r['case'] if r in variants else r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
             f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} "
             f"{r['speedup']:>8.2f} {mib(r['ours_fwd_bwd_peak_bytes']):>12} "
             f"{mib(r['base_fwd_bwd_peak_bytes']):>9} {mib(r['ours_saved_bytes']):>9} "

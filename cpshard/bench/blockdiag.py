@@ -56,13 +56,17 @@ def check_output(rt: Runtime, ours, base, leaves: tuple[torch.Tensor, ...], what
         raise AssertionError(f"rank {rt.rank}: {what}: output differs from the baseline")
 
 
-def all_gather_baseline(rt: Runtime, mask: torch.Tensor):
-    """Attention over the all-gathered K/V (rank-major) with a dense ``mask`` ``[1, 1, L, S]``."""
+def all_gather_baseline(rt: Runtime, mask: torch.Tensor, attention=None):
+    """Attention over the all-gathered K/V (rank-major) with a dense ``mask`` ``[1, 1, L, S]``
+    (``attention(q, k, v, mask)``: SDPA unless given)."""
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_full = ListAllGatherCat.apply(k, rt.pg, 2)
         v_full = ListAllGatherCat.apply(v, rt.pg, 2)
-        return F.scaled_dot_product_attention(q, k_full, v_full, attn_mask=mask, enable_gqa=True)
+        return (attention or sdpa)(q, k_full, v_full, mask)
 
     return attend
 

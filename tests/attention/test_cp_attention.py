@@ -380,8 +380,9 @@ def test_attention_bench_section_quick_run(run_bench) -> None:
     proc, data = run_bench(*args.split())
     assert "# attention:" in proc.stdout
     rows = data["attention"]
-    assert [r["layout"] for r in rows] == list(LAYOUTS) * 2
-    assert [r["window"] for r in rows] == [None] * len(LAYOUTS) + [64] * len(LAYOUTS)
+    assert [r["layout"] for r in rows] == list(LAYOUTS) * 2 + ["balanced"] * 2
+    assert [r["window"] for r in rows] == [None] * len(LAYOUTS) + [64] * len(LAYOUTS) + [None] * 2
+    assert [r["case"] for r in rows[-2:]] == ["balanced softcap 50", "balanced sinks"]
     for r in rows:
         assert r["ours_fwd_bwd_s"] > 0 and r["base_fwd_bwd_s"] > 0
         assert r["ours_fwd_bwd_peak_bytes"] > 0 and r["base_fwd_bwd_peak_bytes"] > 0
