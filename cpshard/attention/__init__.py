@@ -18,8 +18,8 @@ The package, in call order (each module imports only those after it):
   spans (varlen packing, the loop's blocks) and their placement on the device.
 """
 
-from cpshard.attention.api import cp_attention, cp_blockdiag_sdpa
 from cpshard.attention.activation import activated
+from cpshard.attention.api import cp_attention, cp_blockdiag_sdpa
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.step import step_state
 

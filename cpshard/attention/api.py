@@ -1,8 +1,8 @@
 """The public CP attention functions: :func:`cp_attention` (causal or bidirectional within
-documents, sliding windows, soft-capping, sinks, a sharded batch's token check) and :func:`cp_blockdiag_sdpa` (a
-drop-in for ``F.scaled_dot_product_attention``). Both attend under the active step state
-(:mod:`cpshard.attention.state`), whatever layout the ranks' tokens follow, and are plain SDPA
-when no CP attention context is active."""
+documents, sliding windows, soft-capping, sinks, a sharded batch's token check) and
+:func:`cp_blockdiag_sdpa` (a drop-in for ``F.scaled_dot_product_attention``). Both attend under
+the active step state (:mod:`cpshard.attention.state`), whatever layout the ranks' tokens
+follow, and are plain SDPA when no CP attention context is active."""
 
 from __future__ import annotations
 
@@ -258,5 +258,7 @@ def cp_blockdiag_sdpa(
     consensus round so that bad input on one rank makes every rank raise."""
     state = active_state()
     if state is None:
-        return plain_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        return plain_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+        )
     return attend(state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _SDPA_WHAT)

@@ -82,7 +82,9 @@ def plan_blocks(spans: Sequence[Span], causal: bool, window: int | None = None) 
         if len(group) == 1 and not tile:
             items.append(group[0][0])
         elif group:
-            ranges = [s.key_range(i, causal, window) for s, i0, n in group for i in range(i0, i0 + n)]
+            ranges = [
+                s.key_range(i, causal, window) for s, i0, n in group for i in range(i0, i0 + n)
+            ]
             first = min(a for a, _ in ranges)
             s0, i0, _ = group[0]
             at = len(ends)

@@ -209,7 +209,8 @@ class MathPart:
             probs = torch.exp(logits - lse[:, :, rows, None])
             g = grad[:, :, rows]
             dv += probs.transpose(-1, -2) @ g
-            dlogits = probs * (g @ v.transpose(-1, -2) - (g * out[:, :, rows]).sum(-1, keepdim=True))
+            mass = (g * out[:, :, rows]).sum(-1, keepdim=True)
+            dlogits = probs * (g @ v.transpose(-1, -2) - mass)
             if self.softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
                 dlogits = dlogits * (1 - torch.tanh(raw / self.softcap) ** 2)
             dq[:, :, rows] = (dlogits @ k) * s

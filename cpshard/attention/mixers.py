@@ -12,10 +12,10 @@ again.
 
 What is refused: ``nn.Conv1d`` with a kernel longer than one token, ``nn.RNNBase`` (LSTM, GRU,
 RNN), and modules whose class names say they are such a mixer (``MIXER_NAMES``: Gated DeltaNet,
-Mamba mixers, RWKV time mixing, linear attention, ...). Modules marked with ``cpshard_not_sequence = True`` (a
-vision tower run on the rank's own frames) are skipped with their children. The check happens
-when the model is called eagerly (a ``torch.compile``d model is checked through its wrapper's
-call); inside a compiled region it is skipped.
+Mamba mixers, RWKV time mixing, linear attention, ...). Modules marked with
+``cpshard_not_sequence = True`` (a vision tower run on the rank's own frames) are skipped with
+their children. The check happens when the model is called eagerly (a ``torch.compile``d model
+is checked through its wrapper's call); inside a compiled region it is skipped.
 """
 
 from __future__ import annotations

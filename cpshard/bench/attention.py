@@ -200,7 +200,8 @@ def render(rows: list[dict]) -> str:
             else f"{r['window_rows_bound_max']:>9}"
         )
         out.append(
-            f" {r['case'] if r in variants else r['layout']:>22} {r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
+            f" {r['case'] if r in variants else r['layout']:>22} "
+            f"{r['ours_fwd_bwd_s'] * 1e3:>11.1f} "
             f"{r['base_fwd_bwd_s'] * 1e3:>9.1f} "
             f"{r['speedup']:>8.2f} {mib(r['ours_fwd_bwd_peak_bytes']):>12} "
             f"{mib(r['base_fwd_bwd_peak_bytes']):>9} {mib(r['ours_saved_bytes']):>9} "

@@ -8,8 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpshard.attention import activated, step_state
-from cpshard.attention import mixers
+from cpshard.attention import activated, mixers, step_state
 from cpshard.layouts import make_layout
 
 
