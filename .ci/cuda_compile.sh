@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CUDA compile-only job: a fresh virtual environment with the CUDA 13 torch (2.14.1), a wheel of
+# CUDA compile-only job: a virtual environment with a CUDA 13 torch (CPSHARD_TORCH, default the
+# oldest supported, 2.11.0), a wheel of
 # cpshard built with CPSHARD_CUDA=1 for TORCH_CUDA_ARCH_LIST (default 9.0) from a scratch copy of
 # the working tree (so the CPU build in build/ and cpshard/_C*.so of the repository are never
 # touched), the wheel installed non-editable, and checks run from outside the repository: the
@@ -14,7 +15,9 @@
 #   pytest args             test paths / options for step 4 (default: all of tests/)
 # Environment:
 #   PYTHON                  interpreter that creates the venv (default python3)
-#   CPSHARD_REUSE_VENV      1 keeps VENV when it already has torch 2.14.1 (default: recreate it)
+#   CPSHARD_TORCH           the torch release to build against (default 2.11.0; installed with
+#                           pip's local cap on torch lifted for this command)
+#   CPSHARD_REUSE_VENV      1 keeps VENV when it already has that torch (default: recreate it)
 #   CPSHARD_CUDA_TESTS      0 skips the CPU test suite against the CUDA build (default 1)
 #   CUDA_HOME               CUDA toolkit (default /usr/local/cuda)
 #   TORCH_CUDA_ARCH_LIST    architectures to compile for (default 9.0)
@@ -27,7 +30,8 @@ venv=${1:-.ci-work/venv-cuda}
 [[ $# -gt 0 ]] && shift
 [[ "$venv" == /* ]] || venv="$repo/$venv"
 PYTHON=${PYTHON:-python3}
-TORCH_PIN="torch==2.14.1"
+TORCH_VERSION=${CPSHARD_TORCH:-2.11.0}
+TORCH_PIN="torch==$TORCH_VERSION"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -47,14 +51,14 @@ trap cleanup EXIT
 # ---- 1. the environment ------------------------------------------------------------------------
 step=$(date +%s)
 if [[ "${CPSHARD_REUSE_VENV:-0}" == 1 && -x "$venv/bin/python" ]] &&
-   "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "2.14.1")' 2>/dev/null; then
+   "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != sys.argv[1])' "$TORCH_VERSION" 2>/dev/null; then
   stamp "reusing $venv"
 else
   stamp "creating $venv ($TORCH_PIN, CUDA 13; ~5.5 GB)"
   rm -rf "$venv"
   "$PYTHON" -m venv "$venv"
 fi
-"$venv/bin/pip" install -q "$TORCH_PIN" "cmake>=3.26" ninja pytest hypothesis expecttest numpy \
+PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q "$TORCH_PIN" "cmake>=3.26" ninja pytest hypothesis expecttest numpy \
   > "$work/pip.log" 2>&1 \
   || { grep -v "^WARNING: Location 'file://" "$work/pip.log" | tail -n 40; fail "pip install failed"; }
 "$venv/bin/python" -c 'import sys, torch
