@@ -20,7 +20,8 @@
 #   CPSHARD_REUSE_VENV      1 keeps VENV when it already has that torch (default: recreate it)
 #   CPSHARD_CUDA_TESTS      0 skips the CPU test suite against the CUDA build (default 1)
 #   CUDA_HOME               CUDA toolkit (default /usr/local/cuda)
-#   TORCH_CUDA_ARCH_LIST    architectures to compile for (default 9.0)
+#   TORCH_CUDA_ARCH_LIST    architectures to compile for (default 9.0; set and empty: the
+#                           wheel's default list, 8.0;9.0;10.0+PTX)
 #   CUDA_COMPILE_KEEP       1 keeps the scratch directory (its path is printed)
 #   MAX_JOBS                parallel compile jobs (default: all cores)
 set -euo pipefail
@@ -33,7 +34,8 @@ PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${CPSHARD_TORCH:-2.11.0}
 TORCH_PIN="torch==$TORCH_VERSION"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST-9.0}  # set but empty: the wheel's default list
+[[ -n "$TORCH_CUDA_ARCH_LIST" ]] || unset TORCH_CUDA_ARCH_LIST
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 t0=$(date +%s)
@@ -58,7 +60,7 @@ else
   rm -rf "$venv"
   "$PYTHON" -m venv "$venv"
 fi
-PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q "$TORCH_PIN" "cmake>=3.26" ninja pytest hypothesis expecttest numpy \
+PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q "$TORCH_PIN" "setuptools>=70.1" wheel "cmake>=3.26" ninja pytest hypothesis expecttest numpy \
   > "$work/pip.log" 2>&1 \
   || { grep -v "^WARNING: Location 'file://" "$work/pip.log" | tail -n 40; fail "pip install failed"; }
 "$venv/bin/python" -c 'import sys, torch
@@ -77,7 +79,7 @@ mkdir -p "$src"
   | tar --null -T - -cf -) | tar -x -C "$src"
 rm -rf "$src/build" && find "$src" -name '*.so' -delete
 
-stamp "building the wheel (CPSHARD_CUDA=1, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $("$CUDA_HOME/bin/nvcc" --version | tail -n 2 | head -n 1))"
+stamp "building the wheel (CPSHARD_CUDA=1, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-<default>}, $("$CUDA_HOME/bin/nvcc" --version | tail -n 2 | head -n 1))"
 step=$(date +%s)
 log="$work/build.log"
 (cd "$src" && PATH="$venv/bin:$PATH" CPSHARD_CUDA=1 \
@@ -94,6 +96,14 @@ else
   echo "   no compiler warnings"
 fi
 
+# The architectures torch's CMake compiled for (it logs its -gencode flags).
+gencode=$(grep -o "Added CUDA NVCC flags for: .*" "$log" | head -n 1 || true)
+echo "   ${gencode:-no gencode flags logged}"
+if [[ -z "${TORCH_CUDA_ARCH_LIST:-}" ]]; then
+  for want in code=sm_80 code=sm_90 code=sm_100 code=compute_100; do
+    [[ "$gencode" == *"$want"* ]] || fail "the default architecture list lacks $want"
+  done
+fi
 wheel=$(ls "$work"/dist/cpshard-*.whl)
 "$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel"
 stamp "installed $(basename "$wheel")"

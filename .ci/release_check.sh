@@ -29,7 +29,7 @@ rm -rf "$work" && mkdir -p "$work/src" "$work/dist" "$work/run"
 stamp "fresh venv with $TORCH_PIN"
 "$PYTHON" -m venv "$work/venv"
 py="$work/venv/bin/python"
-"$work/venv/bin/pip" install -q "$TORCH_PIN" numpy ninja "cmake>=3.25" > "$work/pip.log" 2>&1 \
+"$work/venv/bin/pip" install -q "$TORCH_PIN" "setuptools>=70.1" wheel numpy ninja "cmake>=3.25" > "$work/pip.log" 2>&1 \
   || { tail -n 30 "$work/pip.log"; fail "pip install of $TORCH_PIN failed"; }
 
 stamp "sdist (setuptools' build_sdist)"
