@@ -162,6 +162,14 @@ else:
 print("   NcclCommunicator refuses a device that is not visible")
 EOF
 stamp "import checks passed"
+# The lent GPU machine's check, as far as it goes without a device: its scripts parse, the
+# steady-state script imports and skips, the numeric checks run on the CPU loop path.
+bash -n "$src/scripts/gpu/check.sh" || fail "scripts/gpu/check.sh does not parse"
+"$venv/bin/python" "$src/scripts/gpu/steady_state.py" | tee "$work/steady.txt"
+grep -q "^skipped: " "$work/steady.txt" || fail "steady_state.py did not skip without a GPU"
+OMP_NUM_THREADS=1 "$venv/bin/python" "$src/scripts/gpu/numerics.py" --device cpu \
+  || fail "scripts/gpu/numerics.py --device cpu failed"
+stamp "GPU check scripts: parse, skip, CPU numerics passed"
 
 # ---- 4. the CPU test suite against the CUDA build ----------------------------------------------
 if [[ "${CPSHARD_CUDA_TESTS:-1}" == 1 && -d "$repo/tests" ]]; then
