@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
 from cpshard.comm.torch_compat import all_gather_single, reduce_scatter_single
 
 

@@ -30,8 +30,8 @@ from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.layouts import DATA_DEPENDENT_LAYOUTS
 from cpshard.comm.torch_compat import all_gather_single
+from cpshard.layouts import DATA_DEPENDENT_LAYOUTS
 
 BALANCED_GOAL = 1.05  # max/mean the balanced layout must reach where the packing allows it
 

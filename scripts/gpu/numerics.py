@@ -60,12 +60,16 @@ def reference(q, k, v, lengths: list[int]) -> torch.Tensor:
     outs, at = [], 0
     for n in lengths:
         sl = slice(at, at + n)
-        outs.append(F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True))
+        outs.append(
+            F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True)
+        )
         at += n
     return torch.cat(outs, dim=2)
 
 
-def with_grads(fn: Callable, leaves: list[torch.Tensor], weight: torch.Tensor) -> list[torch.Tensor]:
+def with_grads(
+    fn: Callable, leaves: list[torch.Tensor], weight: torch.Tensor
+) -> list[torch.Tensor]:
     """fn(*leaves) and the gradients of (fn * weight).sum() w.r.t. the leaves."""
     leaves = [t.detach().clone().requires_grad_() for t in leaves]
     out = fn(*leaves)
@@ -73,7 +77,9 @@ def with_grads(fn: Callable, leaves: list[torch.Tensor], weight: torch.Tensor) -
     return [out.detach().double(), *(g.double() for g in grads)]
 
 
-def cp_with_grads(leaves: list[torch.Tensor], lengths: list[int], weight: torch.Tensor) -> list[torch.Tensor]:
+def cp_with_grads(
+    leaves: list[torch.Tensor], lengths: list[int], weight: torch.Tensor
+) -> list[torch.Tensor]:
     """cp_attention at world size 1 inside a sharder context over the documents ``lengths``,
     and its gradients (the backward runs while the step's context is alive)."""
     doc = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)])[None]
@@ -82,28 +88,38 @@ def cp_with_grads(leaves: list[torch.Tensor], lengths: list[int], weight: torch.
     q, k, v = (t.detach().clone().requires_grad_() for t in leaves)
     with ctx():
         out = cpshard.cp_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1],
+            q,
+            k,
+            v,
+            is_causal=True,
+            enable_gqa=q.shape[1] != k.shape[1],
             position_ids=local["position_ids"].to(q.device),
         )
         grads = torch.autograd.grad((out.float() * weight).sum(), [q, k, v])
     return [out.detach().double(), *(g.double() for g in grads)]
 
 
-def check(name: str, lengths: list[int], heads: int, kv_heads: int, dtype, truth_dtype, device,
-          impl: str) -> bool:
+def check(
+    name: str, lengths: list[int], heads: int, kv_heads: int, dtype, truth_dtype, device, impl: str
+) -> bool:
     g = torch.Generator(device="cpu").manual_seed(len(lengths) * 131 + heads)
     s, d = sum(lengths), 64
-    full = [torch.randn(1, h, s, d, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)]
+    full = [
+        torch.randn(1, h, s, d, generator=g, dtype=torch.float64)
+        for h in (heads, kv_heads, kv_heads)
+    ]
     weight = torch.randn(1, heads, s, d, generator=g).to(device)
     lp = [t.to(device, dtype) for t in full]
-    truth = with_grads(lambda *t: reference(*t, lengths), [t.to(device, truth_dtype) for t in full], weight)
+    truth = with_grads(
+        lambda *t: reference(*t, lengths), [t.to(device, truth_dtype) for t in full], weight
+    )
     ref_lp = with_grads(lambda *t: reference(*t, lengths), lp, weight)
     seen: list[str] = []
     with path(impl, seen):
         got = cp_with_grads(lp, lengths, weight)
     ok = True
     parts = []
-    for what, a, b, c in zip(("out", "dq", "dk", "dv"), got, ref_lp, truth):
+    for what, a, b, c in zip(("out", "dq", "dk", "dv"), got, ref_lp, truth, strict=True):
         err = (a - c).abs().max().item()
         ref_err = (b - c).abs().max().item()
         bound = FACTOR * ref_err + 1e-6 * c.abs().max().item()
@@ -114,7 +130,12 @@ def check(name: str, lengths: list[int], heads: int, kv_heads: int, dtype, truth
     if device.type == "cuda" and used != [want]:
         ok = False
         parts.append(f"ran {used}, expected {want}")
-    print(("ok  " if ok else "FAIL"), f"{name} {impl} {str(dtype).split('.')[-1]}:", "; ".join(parts), flush=True)
+    print(
+        ("ok  " if ok else "FAIL"),
+        f"{name} {impl} {str(dtype).split('.')[-1]}:",
+        "; ".join(parts),
+        flush=True,
+    )
     return ok
 
 
@@ -135,11 +156,24 @@ def main() -> int:
     for impl in impls:
         for dtype in dtypes:
             truth = torch.float32 if dtype != torch.float32 else torch.float64
-            ok &= check("docs[37,100,1,250,12] H8/2", [37, 100, 1, 250, 12], 8, 2, dtype, truth, device, impl)
+            ok &= check(
+                "docs[37,100,1,250,12] H8/2",
+                [37, 100, 1, 250, 12],
+                8,
+                2,
+                dtype,
+                truth,
+                device,
+                impl,
+            )
             ok &= check("docs[64,64] H4/4", [64, 64], 4, 4, dtype, truth, device, impl)
         # GQA, every query run one token, against float64
-        ok &= check("gqa single-token x48 H8/2", [1] * 48, 8, 2, dtypes[0], torch.float64, device, impl)
-        ok &= check("gqa single-token x16 H12/4", [1] * 16, 12, 4, dtypes[-1], torch.float64, device, impl)
+        ok &= check(
+            "gqa single-token x48 H8/2", [1] * 48, 8, 2, dtypes[0], torch.float64, device, impl
+        )
+        ok &= check(
+            "gqa single-token x16 H12/4", [1] * 16, 12, 4, dtypes[-1], torch.float64, device, impl
+        )
     print("all numeric checks passed" if ok else "numeric checks FAILED")
     return 0 if ok else 1
 

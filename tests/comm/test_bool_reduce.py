@@ -39,7 +39,9 @@ def test_bool_reduce_scatter_is_a_logical_or(pools, staging: int | None) -> None
     sizes = [3, 1, 4]
     offs = [0, 3, 4, 8]
     for rank, (got_v, got) in enumerate(pools(world).run(_bool_reduce, staging)):
-        want_v = [any((i + r) % 4 == 0 for r in range(world)) for i in range(offs[rank], offs[rank + 1])]
+        want_v = [
+            any((i + r) % 4 == 0 for r in range(world)) for i in range(offs[rank], offs[rank + 1])
+        ]
         want = [any((i + r) % 4 == 0 for r in range(world)) for i in range(2 * rank, 2 * rank + 2)]
         assert got_v == want_v and got == want, (rank, got_v, got)
         assert len(got_v) == sizes[rank]

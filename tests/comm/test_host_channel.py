@@ -77,8 +77,10 @@ def test_requests_per_rank_do_not_grow_with_the_world() -> None:
         # append + add + wait + get per round; + set for the rank that completes a round
         assert all(4 * rounds <= o <= 5 * rounds for o in others), others
     # rank 0 also deletes the keys of round n - 2 (three per round from round 2 on)
-    assert all(4 * rounds + 3 * (rounds - 2) <= v <= 5 * rounds + 3 * (rounds - 2)
-               for v in per_world.values()), per_world
+    assert all(
+        4 * rounds + 3 * (rounds - 2) <= v <= 5 * rounds + 3 * (rounds - 2)
+        for v in per_world.values()
+    ), per_world
 
 
 def test_a_rank_out_of_range_is_named() -> None:
