@@ -45,7 +45,7 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
 
@@ -234,12 +234,36 @@ def _create(group: Group, device: torch.device, mode: str) -> NcclTransport:
     # Splitting is collective over the parent: every rank splits, or none does.
     if mode == "split" and bool(all_gather_small(torch.tensor([int(can_split)]), group).all()):
         empty = torch.empty(0, dtype=torch.uint8)
-        return NcclTransport(
-            native(parent, empty, group.rank, group.world, index, timeout), "split"
+        return _agreed(
+            lambda: native(parent, empty, group.rank, group.world, index, timeout), group, "split"
         )
     mine = unique_id().numpy().tobytes() if group.rank == 0 else b""
     uid = torch.frombuffer(bytearray(all_gather_bytes(mine, group)[0]), dtype=torch.uint8)
-    return NcclTransport(native(0, uid, group.rank, group.world, index, timeout), "unique_id")
+    return _agreed(
+        lambda: native(0, uid, group.rank, group.world, index, timeout), group, "unique_id"
+    )
+
+
+def _agreed(make: Callable[[], torch.ScriptObject], group: Group, bootstrap: str) -> NcclTransport:
+    """``make()``'s communicator once every rank made its own: a rank whose creation failed
+    tells the others over the host channel, and then every rank raises (naming the failed
+    ranks) rather than some of them going on to block in a first transfer nobody joins."""
+    comm, error = None, ""
+    try:
+        comm = make()
+    except RuntimeError as e:
+        error = str(e)
+    made = all_gather_small(torch.tensor([int(comm is not None)]), group).view(-1).tolist()
+    failed = [r for r, ok in enumerate(made) if not ok]
+    if failed:
+        if comm is not None:
+            comm.close()
+        raise RuntimeError(
+            f"cpshard NCCL: rank {group.rank}: creating the communicator ({bootstrap}) failed "
+            f"on ranks {failed}" + (f": {error}" if error else "")
+        )
+    assert comm is not None
+    return NcclTransport(comm, bootstrap)
 
 
 def communicator(group: Group, device: torch.device, bootstrap: str | None = None) -> NcclTransport:

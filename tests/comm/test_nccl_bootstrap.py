@@ -240,3 +240,34 @@ def test_nccl_version_triple_takes_torchs_3_and_4_tuples(found, triple) -> None:
 def test_nccl_version_triple_rejects_a_short_version() -> None:
     with pytest.raises(ValueError, match="needs 3 numbers"):
         nccl.nccl_version_triple((2, 30))
+
+
+class FailingOnRank1(FakeCommunicator):
+    """A native constructor that fails on rank 1 only (a bad device, NCCL refusing)."""
+
+    def __init__(self, parent, uid, rank, world, device, timeout_s) -> None:
+        if rank == 1:
+            raise RuntimeError("NcclCommunicator: ncclCommInitRankConfig failed: internal error")
+        super().__init__(parent, uid, rank, world, device, timeout_s)
+
+
+def _creation_fails_on_rank_1(rank: int, world: int) -> str:
+    pg = dist.new_group(list(range(world)))
+    group = resolve_group(pg, "test")
+    saved = nccl._native, nccl._torch_comm
+    nccl._native = lambda: FailingOnRank1
+    nccl._torch_comm = lambda backend, device, group: 0
+    try:
+        with pytest.raises(RuntimeError) as info:
+            nccl.communicator(group, torch.device("cuda", rank))
+        assert nccl._cache.get(pg) is None  # nothing half-made is kept
+    finally:
+        nccl._native, nccl._torch_comm = saved
+    return str(info.value)
+
+
+def test_a_creation_failing_on_one_rank_fails_on_every_rank(pools) -> None:
+    messages = pools(3).run(_creation_fails_on_rank_1, timeout=60)
+    for rank, message in enumerate(messages):
+        assert f"rank {rank}: creating the communicator (unique_id) failed on ranks [1]" in message
+    assert "internal error" in messages[1] and "internal error" not in messages[0]
