@@ -20,6 +20,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+# GPU architectures of a CUDA build when TORCH_CUDA_ARCH_LIST is unset: A100 (8.0), H100/H200
+# (9.0), B200 (10.0), and PTX for 10.0 so newer GPUs JIT-compile it.
+DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0+PTX"
 
 
 def _cuda_home() -> Path | None:
@@ -74,7 +77,7 @@ def _cuda_args() -> list[str]:
     nvrtc = sorted((nvidia / f"cu{cuda_major}" / "lib").glob("libnvrtc.so*"))
     if nvrtc:
         args.append(f"-DCUDA_nvrtc_LIBRARY={nvrtc[0]}")
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     os.environ.setdefault("CUDA_HOME", str(home))
     return args
 

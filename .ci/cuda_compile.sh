@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# CUDA compile-only job: a fresh virtual environment with the CUDA 13 torch (2.14.1), a wheel of
+# CUDA compile-only job: a virtual environment with a CUDA 13 torch (CPSHARD_TORCH, default the
+# oldest supported, 2.11.0), a wheel of
 # cpshard built with CPSHARD_CUDA=1 for TORCH_CUDA_ARCH_LIST (default 9.0) from a scratch copy of
 # the working tree (so the CPU build in build/ and cpshard/_C*.so of the repository are never
 # touched), the wheel installed non-editable, and checks run from outside the repository: the
@@ -14,10 +15,13 @@
 #   pytest args             test paths / options for step 4 (default: all of tests/)
 # Environment:
 #   PYTHON                  interpreter that creates the venv (default python3)
-#   CPSHARD_REUSE_VENV      1 keeps VENV when it already has torch 2.14.1 (default: recreate it)
+#   CPSHARD_TORCH           the torch release to build against (default 2.11.0; installed with
+#                           pip's local cap on torch lifted for this command)
+#   CPSHARD_REUSE_VENV      1 keeps VENV when it already has that torch (default: recreate it)
 #   CPSHARD_CUDA_TESTS      0 skips the CPU test suite against the CUDA build (default 1)
 #   CUDA_HOME               CUDA toolkit (default /usr/local/cuda)
-#   TORCH_CUDA_ARCH_LIST    architectures to compile for (default 9.0)
+#   TORCH_CUDA_ARCH_LIST    architectures to compile for (default 9.0; set and empty: the
+#                           wheel's default list, 8.0;9.0;10.0+PTX)
 #   CUDA_COMPILE_KEEP       1 keeps the scratch directory (its path is printed)
 #   MAX_JOBS                parallel compile jobs (default: all cores)
 set -euo pipefail
@@ -27,9 +31,11 @@ venv=${1:-.ci-work/venv-cuda}
 [[ $# -gt 0 ]] && shift
 [[ "$venv" == /* ]] || venv="$repo/$venv"
 PYTHON=${PYTHON:-python3}
-TORCH_PIN="torch==2.14.1"
+TORCH_VERSION=${CPSHARD_TORCH:-2.11.0}
+TORCH_PIN="torch==$TORCH_VERSION"
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST-9.0}  # set but empty: the wheel's default list
+[[ -n "$TORCH_CUDA_ARCH_LIST" ]] || unset TORCH_CUDA_ARCH_LIST
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 
 t0=$(date +%s)
@@ -47,14 +53,14 @@ trap cleanup EXIT
 # ---- 1. the environment ------------------------------------------------------------------------
 step=$(date +%s)
 if [[ "${CPSHARD_REUSE_VENV:-0}" == 1 && -x "$venv/bin/python" ]] &&
-   "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != "2.14.1")' 2>/dev/null; then
+   "$venv/bin/python" -c 'import sys, torch; sys.exit(torch.__version__.split("+")[0] != sys.argv[1])' "$TORCH_VERSION" 2>/dev/null; then
   stamp "reusing $venv"
 else
   stamp "creating $venv ($TORCH_PIN, CUDA 13; ~5.5 GB)"
   rm -rf "$venv"
   "$PYTHON" -m venv "$venv"
 fi
-"$venv/bin/pip" install -q "$TORCH_PIN" "cmake>=3.26" ninja pytest hypothesis expecttest numpy \
+PIP_CONSTRAINT=/dev/null "$venv/bin/pip" install -q "$TORCH_PIN" "setuptools>=70.1" wheel "cmake>=3.26" ninja pytest hypothesis expecttest numpy \
   > "$work/pip.log" 2>&1 \
   || { grep -v "^WARNING: Location 'file://" "$work/pip.log" | tail -n 40; fail "pip install failed"; }
 "$venv/bin/python" -c 'import sys, torch
@@ -73,7 +79,7 @@ mkdir -p "$src"
   | tar --null -T - -cf -) | tar -x -C "$src"
 rm -rf "$src/build" && find "$src" -name '*.so' -delete
 
-stamp "building the wheel (CPSHARD_CUDA=1, TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST, $("$CUDA_HOME/bin/nvcc" --version | tail -n 2 | head -n 1))"
+stamp "building the wheel (CPSHARD_CUDA=1, TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-<default>}, $("$CUDA_HOME/bin/nvcc" --version | tail -n 2 | head -n 1))"
 step=$(date +%s)
 log="$work/build.log"
 (cd "$src" && PATH="$venv/bin:$PATH" CPSHARD_CUDA=1 \
@@ -90,6 +96,14 @@ else
   echo "   no compiler warnings"
 fi
 
+# The architectures torch's CMake compiled for (it logs its -gencode flags).
+gencode=$(grep -o "Added CUDA NVCC flags for: .*" "$log" | head -n 1 || true)
+echo "   ${gencode:-no gencode flags logged}"
+if [[ -z "${TORCH_CUDA_ARCH_LIST:-}" ]]; then
+  for want in code=sm_80 code=sm_90 code=sm_100 code=compute_100; do
+    [[ "$gencode" == *"$want"* ]] || fail "the default architecture list lacks $want"
+  done
+fi
 wheel=$(ls "$work"/dist/cpshard-*.whl)
 "$venv/bin/pip" install -q --no-deps --force-reinstall "$wheel"
 stamp "installed $(basename "$wheel")"
@@ -148,6 +162,14 @@ else:
 print("   NcclCommunicator refuses a device that is not visible")
 EOF
 stamp "import checks passed"
+# The lent GPU machine's check, as far as it goes without a device: its scripts parse, the
+# steady-state script imports and skips, the numeric checks run on the CPU loop path.
+bash -n "$src/scripts/gpu/check.sh" || fail "scripts/gpu/check.sh does not parse"
+"$venv/bin/python" "$src/scripts/gpu/steady_state.py" | tee "$work/steady.txt"
+grep -q "^skipped: " "$work/steady.txt" || fail "steady_state.py did not skip without a GPU"
+OMP_NUM_THREADS=1 "$venv/bin/python" "$src/scripts/gpu/numerics.py" --device cpu \
+  || fail "scripts/gpu/numerics.py --device cpu failed"
+stamp "GPU check scripts: parse, skip, CPU numerics passed"
 
 # ---- 4. the CPU test suite against the CUDA build ----------------------------------------------
 if [[ "${CPSHARD_CUDA_TESTS:-1}" == 1 && -d "$repo/tests" ]]; then

@@ -9,7 +9,6 @@ every data-moving op is differentiable, its backward being the adjoint move.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -102,7 +101,13 @@ def _fits_int64(what: str, name: str, *factors: int) -> None:
 def _shape_fits_int64(what: str, name: str, shape: Sequence[int]) -> None:
     """An output shape must multiply within int64 up to its first zero, in order (the native
     geometry multiplies it so, even when a zero size makes the tensor empty)."""
-    _fits_int64(what, name, *itertools.takewhile(bool, shape))
+    # A plain loop, not itertools.takewhile: torch 2.11's Dynamo cannot trace takewhile.
+    prefix: list[int] = []
+    for size in shape:
+        if not size:
+            break
+        prefix.append(size)
+    _fits_int64(what, name, *prefix)
 
 
 def _index(index: torch.Tensor, data: torch.Tensor, what: str) -> torch.Tensor:

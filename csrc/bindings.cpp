@@ -5,8 +5,13 @@
 #include <torch/library.h>
 #include <torch/headeronly/version.h>
 
+#include <algorithm>
+#include <chrono>
 #include <string>
+#include <tuple>
+#include <vector>
 
+#include "comm/settle.h"
 #include "index/index_ops.h"
 #include "ragged/ragged_ops.h"
 #include "segment/segment_ops.h"
@@ -78,5 +83,27 @@ PYBIND11_MODULE(_C, module) {
 #else
   module.attr("sanitized") = false;
 #endif
+  // The communicator's bounded wait for a non-blocking NCCL call, driven by a stand-in state:
+  // the i-th poll sees states[i] (the last one from then on; 1 stands for "in progress", 0
+  // for "ready"). Returns the outcome ("ready", "failed", "timed_out"), the last state seen and
+  // the number of polls. For the tests: the communicator itself needs a GPU.
+  module.def(
+      "_settle_with_states",
+      [](std::vector<int64_t> states, int64_t timeout_ms) {
+        TORCH_CHECK(!states.empty(), "_settle_with_states: states is empty");
+        TORCH_CHECK(timeout_ms >= 0, "_settle_with_states: timeout_ms = ", timeout_ms,
+                    " is negative");
+        size_t polls = 0;
+        int64_t last = 0;
+        const auto query = [&] { return states[std::min(polls++, states.size() - 1)]; };
+        const auto outcome = cpshard::settle<int64_t>(query, 1, 0,
+                                                      std::chrono::milliseconds(timeout_ms),
+                                                      std::chrono::microseconds(500), &last);
+        const char* name = outcome == cpshard::Settled::kReady    ? "ready"
+                           : outcome == cpshard::Settled::kFailed ? "failed"
+                                                                  : "timed_out";
+        return std::make_tuple(std::string(name), last, static_cast<int64_t>(polls));
+      },
+      pybind11::arg("states"), pybind11::arg("timeout_ms"));
   module.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }

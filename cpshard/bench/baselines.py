@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from cpshard.comm.torch_compat import all_gather_single, reduce_scatter_single
+
 
 def plan_prefix_quantile(costs: Sequence[int], world: int) -> list[int] | None:
     """The prefix-quantile cut: cut ``r`` after the last entry whose cumulative cost is
@@ -52,7 +54,7 @@ class PadAllGatherRagged(torch.autograd.Function):
         padded = x.new_zeros((m, *x.shape[1:]))
         padded[: x.shape[0]] = x
         gathered = x.new_empty((world * m, *x.shape[1:]))
-        dist.all_gather_single(gathered.view(-1), padded.view(-1), group=pg)  # flat: gloo
+        all_gather_single(gathered.view(-1), padded.view(-1), group=pg)  # flat: gloo
         return torch.cat([gathered[r * m : r * m + c] for r, c in enumerate(counts)])
 
     @staticmethod
@@ -63,7 +65,7 @@ class PadAllGatherRagged(torch.autograd.Function):
         for r, block in enumerate(grad.split(counts)):
             padded[r, : counts[r]] = block
         out = grad.new_empty((m, *grad.shape[1:]))
-        dist.reduce_scatter_single(out.view(-1), padded.view(-1), group=pg)
+        reduce_scatter_single(out.view(-1), padded.view(-1), group=pg)
         return out[: counts[rank]], None, None
 
 
@@ -104,7 +106,7 @@ class AllGatherTailsHalo(torch.autograd.Function):
         ctx.pg, ctx.dim, ctx.tail, ctx.h = pg, dim, tail, h
         mine = x.narrow(dim, length - tail, tail).contiguous()
         gathered = x.new_empty((world, *mine.shape))
-        dist.all_gather_single(gathered.view(-1), mine.view(-1), group=pg)  # flat: gloo
+        all_gather_single(gathered.view(-1), mine.view(-1), group=pg)  # flat: gloo
         before = (
             torch.cat(list(gathered[:rank].unbind(0)), dim=dim) if rank else x.narrow(dim, 0, 0)
         )
@@ -128,6 +130,6 @@ class AllGatherTailsHalo(torch.autograd.Function):
                 take = min(tail, end)
                 buf[q].narrow(dim, tail - take, take).copy_(window.narrow(dim, end - take, take))
         mine = grad.new_empty(shape)
-        dist.reduce_scatter_single(mine.view(-1), buf.view(-1), group=pg)
+        reduce_scatter_single(mine.view(-1), buf.view(-1), group=pg)
         grad_x.narrow(dim, grad_x.shape[dim] - tail, tail).add_(mine)
         return grad_x, None, None, None

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from cpshard.bench.runtime import Runtime
 from cpshard.comm import offsets
+from cpshard.comm.torch_compat import all_gather_single
 
 Transfer = Callable[[], None]
 
@@ -63,7 +64,7 @@ def gather_floors(
         )
 
     def fwd_all_gather() -> None:
-        dist.all_gather_single(out, local, group=pg)
+        all_gather_single(out, local, group=pg)
 
     def bwd_p2p() -> None:
         p2p_exchange(

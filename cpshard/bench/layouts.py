@@ -30,6 +30,7 @@ from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
+from cpshard.comm.torch_compat import all_gather_single
 from cpshard.layouts import DATA_DEPENDENT_LAYOUTS
 
 BALANCED_GOAL = 1.05  # max/mean the balanced layout must reach where the packing allows it
@@ -155,9 +156,9 @@ def baseline_unshard(
     world = dist.get_world_size(pg)
     rows, length = local.shape[:2]
     every = mine.new_empty(world * mine.numel())
-    dist.all_gather_single(every, mine.contiguous().view(-1), group=pg)
+    all_gather_single(every, mine.contiguous().view(-1), group=pg)
     data = local.new_empty(world * local.numel())
-    dist.all_gather_single(data, local.contiguous().view(-1), group=pg)
+    all_gather_single(data, local.contiguous().view(-1), group=pg)
     data = data.view(world, *local.shape).movedim(0, 1)
     data = data.reshape(rows, world * length, *local.shape[2:])
     order = torch.argsort(every.view(world, -1, length).permute(1, 0, 2).flatten(1), dim=1)

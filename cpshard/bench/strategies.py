@@ -37,6 +37,7 @@ from cpshard.bench.memory import peak_extra_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
 from cpshard.comm import Group, TorchTransport, offsets
+from cpshard.comm.torch_compat import all_gather_single, reduce_scatter_single
 
 FORWARD = ("pad_all_gather", "all_to_all", "p2p")
 BACKWARD = ("pad_reduce_scatter", "all_to_all", "p2p", "p2p_pipelined")
@@ -54,12 +55,12 @@ def forward_strategies(
         h = x.shape[1:]
         if even:
             out = x.new_empty((offs[-1], *h))
-            dist.all_gather_single(out.view(-1), x.reshape(-1), group=pg)
+            all_gather_single(out.view(-1), x.reshape(-1), group=pg)
             return out
         padded = x.new_zeros((m, *h))
         padded[: x.shape[0]] = x
         stage = x.new_empty(world * padded.numel())
-        dist.all_gather_single(stage, padded.view(-1), group=pg)
+        all_gather_single(stage, padded.view(-1), group=pg)
         return cpshard.unpack_ragged(stage, counts, [offs[-1], *h], 0, pad_to=m)
 
     def all_to_all(x: torch.Tensor) -> torch.Tensor:
@@ -98,7 +99,7 @@ def backward_strategies(
         h = g.shape[1:]
         full = g if even else cpshard.pack_ragged(g, counts, 0, pad_to=m)
         out = g.new_empty((m, *h))
-        dist.reduce_scatter_single(out.view(-1), full.reshape(-1), group=pg)
+        reduce_scatter_single(out.view(-1), full.reshape(-1), group=pg)
         return out[:n]
 
     transport = TorchTransport(Group(pg, me, world))

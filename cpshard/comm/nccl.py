@@ -9,8 +9,8 @@ aborts it when something failed.
 
 **Bootstrap: split from torch's communicator** (``CPSHARD_NCCL_BOOTSTRAP=split``, the default).
 Every rank asks torch for its own ``ncclComm_t`` of the group on that device
-(``ProcessGroupNCCL._comm_ptr()``, created first by ``eager_connect_single_device`` if torch has
-not yet), the ranks agree over the host-side channel that all of them have it, and each calls
+(``ProcessGroupNCCL._comm_ptr()``, looked up first; only when no rank has one does every rank ask
+torch to create it, once, with ``eager_connect_single_device``), the ranks agree over the host-side channel that all of them have it, and each calls
 ``ncclCommSplit`` on it. Why a split child rather than driving torch's communicator directly:
 
 * ownership: torch's communicator belongs to ``ProcessGroupNCCL``: its watchdog may abort and
@@ -45,7 +45,8 @@ from __future__ import annotations
 import os
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 
 import torch
@@ -59,6 +60,9 @@ BOOTSTRAP_ENV = "CPSHARD_NCCL_BOOTSTRAP"
 UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId), fixed by NCCL's ABI
 
 _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, NcclTransport] = weakref.WeakKeyDictionary()
+# (process group name, device index) pairs whose communicator this process asked torch to
+# create: never twice (torch would build, and leak, another one).
+_connected: set[tuple[str, int]] = set()
 
 
 def _native():
@@ -142,17 +146,77 @@ def _timeout_s(backend: object) -> float:
     return timeout.total_seconds()
 
 
-def _torch_comm(backend: object, device: torch.device) -> int:
-    """The address of torch's ``ncclComm_t`` for the group on ``device`` (torch creates it now
-    if it has not yet), or 0 when this process cannot split from it."""
-    if not hasattr(backend, "_comm_ptr") or not hasattr(backend, "eager_connect_single_device"):
-        return 0  # an older torch, or a wrapped backend (TORCH_DISTRIBUTED_DEBUG=DETAIL)
-    if tuple(torch.cuda.nccl.version()) != version():
-        return 0  # torch's NCCL is not the library we link: its handles mean nothing to ours
+def nccl_version_triple(found: Sequence[object]) -> tuple[int, int, int]:
+    """(major, minor, patch) of a version as ``torch.cuda.nccl.version()`` gives it: a 3-tuple,
+    or a 4-tuple whose last entry is the build's suffix string (ignored)."""
+    if len(found) < 3:
+        raise ValueError(f"cpshard NCCL: an NCCL version needs 3 numbers, got {tuple(found)!r}")
+    major, minor, patch = (int(v) for v in found[:3])  # type: ignore[call-overload]
+    return major, minor, patch
+
+
+def _torch_nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL version torch runs against, or None when this torch has no NCCL."""
     try:
-        with torch.cuda.device(device):
-            backend.eager_connect_single_device(device)
-            return int(backend._comm_ptr() or 0)
+        return nccl_version_triple(torch.cuda.nccl.version())
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _backend_of(group: Group, device: torch.device) -> object:
+    """The group's backend object for ``device`` (torch's ``ProcessGroupNCCL``)."""
+    assert group.pg is not None
+    return group.pg._get_backend(device)
+
+
+def _on_device(device: torch.device) -> AbstractContextManager[object]:
+    """``device`` made current (torch's ``_comm_ptr`` reads the current device)."""
+    return torch.cuda.device(device)
+
+
+def _lookup(backend: object, device: torch.device) -> int:
+    """torch's existing ``ncclComm_t`` of the group on ``device``, or 0 when it has none yet
+    (``_comm_ptr`` returns 0 then; it never creates one)."""
+    with _on_device(device):
+        return int(backend._comm_ptr() or 0)  # type: ignore[attr-defined]
+
+
+def _torch_comm(backend: object, device: torch.device, group: Group) -> int:
+    """The address of torch's ``ncclComm_t`` for the group on ``device``, or 0 when this rank
+    cannot split from it. Collective over the group's ranks (always entered by all of them).
+
+    torch's communicator is looked up first: ``eager_connect_single_device`` builds a new one
+    on every call, without looking at the one it has, and for a group initialised eagerly it
+    splits that new one from the *world* communicator (collective over every world rank, which
+    ranks outside this group never join). So it is called only when no rank of the group has a
+    communicator yet, by every rank together (they agree on that first over the host channel, so
+    no rank enters torch's collective creation alone), and at most once per group and device."""
+    usable = hasattr(backend, "_comm_ptr") and _torch_nccl_version() == version()
+    found = 0
+    if usable:
+        try:
+            found = _lookup(backend, device)
+        except RuntimeError as e:
+            warnings.warn(f"cpshard NCCL: cannot read torch's communicator ({e})", stacklevel=3)
+            usable = False
+    # 0: cannot split (older torch, a wrapped backend, another NCCL); 1: usable, none yet;
+    # 2: usable and torch has one.
+    state = 0 if not usable else (2 if found else 1)
+    states = all_gather_small(torch.tensor([state]), group).view(-1).tolist()
+    if min(states) == 0:
+        return 0  # some rank cannot split: the caller falls back to the unique id everywhere
+    if max(states) == 2:
+        return found  # torch has its communicator (0 here if only other ranks have one)
+    # No rank has one: all create it now, together, once.
+    assert group.pg is not None
+    key = (group.pg.group_name, int(device.index))
+    if key in _connected or not hasattr(backend, "eager_connect_single_device"):
+        return 0
+    _connected.add(key)
+    try:
+        with _on_device(device):
+            backend.eager_connect_single_device(device)  # type: ignore[attr-defined]
+        return _lookup(backend, device)
     except RuntimeError as e:  # this rank then votes for the unique id: no rank is left waiting
         warnings.warn(f"cpshard NCCL: cannot split from torch's communicator ({e})", stacklevel=3)
         return 0
@@ -161,21 +225,45 @@ def _torch_comm(backend: object, device: torch.device) -> int:
 def _create(group: Group, device: torch.device, mode: str) -> NcclTransport:
     """A communicator for ``group`` on ``device``; collective over the group's ranks."""
     assert group.pg is not None
-    backend = group.pg._get_backend(device)
+    backend = _backend_of(group, device)
     timeout = _timeout_s(backend)
     native = _native()
     index = int(device.index)
-    parent = _torch_comm(backend, device) if mode == "split" else 0
+    parent = _torch_comm(backend, device, group) if mode == "split" else 0
     can_split = parent != 0 and bool(native.parent_matches(parent, group.rank, group.world, index))
     # Splitting is collective over the parent: every rank splits, or none does.
     if mode == "split" and bool(all_gather_small(torch.tensor([int(can_split)]), group).all()):
         empty = torch.empty(0, dtype=torch.uint8)
-        return NcclTransport(
-            native(parent, empty, group.rank, group.world, index, timeout), "split"
+        return _agreed(
+            lambda: native(parent, empty, group.rank, group.world, index, timeout), group, "split"
         )
     mine = unique_id().numpy().tobytes() if group.rank == 0 else b""
     uid = torch.frombuffer(bytearray(all_gather_bytes(mine, group)[0]), dtype=torch.uint8)
-    return NcclTransport(native(0, uid, group.rank, group.world, index, timeout), "unique_id")
+    return _agreed(
+        lambda: native(0, uid, group.rank, group.world, index, timeout), group, "unique_id"
+    )
+
+
+def _agreed(make: Callable[[], torch.ScriptObject], group: Group, bootstrap: str) -> NcclTransport:
+    """``make()``'s communicator once every rank made its own: a rank whose creation failed
+    tells the others over the host channel, and then every rank raises (naming the failed
+    ranks) rather than some of them going on to block in a first transfer nobody joins."""
+    comm, error = None, ""
+    try:
+        comm = make()
+    except RuntimeError as e:
+        error = str(e)
+    made = all_gather_small(torch.tensor([int(comm is not None)]), group).view(-1).tolist()
+    failed = [r for r, ok in enumerate(made) if not ok]
+    if failed:
+        if comm is not None:
+            comm.close()
+        raise RuntimeError(
+            f"cpshard NCCL: rank {group.rank}: creating the communicator ({bootstrap}) failed "
+            f"on ranks {failed}" + (f": {error}" if error else "")
+        )
+    assert comm is not None
+    return NcclTransport(comm, bootstrap)
 
 
 def communicator(group: Group, device: torch.device, bootstrap: str | None = None) -> NcclTransport:

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <exception>
 
+#include "comm/settle.h"
 #include "common/geometry.h"
 
 namespace cpshard {
@@ -30,20 +31,24 @@ constexpr auto kPollInterval = std::chrono::milliseconds(100);
 struct ReduceType {
   ncclDataType_t type;
   int64_t per_element;
+  ncclRedOp_t op;
 };
 
 ReduceType reduce_type(at::ScalarType t, const char* what) {
   switch (t) {
-    case at::kFloat: return {ncclFloat32, 1};
-    case at::kDouble: return {ncclFloat64, 1};
-    case at::kHalf: return {ncclFloat16, 1};
-    case at::kBFloat16: return {ncclBfloat16, 1};
-    case at::kInt: return {ncclInt32, 1};
-    case at::kLong: return {ncclInt64, 1};
-    case at::kByte: return {ncclUint8, 1};
-    case at::kChar: return {ncclInt8, 1};
-    case at::kComplexFloat: return {ncclFloat32, 2};
-    case at::kComplexDouble: return {ncclFloat64, 2};
+    case at::kFloat: return {ncclFloat32, 1, ncclSum};
+    case at::kDouble: return {ncclFloat64, 1, ncclSum};
+    case at::kHalf: return {ncclFloat16, 1, ncclSum};
+    case at::kBFloat16: return {ncclBfloat16, 1, ncclSum};
+    case at::kInt: return {ncclInt32, 1, ncclSum};
+    case at::kLong: return {ncclInt64, 1, ncclSum};
+    case at::kByte: return {ncclUint8, 1, ncclSum};
+    case at::kChar: return {ncclInt8, 1, ncclSum};
+    // A bool "sum" is a logical or (what torch's bool sum and its NCCL backend, which maps a
+    // bool SUM to MAX, both give): the max of 0/1 bytes.
+    case at::kBool: return {ncclUint8, 1, ncclMax};
+    case at::kComplexFloat: return {ncclFloat32, 2, ncclSum};
+    case at::kComplexDouble: return {ncclFloat64, 2, ncclSum};
     default: TORCH_CHECK(false, what, ": NCCL cannot sum dtype ", t);
   }
 }
@@ -64,21 +69,6 @@ int64_t total_of(const std::vector<int64_t>& sizes, const char* what) {
   }
   return total;
 }
-
-// ncclGroupStart/End around a verb's calls; only entered once every argument is checked. An
-// error inside makes ncclGroupEnd drop the whole group rather than launch part of it.
-class Group {
- public:
-  explicit Group(ncclComm_t comm) : comm_(comm) { CPSHARD_NCCL_CHECK(comm_, ncclGroupStart()); }
-  // Ends the group; an error is raised unless another exception is already unwinding.
-  ~Group() noexcept(false) {
-    const ncclResult_t status = ncclGroupEnd();
-    if (std::uncaught_exceptions() == 0) CPSHARD_NCCL_CHECK(comm_, status);
-  }
-
- private:
-  ncclComm_t comm_;
-};
 
 }  // namespace
 
@@ -129,6 +119,26 @@ class NcclCommunicator::Call {
   }
   cudaStream_t stream() const { return stream_.stream(); }
   ncclComm_t comm() const { return c_.comm_; }
+  // The status of an NCCL call on this communicator: success, or (a non-blocking communicator)
+  // in progress, then waited for until ready within the timeout; anything else raises.
+  void check(ncclResult_t status, const char* op) { c_.settle_locked(status, op); }
+
+  // ncclGroupStart/End around a verb's calls; only entered once every argument is checked. An
+  // error inside makes ncclGroupEnd drop the whole group rather than launch part of it. The
+  // first ncclGroupEnd of a pattern connects the peers (on a non-blocking communicator it
+  // returns in progress and is waited for within the timeout).
+  class Scope {
+   public:
+    explicit Scope(Call& call) : call_(call) { call_.check(ncclGroupStart(), "ncclGroupStart"); }
+    // Ends the group; an error is raised unless another exception is already unwinding.
+    ~Scope() noexcept(false) {
+      const ncclResult_t status = ncclGroupEnd();
+      if (std::uncaught_exceptions() == 0) call_.check(status, "ncclGroupEnd");
+    }
+
+   private:
+    Call& call_;
+  };
 
  private:
   NcclCommunicator& c_;
@@ -155,14 +165,36 @@ NcclCommunicator::NcclCommunicator(int64_t parent, const at::Tensor& unique_id, 
   TORCH_CHECK(timeout_.count() > 0, what, ": timeout_s must be positive and finite, got ",
               timeout_s);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-  config.blocking = 1;  // every call returns once enqueued; the watchdog handles the rest
+  std::unique_lock<std::mutex> lock(mu_);
+  // A creation that fails or times out leaves no communicator behind (no destructor runs).
+  const auto settle_or_abort = [this](ncclResult_t status, const char* op) {
+    try {
+      settle_locked(status, op);
+    } catch (...) {
+      if (comm_ != nullptr) (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+      throw;
+    }
+  };
   if (parent != 0) {
     TORCH_CHECK(parent_matches(parent, rank, world, device), what,
                 ": the parent communicator is not this group's on cuda:", device);
     const auto from = reinterpret_cast<ncclComm_t>(parent);
-    CPSHARD_NCCL_CHECK(from, ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank),
-                                           &comm_, &config));
+    // A NULL config: the child inherits every setting of torch's communicator (CTAs, network,
+    // traffic class, resource sharing, and blocking or not); a config of our own would reset
+    // the fields it leaves undefined to NCCL's defaults rather than the parent's. A
+    // non-blocking parent (TORCH_NCCL_USE_COMM_NONBLOCKING=1) gives a non-blocking child: the
+    // split returns in progress and is waited for within the timeout, like every later call.
+    const ncclResult_t status = ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank),
+                                              &comm_, /*config=*/nullptr);
+    if (status != ncclSuccess && status != ncclInProgress && comm_ != nullptr) {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    TORCH_CHECK(status == ncclSuccess || status == ncclInProgress, what,
+                ": ncclCommSplit failed: ", ncclGetErrorString(status), ". ",
+                ncclGetLastError(from));
+    settle_or_abort(status, "ncclCommSplit");
   } else {
     TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
                     unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),
@@ -170,9 +202,21 @@ NcclCommunicator::NcclCommunicator(int64_t parent, const at::Tensor& unique_id, 
                 " bytes");
     ncclUniqueId id;
     std::memcpy(&id, unique_id.contiguous().const_data_ptr(), sizeof(id));
-    CPSHARD_NCCL_CHECK(nullptr, ncclCommInitRankConfig(&comm_, static_cast<int>(world), id,
-                                                       static_cast<int>(rank), &config));
+    // Non-blocking: creation (and each pattern's first connect later) returns in progress and
+    // is waited for here within the timeout, never blocking on a dead or late peer for ever.
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t status = ncclCommInitRankConfig(&comm_, static_cast<int>(world), id,
+                                                       static_cast<int>(rank), &config);
+    if (status != ncclSuccess && status != ncclInProgress && comm_ != nullptr) {
+      (void)ncclCommAbort(comm_);
+      comm_ = nullptr;
+    }
+    TORCH_CHECK(status == ncclSuccess || status == ncclInProgress, what,
+                ": ncclCommInitRankConfig failed: ", ncclGetErrorString(status));
+    settle_or_abort(status, "ncclCommInitRankConfig");
   }
+  lock.unlock();
   watchdog_ = std::thread([this] { watch(); });
 }
 
@@ -239,6 +283,34 @@ void NcclCommunicator::close() {
   release_events_locked();
   lock.unlock();
   if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
+}
+
+void NcclCommunicator::settle_locked(ncclResult_t status, const char* op) {
+  TORCH_CHECK(comm_ != nullptr, "cpshard NCCL: ", op, ": the communicator was aborted: ", error_);
+  if (status == ncclInProgress) {
+    // A non-blocking communicator works on the call in the background: poll its state until
+    // it is ready, an error shows, or the group's timeout passes (then abort it: peers that
+    // never arrive cannot hold this rank for ever). No other call can enter meanwhile (mu_ is
+    // held), and NCCL must not be given another call on it before it is ready.
+    const auto query = [this] {
+      ncclResult_t state = ncclInProgress;
+      const ncclResult_t polled = ncclCommGetAsyncError(comm_, &state);
+      return polled != ncclSuccess ? polled : state;
+    };
+    const Settled outcome = settle(query, ncclInProgress, ncclSuccess, timeout_,
+                                   std::chrono::microseconds(500), &status);
+    if (outcome == Settled::kTimedOut) {
+      const std::string reason = std::string(op) +
+                                 " has not completed within the process group's timeout of " +
+                                 std::to_string(timeout_.count()) + " ms";
+      abort_locked(reason);
+      TORCH_CHECK(false, "cpshard NCCL: ", reason);
+    }
+  }
+  // An error: raised here; the communicator is left to the watchdog, which aborts it on the
+  // asynchronous error (aborting here could free it inside an open NCCL group).
+  TORCH_CHECK(status == ncclSuccess, "cpshard NCCL: ", op, " failed: ",
+              ncclGetErrorString(status), ". ", ncclGetLastError(comm_));
 }
 
 bool NcclCommunicator::healthy_locked() {
@@ -337,8 +409,8 @@ void NcclCommunicator::all_gather(const at::Tensor& out, const at::Tensor& local
   Call call(*this, what);
   call.use(out);
   call.use(local);
-  CPSHARD_NCCL_CHECK(call.comm(), ncclAllGather(local.data_ptr(), out.data_ptr(), nbytes(local),
-                                                ncclUint8, call.comm(), call.stream()));
+  call.check(ncclAllGather(local.data_ptr(), out.data_ptr(), nbytes(local),
+                                                ncclUint8, call.comm(), call.stream()), "ncclAllGather");
 }
 
 void NcclCommunicator::all_gather_v(const at::Tensor& out, const at::Tensor& local,
@@ -356,14 +428,14 @@ void NcclCommunicator::all_gather_v(const at::Tensor& out, const at::Tensor& loc
   call.use(out);
   call.use(local);
   const int64_t elem = out.element_size();
-  Group group(call.comm());
+  Call::Scope group(call);
   int64_t offset = 0;
   for (int64_t r = 0; r < world_; ++r) {
     if (sizes[r] > 0) {
       const void* send = r == rank_ ? local.data_ptr() : bytes(out, offset);
-      CPSHARD_NCCL_CHECK(call.comm(), ncclBroadcast(send, bytes(out, offset), sizes[r] * elem,
+      call.check(ncclBroadcast(send, bytes(out, offset), sizes[r] * elem,
                                                     ncclUint8, static_cast<int>(r), call.comm(),
-                                                    call.stream()));
+                                                    call.stream()), "ncclBroadcast");
     }
     offset += sizes[r];
   }
@@ -380,10 +452,9 @@ void NcclCommunicator::reduce_scatter(const at::Tensor& out, const at::Tensor& f
   Call call(*this, what);
   call.use(out);
   call.use(full);
-  CPSHARD_NCCL_CHECK(call.comm(),
-                     ncclReduceScatter(full.data_ptr(), out.data_ptr(),
-                                       out.numel() * type.per_element, type.type, ncclSum,
-                                       call.comm(), call.stream()));
+  call.check(ncclReduceScatter(full.data_ptr(), out.data_ptr(),
+                                       out.numel() * type.per_element, type.type, type.op,
+                                       call.comm(), call.stream()), "ncclReduceScatter");
 }
 
 void NcclCommunicator::reduce_scatter_v(const at::Tensor& out, const at::Tensor& full,
@@ -401,15 +472,14 @@ void NcclCommunicator::reduce_scatter_v(const at::Tensor& out, const at::Tensor&
   Call call(*this, what);
   call.use(out);
   call.use(full);
-  Group group(call.comm());
+  Call::Scope group(call);
   int64_t offset = 0;
   for (int64_t r = 0; r < world_; ++r) {
     if (sizes[r] > 0) {
       void* recv = r == rank_ ? out.data_ptr() : bytes(full, offset);  // used on the root only
-      CPSHARD_NCCL_CHECK(call.comm(),
-                         ncclReduce(bytes(full, offset), recv, sizes[r] * type.per_element,
-                                    type.type, ncclSum, static_cast<int>(r), call.comm(),
-                                    call.stream()));
+      call.check(ncclReduce(bytes(full, offset), recv, sizes[r] * type.per_element,
+                                    type.type, type.op, static_cast<int>(r), call.comm(),
+                                    call.stream()), "ncclReduce");
     }
     offset += sizes[r];
   }
@@ -439,18 +509,18 @@ void NcclCommunicator::send_recv(const std::vector<at::Tensor>& sends,
   for (const auto& t : sends) call.use(t);
   for (const auto& t : recvs) call.use(t);
   // Empty parts are skipped on both sides alike (their sizes agree across ranks by contract).
-  Group group(call.comm());
+  Call::Scope group(call);
   for (size_t i = 0; i < sends.size(); ++i) {
     if (sends[i].numel() == 0) continue;
-    CPSHARD_NCCL_CHECK(call.comm(), ncclSend(sends[i].data_ptr(), nbytes(sends[i]), ncclUint8,
+    call.check(ncclSend(sends[i].data_ptr(), nbytes(sends[i]), ncclUint8,
                                              static_cast<int>(send_peers[i]), call.comm(),
-                                             call.stream()));
+                                             call.stream()), "ncclSend");
   }
   for (size_t i = 0; i < recvs.size(); ++i) {
     if (recvs[i].numel() == 0) continue;
-    CPSHARD_NCCL_CHECK(call.comm(), ncclRecv(recvs[i].data_ptr(), nbytes(recvs[i]), ncclUint8,
+    call.check(ncclRecv(recvs[i].data_ptr(), nbytes(recvs[i]), ncclUint8,
                                              static_cast<int>(recv_peers[i]), call.comm(),
-                                             call.stream()));
+                                             call.stream()), "ncclRecv");
   }
 }
 

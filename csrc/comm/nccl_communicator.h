@@ -21,6 +21,12 @@
 // oldest unfinished call every 100 ms: an asynchronous error, or a call older than the process
 // group's timeout, aborts the communicator (kernels blocked on a dead peer return) and every
 // later call raises the reason.
+//
+// The host-side waits (creation, and the first ncclGroupEnd of each pattern, which connects the
+// peers) are bounded by the same timeout on a non-blocking communicator: a unique-id one is
+// always created non-blocking, and a split child inherits its parent's blocking mode with every
+// other setting (torch's communicator is non-blocking under TORCH_NCCL_USE_COMM_NONBLOCKING=1).
+// A blocking split child's creation and connects block in NCCL as torch's own do.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -99,6 +105,10 @@ class NcclCommunicator : public torch::CustomClassHolder {
   void watch();
   // With mu_ held: drops the events of finished calls; true when none is left.
   bool reap_locked();
+  // With mu_ held (comm_ set): `status` of NCCL call `op` settled: returns on success; on
+  // ncclInProgress (a non-blocking communicator) polls until the communicator is ready, and
+  // aborts it (and raises) when that takes longer than the timeout; raises on any error.
+  void settle_locked(ncclResult_t status, const char* op);
   // With mu_ held (comm_ set): no asynchronous error so far.
   bool healthy_locked();
   // With mu_ held: aborts the communicator for `reason` (kept for later calls).

@@ -131,6 +131,10 @@ def test_native_nccl_verbs_at_world_1(nccl_world1, bootstrap: str) -> None:
     zout = torch.empty_like(z)
     comm.reduce_scatter(zout, z)
     assert torch.equal(zout, z)
+    flags = torch.tensor([True, False, True], device="cuda")
+    fout = torch.empty_like(flags)
+    comm.reduce_scatter(fout, flags)  # a bool sum is a logical or, as on torch's path
+    assert torch.equal(fout, flags)
     comm.send_recv([], [], key=None)
     # A side stream: the call runs there, and the allocator is told (record_stream).
     side = torch.cuda.Stream()
@@ -142,6 +146,40 @@ def test_native_nccl_verbs_at_world_1(nccl_world1, bootstrap: str) -> None:
     assert torch.equal(out, y)
     torch.cuda.synchronize()
     assert comm.error() == ""
+
+
+def test_eagerly_initialised_subgroup_splits_from_torchs_communicator(nccl_world1) -> None:
+    """A subgroup of an eagerly initialised world (device_id given) has torch's communicator
+    already: cpshard looks it up and splits from it, and never asks torch for another."""
+    from cpshard.comm import nccl
+
+    sub = dist.new_group([0])
+    backend = sub._get_backend(torch.device("cuda", 0))
+    with torch.cuda.device(0):
+        before = int(backend._comm_ptr())
+    calls = []
+    real = type(backend).eager_connect_single_device
+
+    def counting(self, device):
+        calls.append(device)
+        return real(self, device)
+
+    type(backend).eager_connect_single_device = counting
+    try:
+        comm = nccl.communicator(resolve_group(sub, "test"), torch.device("cuda", 0))
+        assert comm.bootstrap == "split", comm.bootstrap
+        x = torch.randn(11, device="cuda")
+        out = torch.empty_like(x)
+        comm.all_gather(out, x)
+        assert torch.equal(out, x)
+        with torch.cuda.device(0):
+            after = int(backend._comm_ptr())
+        assert before == 0 or calls == [], calls  # looked up, not re-created
+        assert after != 0 and (before == 0 or after == before)
+    finally:
+        type(backend).eager_connect_single_device = real
+        nccl.close(sub)
+        dist.destroy_process_group(sub)
 
 
 def test_native_nccl_rejects_bad_arguments_before_enqueueing(nccl_world1) -> None:

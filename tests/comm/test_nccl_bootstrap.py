@@ -6,8 +6,9 @@ host-side channel, the device of the tensors, the per-group cache and ``close``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -53,7 +54,7 @@ def stand_ins(can_split: bool) -> Iterator[None]:
     """The native class and torch's communicator address replaced for this rank."""
     saved = nccl._native, nccl._torch_comm
     nccl._native = lambda: FakeCommunicator
-    nccl._torch_comm = lambda backend, device: 0xC0FFEE if can_split else 0
+    nccl._torch_comm = lambda backend, device, group: 0xC0FFEE if can_split else 0
     try:
         yield
     finally:
@@ -110,3 +111,163 @@ def test_bootstrap_mode_is_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(nccl.BOOTSTRAP_ENV, "mpi")
     with pytest.raises(ValueError, match="CPSHARD_NCCL_BOOTSTRAP must be one of split, unique_id"):
         nccl.bootstrap_mode()
+
+
+class RecordingBackend:
+    """Stands in for torch's ``ProcessGroupNCCL`` on one rank: records every lookup and eager
+    connect. Like torch's, ``_comm_ptr`` returns 0 while it has no communicator, and every
+    ``eager_connect_single_device`` builds a new one (here: a new address)."""
+
+    def __init__(self, has_comm: bool, fails: bool = False) -> None:
+        self.calls: list[str] = []
+        self.ptr = 0xBEEF if has_comm else 0
+        self.fails = fails
+
+    def _comm_ptr(self) -> int:
+        self.calls.append("lookup")
+        return self.ptr
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        self.calls.append("connect")
+        if self.fails:
+            raise RuntimeError("NCCL error: remote process exited")
+        self.ptr = (self.ptr or 0xBEEF) + 0x100
+
+
+def _through_torch(
+    rank: int, world: int, has_comm: list[int], fails: list[int], versions: list[tuple]
+) -> tuple[list[str], list[str], list[int]]:
+    """Create, close and create again the communicator of one fresh group whose torch backend
+    is a :class:`RecordingBackend`; report what the backend saw, the bootstraps and parents."""
+    pg = dist.new_group(list(range(world)))
+    group = resolve_group(pg, "test")
+    backend = RecordingBackend(rank in has_comm, fails=rank in fails)
+    saved = nccl._native, nccl._backend_of, nccl._on_device, nccl._torch_nccl_version
+    nccl._native = lambda: FakeCommunicator
+    nccl._backend_of = lambda g, d: backend
+    nccl._on_device = lambda d: nullcontext()
+    nccl._torch_nccl_version = lambda: nccl.nccl_version_triple(versions[rank])
+    made, parents = [], []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(2):
+                comm = nccl.communicator(group, torch.device("cuda", rank))
+                made.append(comm.bootstrap)
+                parents.append(comm.comm.parent)
+                nccl.close(pg)
+    finally:
+        nccl._native, nccl._backend_of, nccl._on_device, nccl._torch_nccl_version = saved
+    return backend.calls, made, parents
+
+
+SAME = [(2, 30, 7), (2, 30, 7, "")]  # torch's 3-tuple, or its 4-tuple with a build suffix
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torchs_communicator_is_looked_up_and_never_created_when_it_exists(pools, world) -> None:
+    out = pools(world).run(_through_torch, list(range(world)), [], [SAME[r % 2] for r in range(3)])
+    for calls, made, parents in out:
+        assert calls == ["lookup", "lookup"], calls  # no eager connect at all
+        assert made == ["split", "split"] and parents == [0xBEEF, 0xBEEF]
+
+
+def test_torchs_communicator_is_created_once_when_no_rank_has_one(pools) -> None:
+    for calls, made, parents in pools(2).run(_through_torch, [], [], SAME):
+        # first creation: lookup (none), one eager connect, lookup; the second finds it
+        assert calls == ["lookup", "connect", "lookup", "lookup"], calls
+        assert made == ["split", "split"] and parents == [0xBEEF + 0x100] * 2
+
+
+def test_no_eager_connect_when_only_some_ranks_have_torchs_communicator(pools) -> None:
+    for calls, made, _ in pools(3).run(_through_torch, [0], [], SAME + SAME[:1]):
+        assert "connect" not in calls and made == ["unique_id", "unique_id"]
+
+
+def test_a_failed_eager_connect_on_one_rank_leaves_no_rank_waiting(pools) -> None:
+    out = pools(2).run(_through_torch, [], [1], SAME, timeout=60)
+    assert [o[0][:2] for o in out] == [["lookup", "connect"]] * 2
+    # the failing rank voted against the split: every rank made a unique-id communicator
+    assert all(o[1] == ["unique_id", "unique_id"] for o in out), out
+
+
+def test_another_nccl_on_one_rank_means_no_split_and_no_eager_connect(pools) -> None:
+    for calls, made, _ in pools(2).run(_through_torch, [], [], [(2, 30, 7), (2, 29, 1, "x")]):
+        assert "connect" not in calls and made == ["unique_id", "unique_id"]
+
+
+class WrappedBackend:
+    """An older torch's backend, or one wrapped under TORCH_DISTRIBUTED_DEBUG=DETAIL: it can
+    eager-connect but has no ``_comm_ptr``."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def eager_connect_single_device(self, device: torch.device) -> None:
+        self.calls.append("connect")
+
+
+def _without_lookup(rank: int, world: int) -> tuple[list[str], str]:
+    pg = dist.new_group(list(range(world)))
+    group = resolve_group(pg, "test")
+    backend = WrappedBackend()
+    saved = nccl._native, nccl._backend_of, nccl._on_device, nccl._torch_nccl_version
+    nccl._native = lambda: FakeCommunicator
+    nccl._backend_of = lambda g, d: backend
+    nccl._on_device = lambda d: nullcontext()
+    nccl._torch_nccl_version = lambda: (2, 30, 7)
+    try:
+        comm = nccl.communicator(group, torch.device("cuda", rank))
+        nccl.close(pg)
+    finally:
+        nccl._native, nccl._backend_of, nccl._on_device, nccl._torch_nccl_version = saved
+    return backend.calls, comm.bootstrap
+
+
+def test_a_backend_without_comm_ptr_falls_back_to_the_unique_id(pools) -> None:
+    for calls, bootstrap in pools(2).run(_without_lookup):
+        assert calls == [] and bootstrap == "unique_id"
+
+
+@pytest.mark.parametrize(
+    "found, triple",
+    [((2, 30, 7), (2, 30, 7)), ((2, 27, 3, "a0"), (2, 27, 3)), ([2, 21, 5, ""], (2, 21, 5))],
+)
+def test_nccl_version_triple_takes_torchs_3_and_4_tuples(found, triple) -> None:
+    assert nccl.nccl_version_triple(found) == triple
+
+
+def test_nccl_version_triple_rejects_a_short_version() -> None:
+    with pytest.raises(ValueError, match="needs 3 numbers"):
+        nccl.nccl_version_triple((2, 30))
+
+
+class FailingOnRank1(FakeCommunicator):
+    """A native constructor that fails on rank 1 only (a bad device, NCCL refusing)."""
+
+    def __init__(self, parent, uid, rank, world, device, timeout_s) -> None:
+        if rank == 1:
+            raise RuntimeError("NcclCommunicator: ncclCommInitRankConfig failed: internal error")
+        super().__init__(parent, uid, rank, world, device, timeout_s)
+
+
+def _creation_fails_on_rank_1(rank: int, world: int) -> str:
+    pg = dist.new_group(list(range(world)))
+    group = resolve_group(pg, "test")
+    saved = nccl._native, nccl._torch_comm
+    nccl._native = lambda: FailingOnRank1
+    nccl._torch_comm = lambda backend, device, group: 0
+    try:
+        with pytest.raises(RuntimeError) as info:
+            nccl.communicator(group, torch.device("cuda", rank))
+        assert nccl._cache.get(pg) is None  # nothing half-made is kept
+    finally:
+        nccl._native, nccl._torch_comm = saved
+    return str(info.value)
+
+
+def test_a_creation_failing_on_one_rank_fails_on_every_rank(pools) -> None:
+    messages = pools(3).run(_creation_fails_on_rank_1, timeout=60)
+    for rank, message in enumerate(messages):
+        assert f"rank {rank}: creating the communicator (unique_id) failed on ranks [1]" in message
+    assert "internal error" in messages[1] and "internal error" not in messages[0]

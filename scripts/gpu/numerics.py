@@ -1,0 +1,182 @@
+"""Numeric checks of ``cpshard.cp_attention`` on a GPU at world size 1, forward and backward.
+
+* fp16 / bf16 on both paths (the one-launch varlen kernel and the per-part loop) against an
+  fp32 reference: the error of cpshard's result must stay within a small multiple of the
+  reference's own low-precision error (the same per-document attention run in fp16 / bf16 by
+  ``F.scaled_dot_product_attention``), so the bound tracks what the dtype allows;
+* GQA with single-token query runs (every document one token: FlashAttention's
+  ``seqlenq_ngroups_swapped`` reshape of its log-sum-exp) on both paths against a float64
+  reference, the same way.
+
+Prints one ``ok`` / ``FAIL`` line per check with the errors and bounds; exits non-zero on a
+failure, 0 with ``skipped: <why>`` when there is no GPU. ``--device cpu`` runs the same checks
+on the CPU loop path in fp32 (no varlen kernel there), to exercise the script itself.
+
+    python scripts/gpu/numerics.py [--device cuda|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.append(str(Path(__file__).resolve().parents[2]))
+import cpshard  # noqa: E402
+from cpshard.attention import engine  # noqa: E402
+
+FACTOR = 3.0  # cpshard may err by this multiple of the reference's own low-precision error
+
+
+@contextmanager
+def path(name: str, seen: list[str]) -> Iterator[None]:
+    """Route cp_attention to the varlen kernel (``varlen``: as chosen by cpshard) or the loop
+    (``loop``: no varlen kernel); record which implementation each call used."""
+    saved_kernel, saved_impl = engine.varlen_kernel, engine.implementation
+    if name == "loop":
+        engine.varlen_kernel = lambda q, d_k, d_v: None
+
+    def recording(*args, **kwargs):
+        impl = saved_impl(*args, **kwargs)
+        seen.append(type(impl).__name__.lower())
+        return impl
+
+    engine.implementation = recording
+    try:
+        yield
+    finally:
+        engine.varlen_kernel, engine.implementation = saved_kernel, saved_impl
+
+
+def reference(q, k, v, lengths: list[int]) -> torch.Tensor:
+    """Per-document causal attention with F.scaled_dot_product_attention, in q's dtype."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    outs, at = [], 0
+    for n in lengths:
+        sl = slice(at, at + n)
+        outs.append(
+            F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True)
+        )
+        at += n
+    return torch.cat(outs, dim=2)
+
+
+def with_grads(
+    fn: Callable, leaves: list[torch.Tensor], weight: torch.Tensor
+) -> list[torch.Tensor]:
+    """fn(*leaves) and the gradients of (fn * weight).sum() w.r.t. the leaves."""
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    grads = torch.autograd.grad((out.float() * weight).sum(), leaves)
+    return [out.detach().double(), *(g.double() for g in grads)]
+
+
+def cp_with_grads(
+    leaves: list[torch.Tensor], lengths: list[int], weight: torch.Tensor
+) -> list[torch.Tensor]:
+    """cp_attention at world size 1 inside a sharder context over the documents ``lengths``,
+    and its gradients (the backward runs while the step's context is alive)."""
+    doc = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)])[None]
+    sharder = cpshard.ContextParallelSharder(None, "contiguous")
+    ctx, local = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    q, k, v = (t.detach().clone().requires_grad_() for t in leaves)
+    with ctx():
+        out = cpshard.cp_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            enable_gqa=q.shape[1] != k.shape[1],
+            position_ids=local["position_ids"].to(q.device),
+        )
+        grads = torch.autograd.grad((out.float() * weight).sum(), [q, k, v])
+    return [out.detach().double(), *(g.double() for g in grads)]
+
+
+def check(
+    name: str, lengths: list[int], heads: int, kv_heads: int, dtype, truth_dtype, device, impl: str
+) -> bool:
+    g = torch.Generator(device="cpu").manual_seed(len(lengths) * 131 + heads)
+    s, d = sum(lengths), 64
+    full = [
+        torch.randn(1, h, s, d, generator=g, dtype=torch.float64)
+        for h in (heads, kv_heads, kv_heads)
+    ]
+    weight = torch.randn(1, heads, s, d, generator=g).to(device)
+    lp = [t.to(device, dtype) for t in full]
+    truth = with_grads(
+        lambda *t: reference(*t, lengths), [t.to(device, truth_dtype) for t in full], weight
+    )
+    ref_lp = with_grads(lambda *t: reference(*t, lengths), lp, weight)
+    seen: list[str] = []
+    with path(impl, seen):
+        got = cp_with_grads(lp, lengths, weight)
+    ok = True
+    parts = []
+    for what, a, b, c in zip(("out", "dq", "dk", "dv"), got, ref_lp, truth, strict=True):
+        err = (a - c).abs().max().item()
+        ref_err = (b - c).abs().max().item()
+        bound = FACTOR * ref_err + 1e-6 * c.abs().max().item()
+        ok &= bool(err <= bound) and bool(torch.isfinite(a).all())
+        parts.append(f"{what} err {err:.2e} <= {bound:.2e}")
+    used = sorted(set(seen))
+    want = {"varlen": "varlen", "loop": "loop"}[impl]
+    if device.type == "cuda" and used != [want]:
+        ok = False
+        parts.append(f"ran {used}, expected {want}")
+    print(
+        ("ok  " if ok else "FAIL"),
+        f"{name} {impl} {str(dtype).split('.')[-1]}:",
+        "; ".join(parts),
+        flush=True,
+    )
+    return ok
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("skipped: no GPU")
+        return 0
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dtypes, impls = [torch.bfloat16, torch.float16], ["varlen", "loop"]
+    else:
+        dtypes, impls = [torch.float32], ["loop"]
+    ok = True
+    for impl in impls:
+        for dtype in dtypes:
+            truth = torch.float32 if dtype != torch.float32 else torch.float64
+            ok &= check(
+                "docs[37,100,1,250,12] H8/2",
+                [37, 100, 1, 250, 12],
+                8,
+                2,
+                dtype,
+                truth,
+                device,
+                impl,
+            )
+            ok &= check("docs[64,64] H4/4", [64, 64], 4, 4, dtype, truth, device, impl)
+        # GQA, every query run one token, against float64
+        ok &= check(
+            "gqa single-token x48 H8/2", [1] * 48, 8, 2, dtypes[0], torch.float64, device, impl
+        )
+        ok &= check(
+            "gqa single-token x16 H12/4", [1] * 16, 12, 4, dtypes[-1], torch.float64, device, impl
+        )
+    print("all numeric checks passed" if ok else "numeric checks FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
