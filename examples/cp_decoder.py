@@ -8,7 +8,7 @@ step: :func:`cpshard.make_cp_blockdiag_batch_and_ctx` (which makes per-document
 ``position_ids`` and shifts the labels once over the whole sequence before sharding), the
 ``"cpshard"`` attention,
 :func:`cpshard.cp_cross_entropy` and :func:`cpshard.reduce_cp_gradients`. It prints the CP loss
-(summed over ranks) beside the single-process loss (every document run on its own) and the
+(averaged over ranks) beside the single-process loss (every document run on its own) and the
 largest parameter-gradient difference.
 """
 
@@ -142,11 +142,12 @@ def compare(
     model: torch.nn.Module, reference: torch.nn.Module, cp: torch.Tensor, ref: torch.Tensor,
     group: dist.ProcessGroup,
 ) -> tuple[float, float, float]:
-    """After both backward passes: reduce the CP gradients, then ``(CP loss summed over ranks,
+    """After both backward passes: reduce the CP gradients, then ``(CP loss averaged over ranks,
     reference loss, largest |gradient difference| over all parameters)``."""
     cpshard.reduce_cp_gradients(model, group)
     total = cp.clone().reshape(1)
     dist.all_reduce(total, group=group)
+    total /= dist.get_world_size(group)
     ref_params = dict(reference.named_parameters())
     worst = 0.0
     for name, p in model.named_parameters():

@@ -17,7 +17,7 @@ packed batch (documents with images, interior and trailing padding). The step:
    decoder runs on this rank's tokens with the ``"cpshard"`` attention, and
    :func:`cpshard.cp_cross_entropy` / :func:`cpshard.reduce_cp_gradients` finish the step.
 
-It prints the CP loss (summed over ranks) beside the single-process loss (every document run on
+It prints the CP loss (averaged over ranks) beside the single-process loss (every document run on
 its own through the unmodified model) and the largest parameter-gradient difference.
 """
 
