@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from cpshard.attention.ops import cp_attention_op
 from cpshard.attention.state import AttentionState, active_state
-from cpshard.attention.tokens import check_outside, token_problem
+from cpshard.attention.tokens import check_outside, step_state, token_problem
 from cpshard.consensus import check_call
 from cpshard.fingerprints import device_code, digest, dtype_code
 from cpshard.validation import is_int
@@ -96,7 +96,7 @@ def cp_attention(
     Outside: ``F.scaled_dot_product_attention`` (with ``window``, a causal band mask)."""
     window = _window(window)
     position_ids = _position_ids(position_ids)
-    state = active_state()
+    state = step_state(position_ids, active_state())  # a checkpoint recompute finds its step
     if state is not None:
         chosen = state if is_causal else state.bidirectional()
         problem = token_problem(position_ids, state) or _refusal(chosen, window)
