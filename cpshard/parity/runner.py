@@ -4,6 +4,8 @@ single-process reference computed once per data-parallel width in this process."
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +17,7 @@ from cpshard.parity.models import build_model, vocab_size
 from cpshard.parity.reference import Reference, reference
 from cpshard.parity.step import run_case
 from cpshard.parity.verdict import CRASHED, EXACT, CaseResult, judge
+from cpshard.testing import RankPool
 
 
 @dataclass
@@ -44,6 +47,16 @@ def default_cases(worlds: tuple[int, ...] = (2, 4), layouts: tuple[str, ...] = D
     return [Case(layout, world) for world in worlds for layout in layouts]
 
 
+@contextmanager
+def _pool(world: int, pools: Callable[[int], RankPool] | None) -> Iterator[RankPool]:
+    """The caller's pool of ``world`` ranks, else one spawned for the block."""
+    if pools is not None:
+        yield pools(world)
+        return
+    with RankPool(world) as pool:
+        yield pool
+
+
 def _reference(setup: Setup, dp: int) -> Reference:
     torch.manual_seed(setup.model.seed)
     model = build_model(setup.model)
@@ -51,12 +64,17 @@ def _reference(setup: Setup, dp: int) -> Reference:
     return reference(model, batches)
 
 
-def run_parity(setup: Setup, cases: list[Case] | None = None, timeout: float = 300.0) -> ParityReport:
+def run_parity(
+    setup: Setup,
+    cases: list[Case] | None = None,
+    timeout: float = 300.0,
+    pools: Callable[[int], RankPool] | None = None,
+) -> ParityReport:
     """Run ``cases`` (default: four layouts at W = 2 and 4) of ``setup``: one CP step each on
     spawned gloo ranks (CPU, float64), each compared with the single-process model run on every
-    document alone. Returns the report; :attr:`ParityReport.exact` says whether all agree."""
-    from cpshard.testing import RankPool
-
+    document alone. Returns the report; :attr:`ParityReport.exact` says whether all agree.
+    ``pools(world)``: running :class:`~cpshard.testing.RankPool` s to use (default: one spawned
+    per world size and shut down after its cases)."""
     cases = default_cases() if cases is None else list(cases)
     if not cases:
         raise ValueError("cases: empty")
@@ -64,7 +82,7 @@ def run_parity(setup: Setup, cases: list[Case] | None = None, timeout: float = 3
     report = ParityReport(setup)
     refs = {dp: _reference(setup, dp) for dp in sorted({c.dp for c in cases})}
     for world in sorted({c.world for c in cases}):
-        with RankPool(world) as pool:
+        with _pool(world, pools) as pool:
             for case in (c for c in cases if c.world == world):
                 outcomes = pool.run_collect(run_case, setup, case, refs[case.dp], timeout=timeout)
                 dead = [o for o in outcomes if not o.ok]
