@@ -138,6 +138,18 @@ def cp_loss(
     return loss.detach()
 
 
+def reference_backward(loss: torch.Tensor, model: torch.nn.Module, world: int) -> None:
+    """Back-propagate the reference ``loss`` as the ranks do: scaled by the CP size (each
+    rank's ``cp_cross_entropy`` is ``world`` times its share), the gradients divided back
+    after. The same arithmetic, not a different answer: transformers' RMSNorm computes in
+    float32, whose rounding of a gradient scaled by a non-power of two would otherwise differ
+    from the ranks' by ~1e-8."""
+    (loss * world).backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(world)
+
+
 def compare(
     model: torch.nn.Module, reference: torch.nn.Module, cp: torch.Tensor, ref: torch.Tensor,
     group: dist.ProcessGroup,
@@ -173,7 +185,7 @@ def decoder_step(rank: int, world: int, arch: str, rows: Sequence[Sequence[int]]
 
     cp = cp_loss(group, batch, forward, layout)
     ref = reference_loss(reference, text_documents(batch))
-    ref.backward()
+    reference_backward(ref, reference, world)
     return compare(model, reference, cp, ref, group)
 
 

@@ -50,8 +50,14 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
 
     cp_transformers.register()
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
@@ -94,7 +100,10 @@ def _checkpoint(model: torch.nn.Module, how: str) -> None:
     """Activation checkpointing of every decoder layer: transformers' own, or torch's
     ``checkpoint_wrapper``."""
     if how == "hf":
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None)
+            or model.gradient_checkpointing_enable
+        )
         enable()
     elif how == "wrapper":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -120,8 +129,15 @@ def _plain_name(name: str) -> str:
 
 
 def train(
-    rank: int, world: int, dp: int, cp: int, fsdp: str = "flat", steps: int = 3,
-    layout: str = "balanced", checkpointing: str = "none", compile: bool = False,
+    rank: int,
+    world: int,
+    dp: int,
+    cp: int,
+    fsdp: str = "flat",
+    steps: int = 3,
+    layout: str = "balanced",
+    checkpointing: str = "none",
+    compile: bool = False,
 ) -> dict[str, Any]:
     """Train on this rank (``dp * cp == world``) and in one process alongside; returns the
     per-step CP losses (mean over ranks), reference losses and the largest parameter
@@ -147,7 +163,9 @@ def train(
     for step in range(steps):
         ctx, local = sharder.shard(packed(documents(step, replica)))
         with ctx():
-            out = forward(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+            out = forward(
+                input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False
+            )
             loss = cpshard.cp_cross_entropy(out.logits, local.targets.labels, cp_group)
         loss.backward()  # outside the context: checkpoint recomputes find their step
         if fsdp == "dp":  # FSDP2 averaged over dp only: average over the CP ranks too
@@ -176,9 +194,12 @@ def train(
 
 def _print(result: dict[str, Any], title: str) -> None:
     print(title)
-    for step, (cp, ref) in enumerate(zip(result["cp"], result["reference"])):
+    for step, (cp, ref) in enumerate(zip(result["cp"], result["reference"], strict=True)):
         print(f"step {step}: CP loss {cp:.15f}  single-process loss {ref:.15f}")
-    print(f"max |parameter difference| after {len(result['cp'])} steps: {result['max_param_diff']:.2e}")
+    print(
+        f"max |parameter difference| after {len(result['cp'])} steps: "
+        f"{result['max_param_diff']:.2e}"
+    )
 
 
 def main() -> None:
@@ -192,8 +213,14 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     args = parser.parse_args()
     run = functools.partial(
-        train, dp=args.dp, cp=args.cp, fsdp=args.fsdp, steps=args.steps, layout=args.layout,
-        checkpointing=args.checkpointing, compile=args.compile,
+        train,
+        dp=args.dp,
+        cp=args.cp,
+        fsdp=args.fsdp,
+        steps=args.steps,
+        layout=args.layout,
+        checkpointing=args.checkpointing,
+        compile=args.compile,
     )
     title = f"FSDP2 {args.fsdp}, dp={args.dp} x cp={args.cp}, {args.layout}"
     if "RANK" in os.environ:  # under torchrun

@@ -43,7 +43,7 @@ def check_training(results: list[dict[str, dict]]) -> None:
         for name, run in runs.items():
             assert run["max_param_diff"] <= PARAM_TOL, (rank, name, run["max_param_diff"])
             assert len(run["cp"]) >= 3
-            for step, (cp, ref) in enumerate(zip(run["cp"], run["reference"])):
+            for step, (cp, ref) in enumerate(zip(run["cp"], run["reference"], strict=True)):
                 assert abs(cp - ref) <= LOSS_TOL, (rank, name, step, cp, ref)
 
 

@@ -58,7 +58,8 @@ def _lengths(spec: BatchSpec, g: torch.Generator) -> list[int]:
     except ValueError:
         pass
     raise ValueError(
-        f"lengths: expected uniform:LO-HI, lognormal:MU,SIGMA or fixed:N,N,..., got {spec.lengths!r}"
+        "lengths: expected uniform:LO-HI, lognormal:MU,SIGMA or fixed:N,N,..., "
+        f"got {spec.lengths!r}"
     )
 
 

@@ -11,7 +11,14 @@ import sys
 from collections.abc import Sequence
 
 from cpshard.parity.batches import BatchSpec
-from cpshard.parity.config import CASE_LAYOUTS, DEFAULT_LAYOUTS, DEFAULT_TOL, FSDP_MODES, Case, Setup
+from cpshard.parity.config import (
+    CASE_LAYOUTS,
+    DEFAULT_LAYOUTS,
+    DEFAULT_TOL,
+    FSDP_MODES,
+    Case,
+    Setup,
+)
 from cpshard.parity.models import ModelSpec
 
 _DESCRIPTION = """\
@@ -35,7 +42,9 @@ def _list(text: str, what: str, choices: Sequence[str] | None = None) -> tuple[s
         raise argparse.ArgumentTypeError(f"{what}: empty list")
     bad = [s for s in items if choices is not None and s not in choices]
     if bad:
-        raise argparse.ArgumentTypeError(f"{what}: unknown {', '.join(bad)}; choose from {', '.join(choices)}")
+        raise argparse.ArgumentTypeError(
+            f"{what}: unknown {', '.join(bad)}; choose from {', '.join(choices)}"
+        )
     return items
 
 
@@ -53,29 +62,47 @@ def _mesh(text: str) -> tuple[int, int]:
     try:
         dp, cp = (int(s) for s in text.lower().split("x"))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh: expected DPxCP such as 2x2, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"--mesh: expected DPxCP such as 2x2, got {text!r}"
+        ) from None
     if dp < 1 or cp < 1:
         raise argparse.ArgumentTypeError("--mesh: sizes must be >= 1")
     return dp, cp
 
 
 def parser(prog: str = "cpshard parity") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog, description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="architecture, config.json or module:function")
     p.add_argument("--seed", type=int, default=0, help="parameter and batch seed")
-    p.add_argument("--lengths", default=BatchSpec.lengths,
-                   help="document lengths: uniform:LO-HI, lognormal:MU,SIGMA or fixed:N,N,...")
+    p.add_argument(
+        "--lengths",
+        default=BatchSpec.lengths,
+        help="document lengths: uniform:LO-HI, lognormal:MU,SIGMA or fixed:N,N,...",
+    )
     p.add_argument("--docs", type=int, default=BatchSpec.docs, help="documents per row")
     p.add_argument("--rows", type=int, default=BatchSpec.rows, help="rows of the batch")
-    p.add_argument("--batch", help="a torch.save'd batch dict, or module:function(replica) -> batch")
-    p.add_argument("--loss", help="module:function(logits, sharded batch, group) -> loss or (loss, labels)")
-    p.add_argument("--layouts", type=lambda t: _list(t, "--layouts", CASE_LAYOUTS),
-                   default=DEFAULT_LAYOUTS, help=f"comma-separated, of {', '.join(CASE_LAYOUTS)}")
+    p.add_argument(
+        "--batch", help="a torch.save'd batch dict, or module:function(replica) -> batch"
+    )
+    p.add_argument(
+        "--loss", help="module:function(logits, sharded batch, group) -> loss or (loss, labels)"
+    )
+    p.add_argument(
+        "--layouts",
+        type=lambda t: _list(t, "--layouts", CASE_LAYOUTS),
+        default=DEFAULT_LAYOUTS,
+        help=f"comma-separated, of {', '.join(CASE_LAYOUTS)}",
+    )
     p.add_argument("--worlds", type=_worlds, default=(2, 4), help="comma-separated world sizes")
     p.add_argument("--mesh", type=_mesh, help="also run FSDP2 on a DPxCP mesh (e.g. 2x2)")
-    p.add_argument("--fsdp", type=lambda t: _list(t, "--fsdp", FSDP_MODES), default=("flat",),
-                   help="FSDP2 modes for --mesh: flat (the flattened mesh), hsdp, dp")
+    p.add_argument(
+        "--fsdp",
+        type=lambda t: _list(t, "--fsdp", FSDP_MODES),
+        default=("flat",),
+        help="FSDP2 modes for --mesh: flat (the flattened mesh), hsdp, dp",
+    )
     p.add_argument("--tol", type=float, default=DEFAULT_TOL, help="what counts as exact")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     return p

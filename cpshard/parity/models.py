@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -30,8 +31,14 @@ _TINY = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
-_TINY_VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
-                "out_hidden_size": 32, "deepstack_visual_indexes": [0]}
+_TINY_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "out_hidden_size": 32,
+    "deepstack_visual_indexes": [0],
+}
 
 
 @dataclass(frozen=True)
@@ -49,7 +56,9 @@ class ModelSpec:
         """``text`` as a spec: ``module:function`` is a factory, an existing path a config file,
         anything else an architecture name."""
         if not isinstance(text, str) or not text:
-            raise ValueError(f"model: expected an architecture, a config path or module:function, got {text!r}")
+            raise ValueError(
+                f"model: expected an architecture, a config path or module:function, got {text!r}"
+            )
         if Path(text).exists():
             return ModelSpec("config", text, seed)
         if ":" in text:
@@ -169,5 +178,8 @@ def logits_of(output: Any, what: str = "model") -> torch.Tensor:
     """The logits a forward returned (a tensor, or an object with ``.logits``)."""
     logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
     if not isinstance(logits, torch.Tensor):
-        raise ValueError(f"{what}: the forward returned {type(output).__name__}, neither logits nor an object with .logits")
+        raise ValueError(
+            f"{what}: the forward returned {type(output).__name__}, neither logits nor an "
+            "object with .logits"
+        )
     return logits

@@ -53,7 +53,12 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def _aligned(t: Any, batch: int, tokens: int) -> bool:
-    return isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == batch and t.shape[1] == tokens
+    return (
+        isinstance(t, torch.Tensor)
+        and t.dim() >= 2
+        and t.shape[0] == batch
+        and t.shape[1] == tokens
+    )
 
 
 @contextmanager

@@ -40,7 +40,9 @@ class Reference:
         return sum(r.loss for r in self.replicas) / len(self.replicas)
 
 
-def _place(store: dict, key: tuple, t: torch.Tensor | None, shape: tuple[int, int], doc: Any) -> None:
+def _place(
+    store: dict, key: tuple, t: torch.Tensor | None, shape: tuple[int, int], doc: Any
+) -> None:
     """Put document ``doc``'s tensor ``t`` ``[1, n, ...]`` into the full tensor under ``key``
     (made on first use; None once any document's tensor does not fit)."""
     if key in store and store[key] is None:
@@ -57,7 +59,9 @@ def _place(store: dict, key: tuple, t: torch.Tensor | None, shape: tuple[int, in
     full[doc.row, doc.start : doc.end] = t[0]
 
 
-def replica_reference(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[ReplicaReference, torch.Tensor]:
+def replica_reference(
+    model: torch.nn.Module, batch: dict[str, Any]
+) -> tuple[ReplicaReference, torch.Tensor]:
     """One replica's record and its loss (a graph to back-propagate)."""
     ids = batch["input_ids"]
     shape = (ids.shape[0], ids.shape[1])
@@ -96,16 +100,19 @@ def plain_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-def reference(model: torch.nn.Module, batches: list[dict[str, Any]]) -> Reference:
-    """The reference of ``batches`` (one per data-parallel replica) on ``model``."""
+def reference(model: torch.nn.Module, batches: list[dict[str, Any]], cp: int = 1) -> Reference:
+    """The reference of ``batches`` (one per data-parallel replica) on ``model``. The loss is
+    back-propagated scaled by the CP size ``cp`` and the gradients divided back, as the ranks'
+    ``cp_cross_entropy`` scale theirs: the same arithmetic, so that models computing in float32
+    inside (transformers' RMSNorm) round alike at a CP size that is not a power of two."""
     records, losses = [], []
     for batch in batches:
         record, loss = replica_reference(model, batch)
         records.append(record)
         losses.append(loss)
-    (sum(losses) / len(losses)).backward()
+    (sum(losses) / len(losses) * cp).backward()
     grads = {
-        plain_name(n): (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        plain_name(n): (p.grad.detach() / cp if p.grad is not None else torch.zeros_like(p))
         for n, p in model.named_parameters()
         if p.requires_grad
     }

@@ -21,14 +21,18 @@ def table(report: ParityReport) -> str:
     """One line per case (verdict, errors, counts, gradient-norm ratio, balance, the largest
     per-rank K/V KiB received per step), then the diagnoses and the run time."""
     head = (
-        f"{'case':<30} {'verdict':<8} {'loss err':>8} {'logits':>8} {'grad err':>8} "
+        f"{'case':<34} {'verdict':<8} {'loss err':>8} {'logits':>8} {'grad err':>8} "
         f"{'tokens cp/ref':>13} {'|g| ratio':>9} {'balance':>7} {'K/V KiB':>8}  worst gradient"
     )
-    lines = [f"cpshard parity: {report.setup.model.value} (float64, gloo, CPU)", head, "-" * len(head)]
+    lines = [
+        f"cpshard parity: {report.setup.model.value} (float64, gloo, CPU)",
+        head,
+        "-" * len(head),
+    ]
     for r in report.results:
         tokens = "-" if r.count is None else f"{r.count}/{r.ref_count}"
         lines.append(
-            f"{r.case:<30} {r.verdict:<8} {_num(r.loss_err):>8} {_num(r.logits_err):>8} "
+            f"{r.case:<34} {r.verdict:<8} {_num(r.loss_err):>8} {_num(r.logits_err):>8} "
             f"{_num(r.grad_err):>8} {tokens:>13} {_num(r.grad_norm_ratio, '.6f'):>9} "
             f"{_num(r.balance, '.3f'):>7} {_kib(r.kv_bytes):>8}  {r.grad_worst or '-'}"
         )

@@ -42,7 +42,9 @@ class ParityReport:
         }
 
 
-def default_cases(worlds: tuple[int, ...] = (2, 4), layouts: tuple[str, ...] = DEFAULT_LAYOUTS) -> list[Case]:
+def default_cases(
+    worlds: tuple[int, ...] = (2, 4), layouts: tuple[str, ...] = DEFAULT_LAYOUTS
+) -> list[Case]:
     """Every layout at every world size, no mesh."""
     return [Case(layout, world) for world in worlds for layout in layouts]
 
@@ -57,11 +59,11 @@ def _pool(world: int, pools: Callable[[int], RankPool] | None) -> Iterator[RankP
         yield pool
 
 
-def _reference(setup: Setup, dp: int) -> Reference:
+def _reference(setup: Setup, dp: int, cp: int) -> Reference:
     torch.manual_seed(setup.model.seed)
     model = build_model(setup.model)
     batches = [make_batch(setup.batch, vocab_size(model), d) for d in range(dp)]
-    return reference(model, batches)
+    return reference(model, batches, cp)
 
 
 def run_parity(
@@ -80,16 +82,18 @@ def run_parity(
         raise ValueError("cases: empty")
     start = time.perf_counter()
     report = ParityReport(setup)
-    refs = {dp: _reference(setup, dp) for dp in sorted({c.dp for c in cases})}
+    refs = {key: _reference(setup, *key) for key in sorted({(c.dp, c.cp) for c in cases})}
     for world in sorted({c.world for c in cases}):
         with _pool(world, pools) as pool:
             for case in (c for c in cases if c.world == world):
-                outcomes = pool.run_collect(run_case, setup, case, refs[case.dp], timeout=timeout)
+                outcomes = pool.run_collect(run_case, setup, case, refs[(case.dp, case.cp)], timeout=timeout)
                 dead = [o for o in outcomes if not o.ok]
                 if dead:
                     o = dead[0]
                     text = "timed out" if o.timed_out else f"{o.error_type}: {o.error_message}"
-                    report.results.append(CaseResult(case.name, world, CRASHED, f"rank {o.rank}: {text}"))
+                    report.results.append(
+                        CaseResult(case.name, world, CRASHED, f"rank {o.rank}: {text}")
+                    )
                     continue
                 report.results.append(judge(case, [o.value for o in outcomes], setup.tol))
     report.seconds = time.perf_counter() - start

@@ -46,8 +46,11 @@ def _fsdp(model: torch.nn.Module, mesh: Any, mode: str) -> None:
     """FSDP2 on every child of a ``ModuleList`` (the layers) and the root, over ``mode``'s mesh."""
     from torch.distributed.fsdp import fully_shard
 
-    target = {"flat": lambda: mesh["dp", "cp"]._flatten("dp_cp"), "hsdp": lambda: mesh,
-              "dp": lambda: mesh["dp"]}[mode]()
+    target = {
+        "flat": lambda: mesh["dp", "cp"]._flatten("dp_cp"),
+        "hsdp": lambda: mesh,
+        "dp": lambda: mesh["dp"],
+    }[mode]()
     for m in model.modules():
         if isinstance(m, torch.nn.ModuleList):
             for layer in m:
@@ -55,7 +58,9 @@ def _fsdp(model: torch.nn.Module, mesh: Any, mode: str) -> None:
     fully_shard(model, mesh=target)
 
 
-def _loss(setup: Setup, logits: torch.Tensor, local: Any, group: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def _loss(
+    setup: Setup, logits: torch.Tensor, local: Any, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss and the labels it used (the user's loss, else cpshard's)."""
     if setup.loss is None:
         labels = local.targets.labels
@@ -70,7 +75,9 @@ def _cost(state: Any) -> int:
     """This rank's attention cost: query-key pairs over its spans."""
     if state is None:
         return 0
-    return sum(s.n * (s.split - s.k) + (s.n * (s.n + 1) // 2 if state.causal else 0) for s in state.spans)
+    return sum(
+        s.n * (s.split - s.k) + (s.n * (s.n + 1) // 2 if state.causal else 0) for s in state.spans
+    )
 
 
 def _measure(setup: Setup, case: Case, ref: Reference) -> dict[str, Any]:
@@ -80,7 +87,9 @@ def _measure(setup: Setup, case: Case, ref: Reference) -> dict[str, Any]:
         _fsdp(model, mesh, case.fsdp)
     batch = make_batch(setup.batch, vocab_size(model), replica)
     mine: ReplicaReference = ref.replicas[replica]
-    gather = ContextParallelSharder(group, "contiguous" if case.layout == BLOCKDIAG else case.layout)
+    gather = ContextParallelSharder(
+        group, "contiguous" if case.layout == BLOCKDIAG else case.layout
+    )
     if case.layout == BLOCKDIAG:
         gather.shard(batch)  # the same shards (the token verbs' partition only)
         ctx, local = make_cp_blockdiag_batch_and_ctx(group, None, batch)
@@ -142,7 +151,9 @@ def _measure(setup: Setup, case: Case, ref: Reference) -> dict[str, Any]:
         "logits_err": error(logits_full, mine.logits, mine.valid),
         "grad_err": worst,
         "grad_worst": worst_name,
-        "grad_norm_ratio": math.sqrt(norm2 / ref2) if ref2 > 0 else (1.0 if norm2 == 0 else math.inf),
+        "grad_norm_ratio": math.sqrt(norm2 / ref2)
+        if ref2 > 0
+        else (1.0 if norm2 == 0 else math.inf),
         "grad_cosine": dot / math.sqrt(norm2 * ref2) if norm2 > 0 and ref2 > 0 else 1.0,
         "first_layer": first_layer,
         "cost": _cost(state),
@@ -159,4 +170,8 @@ def run_case(rank: int, world: int, setup: Setup, case: Case, ref: Reference) ->
     try:
         return _measure(setup, case, ref)
     except Exception as exc:  # noqa: BLE001 - reported as the case's verdict
-        return {"error": str(exc), "error_type": type(exc).__name__, "traceback": traceback.format_exc()}
+        return {
+            "error": str(exc),
+            "error_type": type(exc).__name__,
+            "traceback": traceback.format_exc(),
+        }

@@ -51,7 +51,11 @@ def _failure(case: Case, ranks: list[dict[str, Any]]) -> CaseResult | None:
         return None
     rank, m = failed[0]
     text = m["error"].strip().splitlines()[0] if m["error"].strip() else m["error_type"]
-    cpshard_said = text.startswith("cpshard") and m["error_type"] in ("ValueError", "TypeError", "NotImplementedError")
+    cpshard_said = text.startswith("cpshard") and m["error_type"] in (
+        "ValueError",
+        "TypeError",
+        "NotImplementedError",
+    )
     verdict = REFUSED if cpshard_said else CRASHED
     return CaseResult(case.name, case.world, verdict, f"rank {rank}: {m['error_type']}: {text}")
 
@@ -81,13 +85,21 @@ def judge(case: Case, ranks: list[dict[str, Any]], tol: float) -> CaseResult:
     counts = [m for m in ranks if m["count"] != m["ref_count"]]
     layers = [m["first_layer"] for m in ranks if m["first_layer"]]
     result = CaseResult(
-        case.name, case.world, EXACT,
-        loss=r0["loss"], ref_loss=r0["ref_loss"], loss_err=loss_err,
+        case.name,
+        case.world,
+        EXACT,
+        loss=r0["loss"],
+        ref_loss=r0["ref_loss"],
+        loss_err=loss_err,
         logits_err=max(m["logits_err"] for m in ranks),
-        grad_err=worst["grad_err"], grad_worst=worst["grad_worst"], grad_norm_ratio=ratio,
-        count=(counts[0] if counts else r0)["count"], ref_count=(counts[0] if counts else r0)["ref_count"],
+        grad_err=worst["grad_err"],
+        grad_worst=worst["grad_worst"],
+        grad_norm_ratio=ratio,
+        count=(counts[0] if counts else r0)["count"],
+        ref_count=(counts[0] if counts else r0)["ref_count"],
         first_layer=layers[0] if layers else None,
-        cost=[m["cost"] for m in ranks], kv_bytes=[m["kv_bytes"] for m in ranks],
+        cost=[m["cost"] for m in ranks],
+        kv_bytes=[m["kv_bytes"] for m in ranks],
     )
     findings = []
     if layers:
@@ -96,7 +108,9 @@ def judge(case: Case, ranks: list[dict[str, Any]], tol: float) -> CaseResult:
             "its output does not)"
         )
     elif result.logits_err > tol:
-        findings.append(f"logits differ by {result.logits_err:.3g} (no module output differs before them)")
+        findings.append(
+            f"logits differ by {result.logits_err:.3g} (no module output differs before them)"
+        )
     if counts:
         findings.append(
             f"labelled-token count {result.count} vs the reference's {result.ref_count}: the "
@@ -114,7 +128,9 @@ def judge(case: Case, ranks: list[dict[str, Any]], tol: float) -> CaseResult:
     if result.grad_err > tol:
         if cosine > 1 - 1e-9 and abs(ratio - 1) > 1e-6:
             findings.append(_factor(ratio, r0["cp"]))
-        findings.append(f"gradients differ by up to {result.grad_err:.3g} (worst: {result.grad_worst})")
+        findings.append(
+            f"gradients differ by up to {result.grad_err:.3g} (worst: {result.grad_worst})"
+        )
     if findings:
         result.verdict = DIFFERS
         result.diagnosis = "; ".join(findings)

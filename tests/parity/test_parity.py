@@ -37,9 +37,24 @@ def _run(pools, model: str, cases: list[Case], loss: str | None = None):
 def test_command_exits_0_for_llama_and_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "parity.json"
     done = subprocess.run(
-        [sys.executable, "-m", "cpshard.parity.cli", "--model", "LlamaForCausalLM", "--worlds", "2",
-         "--layouts", "blockdiag,balanced", "--json", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"),
+        [
+            sys.executable,
+            "-m",
+            "cpshard.parity.cli",
+            "--model",
+            "LlamaForCausalLM",
+            "--worlds",
+            "2",
+            "--layouts",
+            "blockdiag,balanced",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "2/2 cases exact" in done.stdout, done.stdout
@@ -57,30 +72,44 @@ def test_exact_models(pools) -> None:
 
 
 def test_plain_sdpa_attention_is_located(pools) -> None:
-    report = _run(pools, "tests.helpers:plain_sdpa_decoder", [Case("blockdiag", 2), Case("stripe", 2)])
+    report = _run(
+        pools, "tests.helpers:plain_sdpa_decoder", [Case("blockdiag", 2), Case("stripe", 2)]
+    )
     assert not report.exact
     for r in report.results:
-        assert r.verdict == "differs" and r.first_layer == "blocks.0.attn", (r.case, r.first_layer, r.diagnosis)
+        assert r.verdict == "differs" and r.first_layer == "blocks.0.attn", (
+            r.case,
+            r.first_layer,
+            r.diagnosis,
+        )
         assert "forward differs first at module 'blocks.0.attn'" in r.diagnosis, r.diagnosis
 
 
 def test_labels_shifted_per_shard_name_the_count(pools) -> None:
-    report = _run(pools, "LlamaForCausalLM", [Case("head_tail", 2)], "tests.helpers:labels_shifted_per_shard")
+    report = _run(
+        pools, "LlamaForCausalLM", [Case("head_tail", 2)], "tests.helpers:labels_shifted_per_shard"
+    )
     (r,) = report.results
     assert r.verdict == "differs" and r.count != r.ref_count and r.first_layer is None, r
     assert "labelled-token count" in r.diagnosis, r.diagnosis
 
 
 def test_per_rank_mean_loss_names_the_loss(pools) -> None:
-    report = _run(pools, "LlamaForCausalLM", [Case("blockdiag", 2)], "tests.helpers:per_rank_mean_loss")
+    report = _run(
+        pools, "LlamaForCausalLM", [Case("blockdiag", 2)], "tests.helpers:per_rank_mean_loss"
+    )
     (r,) = report.results
     assert r.verdict == "differs" and r.count == r.ref_count and r.logits_err < 1e-12, r
     assert "a per-rank mean?" in r.diagnosis and "gradients differ" in r.diagnosis, r.diagnosis
 
 
 def test_fsdp_without_cp_factor_names_the_factor(pools) -> None:
-    report = _run(pools, "LlamaForCausalLM", [Case("balanced", 4, dp=2, fsdp="flat")],
-                  "tests.helpers:loss_without_cp_factor")
+    report = _run(
+        pools,
+        "LlamaForCausalLM",
+        [Case("balanced", 4, dp=2, fsdp="flat")],
+        "tests.helpers:loss_without_cp_factor",
+    )
     (r,) = report.results
     assert r.verdict == "differs" and abs(r.grad_norm_ratio - 0.5) < 1e-9, r
     assert "(= 1/cp)" in r.diagnosis, r.diagnosis

@@ -47,7 +47,10 @@ def _installs(tree: Path, venv: Path, **env: str) -> int:
     exports = " ".join(f"{k}={v}" for k, v in env.items())
     subprocess.run(
         ["bash", "-c", f"set -euo pipefail; export VENV={venv} {exports}; source scripts/venv.sh"],
-        cwd=tree, check=True, capture_output=True, text=True,
+        cwd=tree,
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return len(log.read_text().splitlines()) - before if log.exists() else 0
 
@@ -67,7 +70,9 @@ def test_install_and_build_only_when_needed(tmp_path: Path) -> None:
     shutil.copytree(tree, other)
     assert _installs(other, venv) == 2  # the environment's editable install is the other tree's
     assert _installs(tree, venv) == 2
-    (tree / "requirements-dev.txt").write_text((tree / "requirements-dev.txt").read_text() + "six\n")
+    (tree / "requirements-dev.txt").write_text(
+        (tree / "requirements-dev.txt").read_text() + "six\n"
+    )
     assert _installs(tree, venv) == 2
     assert _installs(tree, venv, CPSHARD_REBUILD="1") == 2
     assert _installs(tree, venv, CPSHARD_CUDA="1") == 2  # a build switch changes the build
