@@ -123,7 +123,10 @@ def _transformers_model(spec: ModelSpec) -> torch.nn.Module:
         path = Path(spec.value)
         path = path / "config.json" if path.is_dir() else path
         data = json.loads(path.read_text())
-        config = transformers.AutoConfig.for_model(**data)
+        if "model_type" not in data:
+            raise ValueError(f"model: {path} has no model_type")
+        kind = type(transformers.AutoConfig.for_model(data["model_type"]))
+        config = kind.from_dict(data)
         archs = data.get("architectures") or []
         cls = getattr(transformers, archs[0]) if archs else transformers.AutoModelForCausalLM
     torch.manual_seed(spec.seed)

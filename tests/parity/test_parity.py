@@ -65,8 +65,17 @@ def test_command_exits_0_for_llama_and_writes_json(tmp_path: Path) -> None:
         assert len(case["cost"]) == 2 and len(case["kv_bytes"]) == 2
 
 
-def test_exact_models(pools) -> None:
-    for model in ("Qwen3VLForConditionalGeneration", "tests.helpers:cp_aware_decoder"):
+def test_exact_models(pools, tmp_path: Path) -> None:
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    config.save_pretrained(tmp_path)  # a config file: used as it is
+    models = ("Qwen3VLForConditionalGeneration", "tests.helpers:cp_aware_decoder", str(tmp_path))
+    for model in models:
         report = _run(pools, model, [Case("head_tail", 2), Case("balanced", 2)])
         assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
 
@@ -113,6 +122,18 @@ def test_fsdp_without_cp_factor_names_the_factor(pools) -> None:
     (r,) = report.results
     assert r.verdict == "differs" and abs(r.grad_norm_ratio - 0.5) < 1e-9, r
     assert "(= 1/cp)" in r.diagnosis, r.diagnosis
+
+
+def test_refusals_and_crashes_are_reported_as_such() -> None:
+    """A cpshard error on the ranks is a refusal with its reason, anything else a crash."""
+    from cpshard.parity.verdict import judge
+
+    case = Case("stripe", 2)
+    said = "cpshard.cp_attention: rank 1: window=4 is shorter than the longest document prefix"
+    refused = judge(case, [{"error": said, "error_type": "ValueError"}] * 2, 1e-9)
+    assert refused.verdict == "refused" and said in refused.diagnosis, refused
+    crashed = judge(case, [{"ok": 1}, {"error": "boom", "error_type": "RuntimeError"}], 1e-9)
+    assert crashed.verdict == "crashed" and "rank 1: RuntimeError: boom" in crashed.diagnosis
 
 
 def test_fsdp_meshes_exact(pools) -> None:
