@@ -31,6 +31,7 @@ _TINY = {
     "max_position_embeddings": 512,
     "tie_word_embeddings": False,
 }
+_TINY_WINDOW = 8
 _TINY_VISION = {
     "depth": 1,
     "hidden_size": 16,
@@ -90,6 +91,8 @@ def _shrink(config: Any) -> Any:
     for key, value in _TINY.items():
         if hasattr(text, key):
             setattr(text, key, value)
+    if isinstance(getattr(text, "sliding_window", None), int):  # a window documents exceed
+        text.sliding_window = min(text.sliding_window, _TINY_WINDOW)
     if getattr(text, "layer_types", None) is not None:
         text.layer_types = list(text.layer_types)[: text.num_hidden_layers]
         while len(text.layer_types) < text.num_hidden_layers:

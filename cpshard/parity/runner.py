@@ -82,7 +82,13 @@ def run_parity(
         raise ValueError("cases: empty")
     start = time.perf_counter()
     report = ParityReport(setup)
-    refs = {key: _reference(setup, *key) for key in sorted({(c.dp, c.cp) for c in cases})}
+    try:
+        refs = {key: _reference(setup, *key) for key in sorted({(c.dp, c.cp) for c in cases})}
+    except Exception as exc:  # noqa: BLE001 - the model fails in one process: nothing to compare
+        text = f"the single-process reference raised {type(exc).__name__}: {exc}"
+        report.results = [CaseResult(c.name, c.world, CRASHED, text) for c in cases]
+        report.seconds = time.perf_counter() - start
+        return report
     for world in sorted({c.world for c in cases}):
         with _pool(world, pools) as pool:
             for case in (c for c in cases if c.world == world):

@@ -136,6 +136,17 @@ def test_refusals_and_crashes_are_reported_as_such() -> None:
     assert crashed.verdict == "crashed" and "rank 1: RuntimeError: boom" in crashed.diagnosis
 
 
+def test_failures_outside_cpshard_are_crashes(pools) -> None:
+    """The ranks' step failing (a loss that does not load) and the model failing in one
+    process (the reference)."""
+    report = _run(pools, "tests.helpers:cp_aware_decoder", [Case("blockdiag", 2)], "no.such:loss")
+    (r,) = report.results
+    assert r.verdict == "crashed" and "rank 0: ValueError: loss: cannot load" in r.diagnosis, r
+    report = _run(pools, "tests.helpers:REPO", [Case("blockdiag", 2)])
+    (r,) = report.results
+    assert r.verdict == "crashed" and "the single-process reference raised" in r.diagnosis, r
+
+
 def test_fsdp_meshes_exact(pools) -> None:
     cases = [Case("balanced", 4, dp=2, fsdp=mode) for mode in ("flat", "hsdp", "dp")]
     report = _run(pools, "LlamaForCausalLM", cases)
