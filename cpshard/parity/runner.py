@@ -92,7 +92,8 @@ def run_parity(
     for world in sorted({c.world for c in cases}):
         with _pool(world, pools) as pool:
             for case in (c for c in cases if c.world == world):
-                outcomes = pool.run_collect(run_case, setup, case, refs[(case.dp, case.cp)], timeout=timeout)
+                ref = refs[(case.dp, case.cp)]
+                outcomes = pool.run_collect(run_case, setup, case, ref, timeout=timeout)
                 dead = [o for o in outcomes if not o.ok]
                 if dead:
                     o = dead[0]
