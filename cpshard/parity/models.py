@@ -155,6 +155,13 @@ def build_model(spec: ModelSpec) -> torch.nn.Module:
     return model.to(torch.float64).train()
 
 
+def forward(model: torch.nn.Module, spec: ModelSpec, input_ids: torch.Tensor,
+            position_ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits for a training forward (a transformers model without its cache)."""
+    extra = {"use_cache": False} if spec.uses_transformers else {}
+    return logits_of(model(input_ids=input_ids, position_ids=position_ids, **extra))
+
+
 def vocab_size(model: torch.nn.Module) -> int:
     """The model's vocabulary: its config's, else the first embedding's rows."""
     config = getattr(model, "config", None)

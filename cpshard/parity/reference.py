@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from cpshard.parity.batches import IGNORE, documents, reference_targets
-from cpshard.parity.models import logits_of
+from cpshard.parity.models import ModelSpec, forward
 from cpshard.parity.probes import recording
 
 
@@ -60,7 +60,7 @@ def _place(
 
 
 def replica_reference(
-    model: torch.nn.Module, batch: dict[str, Any]
+    model: torch.nn.Module, spec: ModelSpec, batch: dict[str, Any]
 ) -> tuple[ReplicaReference, torch.Tensor]:
     """One replica's record and its loss (a graph to back-propagate)."""
     ids = batch["input_ids"]
@@ -75,7 +75,7 @@ def replica_reference(
         n = doc.end - doc.start
         x = ids[doc.row : doc.row + 1, doc.start : doc.end]
         with recording(model, 1, n) as rec:
-            logits = logits_of(model(input_ids=x, position_ids=torch.arange(n).view(1, n)))
+            logits = forward(model, spec, x, torch.arange(n).view(1, n))
         targets = reference_targets(batch, doc)
         total = total + F.cross_entropy(logits[0], targets, ignore_index=IGNORE, reduction="sum")
         count += int((targets != IGNORE).sum())
@@ -100,14 +100,16 @@ def plain_name(name: str) -> str:
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
 
 
-def reference(model: torch.nn.Module, batches: list[dict[str, Any]], cp: int = 1) -> Reference:
+def reference(
+    model: torch.nn.Module, spec: ModelSpec, batches: list[dict[str, Any]], cp: int = 1
+) -> Reference:
     """The reference of ``batches`` (one per data-parallel replica) on ``model``. The loss is
     back-propagated scaled by the CP size ``cp`` and the gradients divided back, as the ranks'
     ``cp_cross_entropy`` scale theirs: the same arithmetic, so that models computing in float32
     inside (transformers' RMSNorm) round alike at a CP size that is not a power of two."""
     records, losses = [], []
     for batch in batches:
-        record, loss = replica_reference(model, batch)
+        record, loss = replica_reference(model, spec, batch)
         records.append(record)
         losses.append(loss)
     (sum(losses) / len(losses) * cp).backward()

@@ -63,7 +63,7 @@ def _reference(setup: Setup, dp: int, cp: int) -> Reference:
     torch.manual_seed(setup.model.seed)
     model = build_model(setup.model)
     batches = [make_batch(setup.batch, vocab_size(model), d) for d in range(dp)]
-    return reference(model, batches, cp)
+    return reference(model, setup.model, batches, cp)
 
 
 def run_parity(

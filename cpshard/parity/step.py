@@ -16,7 +16,7 @@ from cpshard.attention.state import active_state
 from cpshard.loss import cp_cross_entropy, reduce_cp_gradients
 from cpshard.parity.batches import IGNORE, make_batch
 from cpshard.parity.config import BLOCKDIAG, Case, Setup
-from cpshard.parity.models import build_model, kv_row_bytes, load_object, logits_of, vocab_size
+from cpshard.parity.models import build_model, forward, kv_row_bytes, load_object, vocab_size
 from cpshard.parity.probes import origin, recording
 from cpshard.parity.reference import Reference, ReplicaReference, plain_name
 from cpshard.sharder import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
@@ -99,7 +99,7 @@ def _measure(setup: Setup, case: Case, ref: Reference) -> dict[str, Any]:
     with ctx():
         state = active_state()
         with recording(model, ids.shape[0], ids.shape[1]) as rec:
-            logits = logits_of(model(input_ids=ids, position_ids=local["position_ids"]))
+            logits = forward(model, setup.model, ids, local["position_ids"])
         loss, labels = _loss(setup, logits, local, group)
     loss.backward()
     if case.fsdp in (None, "dp"):
