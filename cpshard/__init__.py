@@ -23,6 +23,7 @@ from cpshard.ops import (
     pack_ragged,
     unpack_ragged,
 )
+from cpshard.parity import ParityReport, run_parity
 from cpshard.sharder import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
 from cpshard.transport import gather_halo, gather_metadata, gather_ragged, gather_sequence
 from cpshard.vision import (
@@ -81,6 +82,7 @@ __all__ = [
     "make_layout",
     "maybe_distribute_visual",
     "pack_ragged",
+    "ParityReport",
     "plan_contiguous",
     "plan_vision_frames",
     "raise_on_any_rank",
@@ -88,6 +90,7 @@ __all__ = [
     "reduce_cp_gradients",
     "reset_cp_vision_group",
     "resolve_cost_alpha",
+    "run_parity",
     "set_cp_vision_group",
     "ShardedBatch",
     "ShardLayout",

@@ -1,16 +1,19 @@
 """The CP loss and the gradient rule that goes with it.
 
-With context parallelism each rank holds a slice of every sequence, so a token-mean loss must
-divide the **local** sum by the **global** number of labelled tokens: the ranks' losses then add
-up to the single-process loss, and so do their parameter gradients. Hence the rule:
+With context parallelism each rank holds a slice of every sequence, so a token-mean loss divides
+the **local** sum by the **global** number of labelled tokens. :func:`cp_cross_entropy` also
+multiplies by the CP group's size, so that the ranks' losses **average** to the single-process
+loss, and so do their parameter gradients: the same convention as data parallelism. Hence one
+rule, whatever wraps the model: **average** the gradients over every rank, as DDP and FSDP2 do.
 
-* ranks whose losses split the tokens (:func:`cp_cross_entropy`): **sum** the parameter gradients
-  over the CP group;
-* ranks that each compute the full loss (a replicated computation): **average** them (a sum
-  would be exactly W times too large).
+* FSDP2 over the flattened (dp, cp) mesh, HSDP (replicate dp, shard cp), DDP over all ranks:
+  their own averaging is the whole reduction; nothing else to call.
+* No wrapper, or a wrapper over the data-parallel ranks alone (FSDP2 / DDP over ``dp``):
+  :func:`reduce_cp_gradients` averages over the CP group (it reduces the local shards of FSDP2's
+  DTensor gradients) after ``backward()``.
 
-:func:`reduce_cp_gradients` applies it. With data parallelism as well, reduce over the CP group
-first with this rule, then average over the data-parallel group as usual (the two commute).
+``reduce_cp_gradients(..., loss="sum")`` serves a loss of one's own whose ranks' values add up to
+the loss (this rank's sum over the global count, with no factor): it sums instead.
 """
 
 from __future__ import annotations
@@ -19,15 +22,23 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from cpshard.batch.padding import IGNORE_INDEX
-from cpshard.comm import GroupLike, resolve_group
+from cpshard.comm import Group, GroupLike, resolve_group
+from cpshard.comm.group import global_ranks
 from cpshard.comm.reduce import all_reduce_sum_
 from cpshard.consensus import agree, check_call
 from cpshard.fingerprints import device_code, digest, dtype_code
 from cpshard.validation import is_int
 
-_RULES = ("split", "replicated")
+_RULES = ("mean", "sum")
+# The rules' names before the mean convention: refused with what to pass now, never reinterpreted.
+_RENAMED = {
+    "split": "cp_cross_entropy's losses now average to the loss: pass loss=\"mean\" (the default); "
+    "loss=\"sum\" only for a loss of your own whose ranks' values add up to the loss",
+    "replicated": "pass loss=\"mean\" (the default): ranks that each computed the full loss average",
+}
 
 
 def _cross_entropy_problem(
@@ -82,11 +93,14 @@ def cp_cross_entropy(
     num_labelled: torch.Tensor | int | None = None,
 ) -> torch.Tensor:
     """Token-mean cross entropy over the CP group: this rank's summed loss over its labelled
-    tokens divided by the number of labelled tokens on all ranks (one all-reduce of a count,
-    no host sync). ``logits`` ``[..., V]`` and ``labels`` ``[...]`` are this rank's tokens,
-    labels already shifted (``ignore_index`` where there is no target). The ranks' results add
-    up to the single-process token-mean loss; their gradients follow the ``"split"`` rule of
-    :func:`reduce_cp_gradients`. With no labelled token anywhere the loss is 0 (not NaN).
+    tokens, times the group's size, divided by the number of labelled tokens on all ranks (one
+    all-reduce of a count, no host sync). ``logits`` ``[..., V]`` and ``labels`` ``[...]`` are
+    this rank's tokens, labels already shifted (``ignore_index`` where there is no target). The
+    ranks' results **average** to the single-process token-mean loss, and so do their gradients:
+    FSDP2 / DDP over every rank need no factor, and :func:`reduce_cp_gradients` averages (log
+    the loss's mean over the group). ``group`` may span data-parallel ranks too (the flattened
+    (dp, cp) group): the count is then global and the mean over all ranks is the global
+    token-mean loss. With no labelled token anywhere the loss is 0 (not NaN).
     ``num_labelled`` (the global count, e.g. a sharded batch's ``targets.num_labelled``) skips
     the all-reduce.
 
@@ -108,7 +122,7 @@ def cp_cross_entropy(
         all_reduce_sum_([count], g)
     else:
         count = torch.as_tensor(num_labelled, dtype=local_sum.dtype, device=local_sum.device)
-    return local_sum / count.clamp(min=1)
+    return local_sum * g.world / count.clamp(min=1)
 
 
 def _parameters(parameters: object) -> tuple[list[torch.Tensor], str | None]:
@@ -140,17 +154,52 @@ def _gradient_fields(loss: str, trainable: list[torch.Tensor]) -> dict[str, Sequ
     }
 
 
+def _dtensor_problem(trainable: list[torch.Tensor], g: Group) -> str | None:
+    """Why FSDP2's DTensor gradients among ``trainable`` must not be reduced over ``g``, or None:
+    a gradient whose device mesh spans other ranks of the CP group was already averaged over
+    them by FSDP2 (reducing again would average twice)."""
+    if g.pg is None or g.world == 1:
+        return None
+    members, me = global_ranks(g)
+    cp_ranks = set(members)
+    for i, p in enumerate(trainable):
+        grad = p.grad if p.grad is not None else p
+        if not isinstance(grad, DTensor):
+            continue
+        mesh_ranks = set(grad.device_mesh.mesh.flatten().tolist())
+        shared = sorted((mesh_ranks & cp_ranks) - {me})
+        if shared:
+            return (
+                f"parameters[{i}]: its gradient is an FSDP2 DTensor over a device mesh that spans "
+                f"CP ranks {shared} of this group, so FSDP2 already averaged it over the CP group "
+                "(with cp_cross_entropy, that is the single-process gradient): do not call "
+                "reduce_cp_gradients when FSDP2 / HSDP shards over the CP ranks"
+            )
+    return None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a collective reduces: a DTensor's local shard (the CP ranks of one
+    data-parallel index hold the same shard), else the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def reduce_cp_gradients(
     parameters: Iterable[torch.nn.Parameter] | torch.nn.Module,
     group: GroupLike,
-    loss: str = "split",
+    loss: str = "mean",
 ) -> None:
-    """Make every rank's parameter gradients those of the single-process loss.
+    """Make every rank's parameter gradients those of the single-process loss, where nothing
+    else reduces them over the CP group (no wrapper, or FSDP2 / DDP over the data-parallel ranks
+    alone; call it after ``backward()``).
 
-    ``loss="split"`` (the ranks' losses split the tokens, e.g. :func:`cp_cross_entropy`): sum
-    over the group. ``loss="replicated"`` (every rank computed the full loss): average. Every
-    rank must pass the same parameters in the same order; a parameter without a gradient on
-    this rank counts as zeros, so ranks whose tokens never reached a parameter stay in step.
+    ``loss="mean"`` (the ranks' losses average to the loss: :func:`cp_cross_entropy`'s, or
+    every rank computing the full loss): average over the group. ``loss="sum"`` (a loss of one's
+    own whose ranks' values add up to the loss): sum. Every rank must pass the same parameters
+    in the same order; a parameter without a gradient on this rank counts as zeros, so ranks
+    whose tokens never reached a parameter stay in step. FSDP2's DTensor gradients are reduced
+    through their local shards; a DTensor whose mesh already spans the CP ranks (FSDP2 over the
+    flattened (dp, cp) mesh, HSDP) is refused: FSDP2 averaged it already.
 
     Once per step, so checked like the other per-step entry points, in every mode: one
     consensus round over the host channel makes every rank raise for a problem on any rank, and
@@ -159,15 +208,19 @@ def reduce_cp_gradients(
     what = "cpshard.reduce_cp_gradients"
     g = resolve_group(group, what)
     params, problem = _parameters(parameters)
-    if problem is None and loss not in _RULES:
+    if problem is None and loss in _RENAMED:
+        problem = f"loss={loss!r} is no longer a rule: {_RENAMED[loss]}"
+    elif problem is None and loss not in _RULES:
         problem = f"loss must be one of {_RULES}, got {loss!r}"
     trainable = [p for p in params if p.requires_grad] if problem is None else []
+    if problem is None:
+        problem = _dtensor_problem(trainable, g)
     agree(g, what, problem, None if problem is not None else _gradient_fields(loss, trainable))
     for p in trainable:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in trainable]
+    grads = [_local(p.grad) for p in trainable]
     all_reduce_sum_(grads, g)
-    if loss == "replicated" and g.world > 1:
+    if loss == "mean" and g.world > 1:
         for grad in grads:
             grad.div_(g.world)

@@ -8,7 +8,7 @@ step: :func:`cpshard.make_cp_blockdiag_batch_and_ctx` (which makes per-document
 ``position_ids`` and shifts the labels once over the whole sequence before sharding), the
 ``"cpshard"`` attention,
 :func:`cpshard.cp_cross_entropy` and :func:`cpshard.reduce_cp_gradients`. It prints the CP loss
-(summed over ranks) beside the single-process loss (every document run on its own) and the
+(averaged over ranks) beside the single-process loss (every document run on its own) and the
 largest parameter-gradient difference.
 """
 
@@ -138,15 +138,28 @@ def cp_loss(
     return loss.detach()
 
 
+def reference_backward(loss: torch.Tensor, model: torch.nn.Module, world: int) -> None:
+    """Back-propagate the reference ``loss`` as the ranks do: scaled by the CP size (each
+    rank's ``cp_cross_entropy`` is ``world`` times its share), the gradients divided back
+    after. The same arithmetic, not a different answer: transformers' RMSNorm computes in
+    float32, whose rounding of a gradient scaled by a non-power of two would otherwise differ
+    from the ranks' by ~1e-8."""
+    (loss * world).backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(world)
+
+
 def compare(
     model: torch.nn.Module, reference: torch.nn.Module, cp: torch.Tensor, ref: torch.Tensor,
     group: dist.ProcessGroup,
 ) -> tuple[float, float, float]:
-    """After both backward passes: reduce the CP gradients, then ``(CP loss summed over ranks,
+    """After both backward passes: reduce the CP gradients, then ``(CP loss averaged over ranks,
     reference loss, largest |gradient difference| over all parameters)``."""
     cpshard.reduce_cp_gradients(model, group)
     total = cp.clone().reshape(1)
     dist.all_reduce(total, group=group)
+    total /= dist.get_world_size(group)
     ref_params = dict(reference.named_parameters())
     worst = 0.0
     for name, p in model.named_parameters():
@@ -172,7 +185,7 @@ def decoder_step(rank: int, world: int, arch: str, rows: Sequence[Sequence[int]]
 
     cp = cp_loss(group, batch, forward, layout)
     ref = reference_loss(reference, text_documents(batch))
-    ref.backward()
+    reference_backward(ref, reference, world)
     return compare(model, reference, cp, ref, group)
 
 

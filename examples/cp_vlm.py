@@ -17,7 +17,7 @@ packed batch (documents with images, interior and trailing padding). The step:
    decoder runs on this rank's tokens with the ``"cpshard"`` attention, and
    :func:`cpshard.cp_cross_entropy` / :func:`cpshard.reduce_cp_gradients` finish the step.
 
-It prints the CP loss (summed over ranks) beside the single-process loss (every document run on
+It prints the CP loss (averaged over ranks) beside the single-process loss (every document run on
 its own through the unmodified model) and the largest parameter-gradient difference.
 """
 
@@ -39,6 +39,7 @@ from cp_decoder import (
     compare,
     cp_loss,
     document_ids,
+    reference_backward,
     reference_loss,
     run_example,
     runs,
@@ -235,7 +236,7 @@ def vlm_step(rank: int, world: int, rows: Sequence[Sequence[Any]] = ROWS,
         merged = merged_inputs(model, batch)
     cp = cp_loss(group, merged, lambda local: decoder_logits(model, local))
     ref = reference_loss(reference, vlm_documents(batch))
-    ref.backward()
+    reference_backward(ref, reference, world)
     return compare(model, reference, cp, ref, group)
 
 

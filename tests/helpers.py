@@ -12,7 +12,10 @@ another. Worker-side functions here pickle by reference, like those of the test 
   :func:`record_host_reads` (the hot path's host reads of tensor data);
 * transport: :data:`GATHER_ERROR_CASES` and :func:`call_gather_case` (one rank's bad input to a
   gather, and the words its error must contain), :func:`counting_collectives` (the
-  torch.distributed calls made inside a block).
+  torch.distributed calls made inside a block);
+* parity: :func:`cp_aware_decoder` / :func:`plain_sdpa_decoder` (a user's own decoder) and the
+  broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
+  :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``.
 """
 
 from __future__ import annotations
@@ -471,3 +474,88 @@ def counting_collectives() -> Iterator[Counter]:
         for name, fn in originals.items():
             setattr(dist, name, fn)
 
+
+
+# --------------------------------------------------------------------------- parity set-ups
+# Models and losses `cpshard parity` loads by "tests.helpers:NAME": a decoder of one's own
+# (its attention CP-aware or plain SDPA) and the broken losses users write.
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, width: int, heads: int, cp_aware: bool) -> None:
+        super().__init__()
+        self.heads, self.cp_aware = heads, cp_aware
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        from cpshard import cp_attention
+
+        b, n, w = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        if self.cp_aware:
+            y = cp_attention(q, k, v, is_causal=True, position_ids=position_ids)
+        else:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, n, w))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int, cp_aware: bool) -> None:
+        super().__init__()
+        self.attn = _Attention(width, 2, cp_aware)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(), torch.nn.Linear(2 * width, width))
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x, position_ids)
+        return x + self.mlp(x)
+
+
+class OwnDecoder(torch.nn.Module):
+    """A user's decoder: ``forward(input_ids, position_ids) -> logits``."""
+
+    def __init__(self, cp_aware: bool, vocab: int = 48, width: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.pos = torch.nn.Embedding(256, width)
+        self.blocks = torch.nn.ModuleList(_Block(width, cp_aware) for _ in range(2))
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids) + self.pos(position_ids)
+        for block in self.blocks:
+            x = block(x, position_ids)
+        return self.head(x)
+
+
+def cp_aware_decoder() -> torch.nn.Module:
+    return OwnDecoder(cp_aware=True)
+
+
+def plain_sdpa_decoder() -> torch.nn.Module:
+    return OwnDecoder(cp_aware=False)
+
+
+def labels_shifted_per_shard(logits, batch, group):
+    """Broken: targets made from this rank's own input_ids (shifted inside the shard)."""
+    from cpshard import cp_cross_entropy
+
+    ids = batch["input_ids"]
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    labels = labels.masked_fill(ids == 0, -100)
+    return cp_cross_entropy(logits, labels, group), labels
+
+
+def per_rank_mean_loss(logits, batch, group):
+    """Broken: the token mean of this rank's tokens alone."""
+    labels = batch.targets.labels
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    return loss, labels
+
+
+def loss_without_cp_factor(logits, batch, group):
+    """Broken under FSDP2's averaging: the ranks' losses add up to the loss (no CP factor)."""
+    from cpshard import cp_cross_entropy
+
+    return cp_cross_entropy(logits, batch.targets.labels, group) / dist.get_world_size(group)

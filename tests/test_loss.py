@@ -1,10 +1,11 @@
 """The CP loss and gradient rule (cpshard.loss) at W = 1-4 on gloo against one process.
 
 A tiny model that mixes tokens across the sequence (a causal running mean over the gathered
-sequence), sharded contiguously: with ``cp_cross_entropy`` + ``reduce_cp_gradients(loss="split")``
-every rank's loss sum and parameter gradients equal the single-process model's; the
-``"replicated"`` rule averages instead; labels with ignored tokens, a rank without any labelled
-token and a batch without any are covered, in both check modes.
+sequence), sharded contiguously: with ``cp_cross_entropy`` + ``reduce_cp_gradients`` (``loss="mean"``)
+the ranks' mean loss and every parameter gradient equal the single-process model's; ranks that
+each compute the full loss average the same way; a loss of one's own whose ranks' values add up
+(``loss="sum"``) sums; labels with ignored tokens, a rank without any labelled token and a batch
+without any are covered, in both check modes.
 
 The validation model (docs/validation.md): by default both functions check their local arguments
 only and issue nothing but their all-reduce; in checked mode one consensus round makes every rank
@@ -75,23 +76,27 @@ def _check_kinds(rank: int, world: int) -> list[str]:
         count = (labels != -100).sum()
         ref = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), reduction="sum") / max(int(count), 1)
         ref.backward()
-        for rule in ("split", "replicated"):
+        for rule in ("mean", "sum", "mean replicated"):
             model = _model()
-            if rule == "split":
+            if rule != "mean replicated":
                 start = rank * length
                 local = _forward(model, ids[:, start : start + length], group, start, length)
                 mine = labels[:, start : start + length]
                 # the count all-reduced here, or given on every rank (as batch.targets carry it)
                 given = count if kind == "ignored" else None
                 loss = cp_cross_entropy(local, mine, group, num_labelled=given)
+                if rule == "sum":  # the ranks' values add up to the loss
+                    loss = loss / world
                 total = loss.detach().clone()
                 dist.all_reduce(total)
+                if rule == "mean":
+                    total /= world
             else:  # every rank computes the full loss from the gathered sequence
                 local = _forward(model, ids[:, rank * length : (rank + 1) * length], group, 0, seq)
                 loss = cp_cross_entropy(local, labels, None)
                 total = loss.detach()
             loss.backward()
-            reduce_cp_gradients(model, group, loss=rule)
+            reduce_cp_gradients(model, group, loss=rule.split()[0])
             if not torch.allclose(total, ref.detach(), rtol=0, atol=1e-12):
                 problems.append(f"{kind}/{rule}: loss {float(total)} vs {float(ref)}")
             for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
@@ -126,7 +131,7 @@ def _gradient_args() -> Args:
     params = list(_model().parameters())
     for p in params[:-2]:  # the last parameters keep no gradient: zeros
         p.grad = torch.ones_like(p)
-    return {"parameters": params, "loss": "split"}
+    return {"parameters": params, "loss": "mean"}
 
 
 def _replace_parameter(args: Args, i: int, make: Callable[[torch.Tensor], torch.Tensor]) -> None:
@@ -150,10 +155,11 @@ CASES: dict[str, tuple[str, Callable[[Args], None], str, str]] = {
     "logits_dtype_differs": ("loss", lambda a: a.update(logits=a["logits"].float()), MISMATCH, "logits dtype"),
     "vocabulary_differs": ("loss", lambda a: a.update(logits=a["logits"][..., :-1]), MISMATCH, "vocabulary size"),
     "num_labelled_on_one_rank": ("loss", lambda a: a.update(num_labelled=torch.tensor(5)), MISMATCH, "num_labelled given"),
-    "loss_unknown": ("grads", lambda a: a.update(loss="mean"), LOCAL, "loss must be one of"),
+    "loss_unknown": ("grads", lambda a: a.update(loss="average"), LOCAL, "loss must be one of"),
+    "loss_old_split": ("grads", lambda a: a.update(loss="split"), LOCAL, "loss='split' is no longer a rule"),
     "parameters_not_tensors": ("grads", lambda a: a["parameters"].insert(1, "w"), LOCAL, "parameters[1] must be a tensor"),
     "parameters_lone_tensor": ("grads", lambda a: a.update(parameters=torch.ones(2)), LOCAL, "parameters must be a Module"),
-    "loss_differs": ("grads", lambda a: a.update(loss="replicated"), MISMATCH, "loss"),
+    "loss_differs": ("grads", lambda a: a.update(loss="sum"), MISMATCH, "loss"),
     "parameter_frozen": ("grads", lambda a: a["parameters"][0].requires_grad_(False), MISMATCH, "trainable parameter count"),
     "parameter_shape_differs": ("grads", lambda a: _replace_parameter(a, 1, lambda p: p.t()), MISMATCH, "parameter shapes"),
     "parameter_dtype_differs": ("grads", lambda a: _replace_parameter(a, 2, lambda p: p.float()), MISMATCH, "parameter dtypes"),

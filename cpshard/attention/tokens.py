@@ -14,6 +14,12 @@ the state alive: a host-side dict lookup, no device read, nothing that syncs. Te
 registered are not checked: position ids a model derives itself (Qwen3-VL's mRoPE), or a copy
 of the batch's (``.to(device)`` onto another device). Under ``torch.compile`` tracing the lookup
 is skipped (a traced graph has no tensor identity to follow); eager calls check.
+
+The same map lets an activation-checkpoint recompute find its step: a layer re-run during
+backward (``torch.utils.checkpoint``, transformers' ``gradient_checkpointing_enable``, torch's
+``checkpoint_wrapper``) after the step's ``with ctx():`` has exited gets the same
+``position_ids`` object it had in the forward, and :func:`step_state` returns that step's state,
+so the recompute attends as the forward did wherever ``backward()`` is called.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ def token_problem(position_ids: torch.Tensor | None, state: AttentionState | Non
     if state is None:
         return (
             f"position_ids: sharded tokens passed outside their step's CP attention context (a "
-            f"{origin.layout!r} batch); run the model inside the context it came with"
+            f"{origin.layout!r} batch); run the model's forward inside the context it came with "
+            "(backward, and activation-checkpoint recomputes in it, may run outside)"
         )
     if origin.state() is state:
         return None
@@ -67,6 +74,37 @@ def token_problem(position_ids: torch.Tensor | None, state: AttentionState | Non
         f"active {state.layout!r} CP attention context; run the model on the batch the context "
         "came with"
     )
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread (a checkpointed
+    layer's recompute runs there)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def step_state(
+    position_ids: torch.Tensor | None, active: AttentionState | None
+) -> AttentionState | None:
+    """The state CP attention must run under for tokens ``position_ids``: ``active`` (the
+    innermost active context's, or None), except for a recompute during backward, where a
+    sharded batch's tokens get their own step's state even after its context has exited.
+
+    Raises ``RuntimeError`` (naming the rank) for a recompute whose step's state is gone (the
+    context object was dropped before ``backward()``)."""
+    if position_ids is None or torch.compiler.is_compiling() or not _in_backward():
+        return active
+    origin = _origins.get(position_ids)
+    if origin is None:
+        return active
+    state = origin.state()
+    if state is None:
+        raise RuntimeError(
+            f"cpshard CP attention: rank {origin.rank}: an activation-checkpoint recompute in "
+            f"backward ran a layer on a {origin.layout!r} sharded batch whose step's attention "
+            "state is gone; keep the context returned by ContextParallelSharder.shard / "
+            "make_cp_blockdiag_batch_and_ctx alive until backward() has run"
+        )
+    return state
 
 
 def check_outside(position_ids: torch.Tensor | None, what: str) -> None:

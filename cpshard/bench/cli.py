@@ -1,5 +1,6 @@
 """The ``cpshard`` console script: ``cpshard bench [options]`` (also ``python -m cpshard.bench``),
-and the single-process benchmarks ``cpshard kernels`` / ``cpshard nccl-world1`` (also
+the model check ``cpshard parity``, and the single-process benchmarks ``cpshard kernels`` /
+``cpshard nccl-world1`` (also
 ``python -m cpshard.bench.kernels`` / ``python -m cpshard.bench.nccl_world1``), each with its own
 options."""
 
@@ -37,13 +38,14 @@ enough GPUs are visible). Under torchrun it uses the launcher's ranks:
 """
 
 
-# command -> (module under cpshard.bench whose main(argv) runs it, one-line help)
+# command -> (module whose main(argv, prog) runs it, one-line help)
 SINGLE_PROCESS = {
     "kernels": ("cpshard.bench.kernels", "throughput of cpshard's kernels next to copy_"),
     "nccl-world1": (
         "cpshard.bench.nccl_world1",
         "native NCCL communicator vs torch.distributed at world size 1 (GPU)",
     ),
+    "parity": ("cpshard.parity.cli", "check a model's CP training step against one process"),
 }
 COMMANDS = ("bench", *SINGLE_PROCESS)
 

@@ -56,3 +56,10 @@ def group_from_name(name: str) -> Group:
     """The :class:`Group` registered under ``name`` (inside the transport custom ops)."""
     pg = dist.distributed_c10d._resolve_process_group(name)
     return Group(pg, dist.get_rank(pg), dist.get_world_size(pg))
+
+
+def global_ranks(group: Group) -> tuple[list[int], int]:
+    """``(the group's members as global ranks, this process's global rank)``."""
+    if group.pg is None:
+        return [0], 0
+    return dist.get_process_group_ranks(group.pg), dist.get_rank()

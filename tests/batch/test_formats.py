@@ -351,7 +351,7 @@ def _cp_loss(rank: int, world: int, layout: str) -> tuple[float, bool]:
     loss = cp_cross_entropy(logits, out.targets.labels, dist.group.WORLD)
     total = loss.detach().clone()
     dist.all_reduce(total)
-    return float(total), "labels" in out
+    return float(total) / world, "labels" in out
 
 
 def _logits(input_ids: torch.Tensor) -> torch.Tensor:

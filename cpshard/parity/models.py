@@ -1,0 +1,198 @@
+"""The model a parity check runs: a transformers architecture built tiny with a random config
+of the same attention features, a config file, or the user's ``module:function`` factory.
+
+Every rank and the reference build the model from the same :class:`ModelSpec` with the same
+seed, so their parameters are equal before the step. The forward contract (what
+:func:`logits_of` reads): ``model(input_ids=..., position_ids=...)`` returns logits
+``[B, S, V]`` or an object with ``.logits``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Sizes a tiny config takes; the attention features (window, layer types, head layout ratios,
+# rope) stay as the architecture's defaults.
+_TINY = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+_TINY_WINDOW = 8
+_TINY_VISION = {
+    "depth": 1,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_heads": 2,
+    "out_hidden_size": 32,
+    "deepstack_visual_indexes": [0],
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Which model: ``kind`` is ``"architecture"`` (a transformers class name such as
+    ``LlamaForCausalLM``), ``"config"`` (a ``config.json`` path or a folder holding one) or
+    ``"factory"`` (``module:function`` returning an ``nn.Module``); ``value`` names it."""
+
+    kind: str
+    value: str
+    seed: int = 0
+
+    @staticmethod
+    def parse(text: str, seed: int = 0) -> ModelSpec:
+        """``text`` as a spec: ``module:function`` is a factory, an existing path a config file,
+        anything else an architecture name."""
+        if not isinstance(text, str) or not text:
+            raise ValueError(
+                f"model: expected an architecture, a config path or module:function, got {text!r}"
+            )
+        if Path(text).exists():
+            return ModelSpec("config", text, seed)
+        if ":" in text:
+            return ModelSpec("factory", text, seed)
+        return ModelSpec("architecture", text, seed)
+
+    @property
+    def uses_transformers(self) -> bool:
+        return self.kind in ("architecture", "config")
+
+
+def load_object(text: str, what: str) -> Any:
+    """The attribute ``function`` of module ``module`` for ``text`` = ``module:function``."""
+    module_name, sep, attr = text.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{what}: expected module:function, got {text!r}")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what}: cannot load {text!r}: {exc}") from exc
+    if not callable(obj):
+        raise ValueError(f"{what}: {text!r} is not callable")
+    return obj
+
+
+def _shrink(config: Any) -> Any:
+    """``config`` with tiny sizes (text and, for a VLM, vision), attention features kept."""
+    text = getattr(config, "text_config", None) or config
+    for key, value in _TINY.items():
+        if hasattr(text, key):
+            setattr(text, key, value)
+    if isinstance(getattr(text, "sliding_window", None), int):  # a window documents exceed
+        text.sliding_window = min(text.sliding_window, _TINY_WINDOW)
+    if getattr(text, "layer_types", None) is not None:
+        text.layer_types = list(text.layer_types)[: text.num_hidden_layers]
+        while len(text.layer_types) < text.num_hidden_layers:
+            text.layer_types.append(text.layer_types[-1] if text.layer_types else "full_attention")
+    if getattr(text, "rope_scaling", None) and "mrope_section" in (text.rope_scaling or {}):
+        text.rope_scaling = dict(text.rope_scaling, mrope_section=[2, 1, 1])
+    if getattr(text, "rope_parameters", None) and "mrope_section" in (text.rope_parameters or {}):
+        text.rope_parameters = dict(text.rope_parameters, mrope_section=[2, 1, 1])
+    vision = getattr(config, "vision_config", None)
+    if vision is not None:
+        for key, value in _TINY_VISION.items():
+            if hasattr(vision, key):
+                setattr(vision, key, value)
+    if text is not config and hasattr(config, "tie_word_embeddings"):
+        config.tie_word_embeddings = False
+    return config
+
+
+def _transformers_model(spec: ModelSpec) -> torch.nn.Module:
+    import transformers
+
+    from cpshard.integrations import transformers as cp_transformers
+
+    cp_transformers.register()
+    if spec.kind == "architecture":
+        cls = getattr(transformers, spec.value, None)
+        if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+            raise ValueError(f"model: {spec.value!r} is not a transformers model class")
+        config = _shrink(cls.config_class())
+    else:
+        path = Path(spec.value)
+        path = path / "config.json" if path.is_dir() else path
+        data = json.loads(path.read_text())
+        if "model_type" not in data:
+            raise ValueError(f"model: {path} has no model_type")
+        kind = type(transformers.AutoConfig.for_model(data["model_type"]))
+        config = kind.from_dict(data)
+        archs = data.get("architectures") or []
+        cls = getattr(transformers, archs[0]) if archs else transformers.AutoModelForCausalLM
+    torch.manual_seed(spec.seed)
+    if cls is transformers.AutoModelForCausalLM:
+        model = cls.from_config(config)
+    else:
+        model = cls(config)
+    model = model.to(torch.float64)
+    model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
+    return model
+
+
+def build_model(spec: ModelSpec) -> torch.nn.Module:
+    """The spec's model in float64, its parameters seeded by ``spec.seed``; a transformers
+    model with the ``"cpshard"`` attention (plain SDPA outside a CP step)."""
+    if spec.uses_transformers:
+        return _transformers_model(spec).train()
+    factory: Callable[[], Any] = load_object(spec.value, "model")
+    torch.manual_seed(spec.seed)
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"model: {spec.value} returned a {type(model).__name__}, not an nn.Module")
+    return model.to(torch.float64).train()
+
+
+def forward(model: torch.nn.Module, spec: ModelSpec, input_ids: torch.Tensor,
+            position_ids: torch.Tensor) -> torch.Tensor:
+    """The model's logits for a training forward (a transformers model without its cache)."""
+    extra = {"use_cache": False} if spec.uses_transformers else {}
+    return logits_of(model(input_ids=input_ids, position_ids=position_ids, **extra))
+
+
+def vocab_size(model: torch.nn.Module) -> int:
+    """The model's vocabulary: its config's, else the first embedding's rows."""
+    config = getattr(model, "config", None)
+    for c in (getattr(config, "text_config", None), config):
+        if c is not None and isinstance(getattr(c, "vocab_size", None), int):
+            return c.vocab_size
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            return m.num_embeddings
+    raise ValueError("model: no vocabulary size (no config.vocab_size and no nn.Embedding)")
+
+
+def kv_row_bytes(model: torch.nn.Module) -> int | None:
+    """Bytes of one token's K and V over every attention layer (float64), when the config says
+    the head layout; None otherwise."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "text_config", None) or config
+    try:
+        heads = text.num_key_value_heads or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        return 2 * heads * head_dim * 8 * text.num_hidden_layers
+    except (AttributeError, TypeError):
+        return None
+
+
+def logits_of(output: Any, what: str = "model") -> torch.Tensor:
+    """The logits a forward returned (a tensor, or an object with ``.logits``)."""
+    logits = output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(
+            f"{what}: the forward returned {type(output).__name__}, neither logits nor an "
+            "object with .logits"
+        )
+    return logits

@@ -1,0 +1,153 @@
+"""``cpshard parity`` (cpshard.parity): the verdicts on models that train the same under CP as
+in one process, and the diagnoses of set-ups that do not.
+
+* transformers Llama (through the command, with ``--json`` and its exit code), Qwen3-VL and a
+  user's own decoder calling ``cpshard.cp_attention``: exact;
+* a user's decoder whose attention calls plain SDPA: differs, first at its attention module;
+* labels shifted per shard: differs, the labelled-token count named;
+* a per-rank mean loss: differs, the loss named while the logits and count are exact;
+* FSDP2 over the flattened (2, 2) mesh with a loss lacking the CP factor: gradients 1/cp.
+
+The broken set-ups live in ``tests/helpers.py`` and are loaded as ``module:function``, as a
+user's would be. Cases run on the session's rank pools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpshard.parity import BatchSpec, Case, ModelSpec, Setup, run_parity
+from tests.helpers import REPO
+
+pytest.importorskip("transformers")
+
+BATCH = BatchSpec(lengths="uniform:2-12", docs=3, rows=2)
+
+
+def _run(pools, model: str, cases: list[Case], loss: str | None = None):
+    return run_parity(Setup(ModelSpec.parse(model), BATCH, loss), cases, pools=pools)
+
+
+def test_command_exits_0_for_llama_and_writes_json(tmp_path: Path) -> None:
+    out = tmp_path / "parity.json"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cpshard.parity.cli",
+            "--model",
+            "LlamaForCausalLM",
+            "--worlds",
+            "2",
+            "--layouts",
+            "blockdiag,balanced",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "2/2 cases exact" in done.stdout, done.stdout
+    report = json.loads(out.read_text())
+    assert report["exact"] and [c["verdict"] for c in report["cases"]] == ["exact", "exact"]
+    for case in report["cases"]:
+        assert case["count"] == case["ref_count"] > 0 and abs(case["grad_norm_ratio"] - 1) < 1e-9
+        assert len(case["cost"]) == 2 and len(case["kv_bytes"]) == 2
+
+
+def test_exact_models(pools, tmp_path: Path) -> None:
+    import transformers
+
+    config = transformers.Qwen3Config(
+        vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+        architectures=["Qwen3ForCausalLM"],
+    )
+    config.save_pretrained(tmp_path)  # a config file: used as it is
+    models = ("Qwen3VLForConditionalGeneration", "tests.helpers:cp_aware_decoder", str(tmp_path))
+    for model in models:
+        report = _run(pools, model, [Case("head_tail", 2), Case("balanced", 2)])
+        assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
+
+
+def test_plain_sdpa_attention_is_located(pools) -> None:
+    report = _run(
+        pools, "tests.helpers:plain_sdpa_decoder", [Case("blockdiag", 2), Case("stripe", 2)]
+    )
+    assert not report.exact
+    for r in report.results:
+        assert r.verdict == "differs" and r.first_layer == "blocks.0.attn", (
+            r.case,
+            r.first_layer,
+            r.diagnosis,
+        )
+        assert "forward differs first at module 'blocks.0.attn'" in r.diagnosis, r.diagnosis
+
+
+def test_labels_shifted_per_shard_name_the_count(pools) -> None:
+    report = _run(
+        pools, "LlamaForCausalLM", [Case("head_tail", 2)], "tests.helpers:labels_shifted_per_shard"
+    )
+    (r,) = report.results
+    assert r.verdict == "differs" and r.count != r.ref_count and r.first_layer is None, r
+    assert "labelled-token count" in r.diagnosis, r.diagnosis
+
+
+def test_per_rank_mean_loss_names_the_loss(pools) -> None:
+    report = _run(
+        pools, "LlamaForCausalLM", [Case("blockdiag", 2)], "tests.helpers:per_rank_mean_loss"
+    )
+    (r,) = report.results
+    assert r.verdict == "differs" and r.count == r.ref_count and r.logits_err < 1e-12, r
+    assert "a per-rank mean?" in r.diagnosis and "gradients differ" in r.diagnosis, r.diagnosis
+
+
+def test_fsdp_without_cp_factor_names_the_factor(pools) -> None:
+    report = _run(
+        pools,
+        "LlamaForCausalLM",
+        [Case("balanced", 4, dp=2, fsdp="flat")],
+        "tests.helpers:loss_without_cp_factor",
+    )
+    (r,) = report.results
+    assert r.verdict == "differs" and abs(r.grad_norm_ratio - 0.5) < 1e-9, r
+    assert "(= 1/cp)" in r.diagnosis, r.diagnosis
+
+
+def test_refusals_and_crashes_are_reported_as_such() -> None:
+    """A cpshard error on the ranks is a refusal with its reason, anything else a crash."""
+    from cpshard.parity.verdict import judge
+
+    case = Case("stripe", 2)
+    said = "cpshard.cp_attention: rank 1: window=4 is shorter than the longest document prefix"
+    refused = judge(case, [{"error": said, "error_type": "ValueError"}] * 2, 1e-9)
+    assert refused.verdict == "refused" and said in refused.diagnosis, refused
+    crashed = judge(case, [{"ok": 1}, {"error": "boom", "error_type": "RuntimeError"}], 1e-9)
+    assert crashed.verdict == "crashed" and "rank 1: RuntimeError: boom" in crashed.diagnosis
+
+
+def test_failures_outside_cpshard_are_crashes(pools) -> None:
+    """The ranks' step failing (a loss that does not load) and the model failing in one
+    process (the reference)."""
+    report = _run(pools, "tests.helpers:cp_aware_decoder", [Case("blockdiag", 2)], "no.such:loss")
+    (r,) = report.results
+    assert r.verdict == "crashed" and "rank 0: ValueError: loss: cannot load" in r.diagnosis, r
+    report = _run(pools, "tests.helpers:REPO", [Case("blockdiag", 2)])
+    (r,) = report.results
+    assert r.verdict == "crashed" and "the single-process reference raised" in r.diagnosis, r
+
+
+def test_fsdp_meshes_exact(pools) -> None:
+    cases = [Case("balanced", 4, dp=2, fsdp=mode) for mode in ("flat", "hsdp", "dp")]
+    report = _run(pools, "LlamaForCausalLM", cases)
+    assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
