@@ -13,7 +13,7 @@ import torch
 from cpshard.attention.ops import cp_attention_op
 from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import AttentionState, active_state
-from cpshard.attention.tokens import check_outside, step_state, token_problem
+from cpshard.attention.tokens import check_outside, state_for_tokens, token_problem
 from cpshard.consensus import check_call
 from cpshard.fingerprints import device_code, digest, dtype_code
 from cpshard.validation import is_int
@@ -108,7 +108,8 @@ def cp_attention(
     window = _window(window)
     softcap = _softcap(softcap)
     position_ids = _position_ids(position_ids)
-    state = step_state(position_ids, active_state())  # a checkpoint recompute finds its step
+    # a checkpoint recompute run after the context finds its step by its tokens
+    state = state_for_tokens(position_ids, active_state())
     if state is not None:
         chosen = state if is_causal else state.bidirectional()
         problem = token_problem(position_ids, state) or _sinks_problem(sinks, query)

@@ -18,7 +18,7 @@ is skipped (a traced graph has no tensor identity to follow); eager calls check.
 The same map lets an activation-checkpoint recompute find its step: a layer re-run during
 backward (``torch.utils.checkpoint``, transformers' ``gradient_checkpointing_enable``, torch's
 ``checkpoint_wrapper``) after the step's ``with ctx():`` has exited gets the same
-``position_ids`` object it had in the forward, and :func:`step_state` returns that step's state,
+``position_ids`` object it had in the forward, and :func:`state_for_tokens` returns that step's state,
 so the recompute attends as the forward did wherever ``backward()`` is called.
 """
 
@@ -82,7 +82,7 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def step_state(
+def state_for_tokens(
     position_ids: torch.Tensor | None, active: AttentionState | None
 ) -> AttentionState | None:
     """The state CP attention must run under for tokens ``position_ids``: ``active`` (the

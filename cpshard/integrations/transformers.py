@@ -25,7 +25,7 @@ import torch
 from cpshard.attention.api import cp_attention
 from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
-from cpshard.attention.tokens import check_outside, step_state
+from cpshard.attention.tokens import check_outside, state_for_tokens
 from cpshard.vision import maybe_distribute_visual
 
 __all__ = ["ATTN_IMPLEMENTATION", "cpshard_attention", "register", "wrap_vision_tower"]
@@ -89,7 +89,7 @@ def cpshard_attention(
     these are: a sharded batch's raise under another step's or layout's context, and outside any
     context (:mod:`cpshard.attention.tokens`)."""
     position_ids = kwargs.get("position_ids")
-    if not _cp_active() and step_state(position_ids, None) is None:  # recompute: its step
+    if not _cp_active() and state_for_tokens(position_ids, None) is None:  # recompute: its step
         check_outside(position_ids, _WHAT)
         forward = _outside_cp(module, kwargs)
         return forward(

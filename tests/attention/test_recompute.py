@@ -1,6 +1,6 @@
 """Activation checkpointing under CP with ``backward()`` called after the step's context has
 exited: the recompute of each checkpointed layer finds its step through the sharded batch's
-``position_ids`` (:func:`cpshard.attention.tokens.step_state`).
+``position_ids`` (:func:`cpshard.attention.tokens.state_for_tokens`).
 
 * transformers' own checkpointing and torch's ``checkpoint_wrapper``, under FSDP2 over the
   flattened (2, 2) mesh, three steps: equal to the single-process training;

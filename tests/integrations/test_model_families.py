@@ -133,7 +133,7 @@ def _model(family: str) -> torch.nn.Module:
 
 
 def _step(family: str, layout: str, group) -> tuple[float, float, float]:
-    """One CP step sharded as ``layout`` and the per-document reference: (CP loss summed over
+    """One CP step sharded as ``layout`` and the per-document reference: (CP loss averaged over
     ranks, reference loss, worst gradient difference relative to the largest gradient)."""
     model = _model(family)
     reference = copy.deepcopy(model)
@@ -145,12 +145,13 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
 
     cp = cp_decoder.cp_loss(group, batch, forward, layout)
     ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
-    ref.backward()
+    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
     import cpshard
 
     cpshard.reduce_cp_gradients(model, group)
     total = cp.clone().reshape(1)
     dist.all_reduce(total, group=group)
+    total /= dist.get_world_size(group)  # the ranks' losses average to the loss
     want = dict(reference.named_parameters())
     largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
     worst = 0.0
@@ -190,7 +191,7 @@ def _vlm_step(layout: str, group) -> tuple[float, float, float]:
     merged = cp_vlm.merged_inputs(model, batch)  # every rank runs the tower on every frame
     cp = cp_decoder.cp_loss(group, merged, lambda local: cp_vlm.decoder_logits(model, local), layout)
     ref = cp_decoder.reference_loss(reference, cp_vlm.vlm_documents(batch))
-    ref.backward()
+    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
     return cp_decoder.compare(model, reference, cp, ref, group)
 
 
