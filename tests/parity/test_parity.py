@@ -124,6 +124,18 @@ def test_fsdp_without_cp_factor_names_the_factor(pools) -> None:
     assert "(= 1/cp)" in r.diagnosis, r.diagnosis
 
 
+def test_sliding_window_models_exact_and_hybrids_refused(pools) -> None:
+    """Sliding-window families check exact; a hybrid model (Gated DeltaNet) is refused with
+    the module named, never reported exact or merely different."""
+    for model in ("MistralForCausalLM", "Qwen2ForCausalLM"):
+        report = _run(pools, model, [Case("stripe", 2), Case("blockdiag", 2)])
+        assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
+    report = _run(pools, "Qwen3_5ForCausalLM", [Case("blockdiag", 2)])
+    (result,) = report.results
+    assert not report.exact and result.verdict == "refused", (result.verdict, result.diagnosis)
+    assert "linear_attn" in result.diagnosis, result.diagnosis
+
+
 def test_refusals_and_crashes_are_reported_as_such() -> None:
     """A cpshard error on the ranks is a refusal with its reason, anything else a crash."""
     from cpshard.parity.verdict import judge
