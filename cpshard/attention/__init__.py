@@ -4,6 +4,7 @@ each document of a packed batch, across the CP group, exact forward and backward
 The package, in call order (each module imports only those after it):
 
 * :mod:`~cpshard.attention.api`: the public :func:`cp_attention` and :func:`cp_blockdiag_sdpa`;
+* :mod:`~cpshard.attention.plain`: the same variants on one device (outside a context);
 * :mod:`~cpshard.attention.tokens`: which step's context a sharded batch's tokens belong to;
 * :mod:`~cpshard.attention.ops`: the attention custom ops (forward and backward);
 * :mod:`~cpshard.attention.engine`: one varlen launch for a step's spans, or the per-span loop;
@@ -12,7 +13,9 @@ The package, in call order (each module imports only those after it):
 * :mod:`~cpshard.attention.halo` / :mod:`~cpshard.attention.needed_rows`: the two K/V
   exchanges (the multi-hop halo of contiguous shards, the needed-rows all-to-all-v of any
   layout), behind the protocol of :mod:`~cpshard.attention.exchange`;
-* :mod:`~cpshard.attention.state`: the step's state, its registry and the activating scope;
+* :mod:`~cpshard.attention.activation`: entering a step's attention (its state installed, and
+  :mod:`~cpshard.attention.mixers`: models whose token mixers it does not shard refused);
+* :mod:`~cpshard.attention.state`: the step's state (and its windows' states), its registry;
 * :mod:`~cpshard.attention.packing`, :mod:`~cpshard.attention.blocks`,
   :mod:`~cpshard.attention.spans`, :mod:`~cpshard.attention.placement`: the state's views of its
   spans (varlen packing, the loop's blocks) and their placement on the device.
