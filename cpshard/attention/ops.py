@@ -52,8 +52,14 @@ def _gate(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(lse - sinks.to(lse.dtype)[None, :, None]).unsqueeze(-1)
 
 
-def _state(key: torch.Tensor, window: int | None) -> AttentionState:
-    return state_for(key).windowed(window)
+def _keys(
+    key: torch.Tensor, window: int | None, kv: torch.Tensor, d_k: int, scale: float | None
+) -> tuple[AttentionState, torch.Tensor, torch.Tensor, int, float]:
+    """The call's state (the window's), its key buffer from ``kv`` split into K and V, the head
+    dim both sides are padded to, and the scale (q/k's head dim by default)."""
+    state = state_for(key).windowed(window)
+    k, v = _split(state.extend(kv), d_k)
+    return state, k, v, max(d_k, v.shape[-1]), d_k**-0.5 if scale is None else scale
 
 
 @torch.library.custom_op("cpshard::cp_attention", mutates_args=())
@@ -71,10 +77,8 @@ def cp_attention_op(
     exchange builds from this rank's ``kv`` ``[B, Hkv, L, d_k + d_v]``: the output
     ``[B, Hq, L, d_v]`` (zeros on pad rows) and the log-sum-exp of its logits ``[B, Hq, L]``
     (-inf on pad rows; without the sinks)."""
-    state = _state(key, window)
-    k, v = _split(state.extend(kv), d_k)
-    d_v, d = v.shape[-1], max(d_k, v.shape[-1])
-    scale = d_k**-0.5 if scale is None else scale
+    state, k, v, d, scale = _keys(key, window, kv, d_k, scale)
+    d_v = v.shape[-1]
     q, k, v = (_widen(t, d) for t in (q, k, v))
     out, lse = implementation(state, q, d, softcap).forward(q, k, v, scale)
     out = out[..., :d_v]
@@ -121,10 +125,8 @@ def cp_attention_backward_op(
     backward given ``grad * g`` and the gated output is the exact backward of the gated
     attention (its softmax is the kernels' scaled by ``g``), and the sink's gradient is
     ``-sum((1 - g) * <grad, out>)``."""
-    state = _state(key, window)
-    k, v = _split(state.extend(kv), d_k)
-    d_v, d = v.shape[-1], max(d_k, v.shape[-1])
-    scale = d_k**-0.5 if scale is None else scale
+    state, k, v, d, scale = _keys(key, window, kv, d_k, scale)
+    d_v = v.shape[-1]
     grad = grad.contiguous()
     dsinks = q.new_zeros(0)
     if sinks is not None:
