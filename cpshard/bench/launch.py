@@ -94,7 +94,14 @@ def launch(cfg: BenchConfig) -> int:
 
 
 def _spawned(rank: int, world: int, cfg: BenchConfig, backend: str, init_method: str) -> None:
+    """A spawned rank: run, then leave without the interpreter's teardown. torch's profiler
+    (the memory columns) can abort a process in its exit-time static destructors ("terminate
+    called without an active exception") after all the work is done; a failure still reaches
+    the parent as an exception through :func:`torch.multiprocessing.start_processes`."""
     run_rank(rank, world, cfg, backend, init_method, rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_rank(
