@@ -13,8 +13,9 @@ again.
 What is refused: ``nn.Conv1d`` with a kernel longer than one token, ``nn.RNNBase`` (LSTM, GRU,
 RNN), and modules whose class names say they are such a mixer (``MIXER_NAMES``: Gated DeltaNet,
 Mamba mixers, RWKV time mixing, linear attention, ...). Modules marked with
-``cpshard_not_sequence = True`` (a vision tower run on the rank's own frames) are skipped with
-their children. The check happens when the model is called eagerly (a ``torch.compile``d model
+``cpshard_not_sequence = True`` (a vision tower run on the rank's own frames) and modules whose
+class says ``cpshard_sequence_mixer = True`` (mixers whose convolution and recurrence run through
+:mod:`cpshard.mixers` under CP, set by an integration) are skipped with their children. The check happens when the model is called eagerly (a ``torch.compile``d model
 is checked through its wrapper's call); inside a compiled region it is skipped.
 """
 
@@ -63,7 +64,9 @@ def _walk(root: torch.nn.Module) -> tuple[str, str] | None:
     stack = [("", root)]
     while stack:
         path, module = stack.pop()
-        if getattr(module, "cpshard_not_sequence", False):
+        if getattr(module, "cpshard_not_sequence", False) or getattr(
+            module, "cpshard_sequence_mixer", False
+        ):
             continue
         problem = mixer_problem(module)
         if problem is not None:

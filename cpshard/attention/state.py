@@ -34,6 +34,7 @@ from cpshard.attention.packing import Packing, pack
 from cpshard.attention.placement import cached_on
 from cpshard.attention.spans import Span
 from cpshard.comm import Group
+from cpshard.layouts import ShardLayout
 from cpshard.scoped import ScopedValue
 
 _keys = itertools.count()
@@ -69,6 +70,10 @@ class AttentionState:
     plan_window: Callable[[int], AttentionState] | None = field(
         default=None, repr=False, compare=False
     )
+    # The step's padded document ids [B, P] (host) and layout: what the sequence mixers other
+    # than attention (convolutions, recurrences: cpshard.mixers) plan their steps from.
+    documents: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    shard_layout: ShardLayout | None = field(default=None, repr=False, compare=False)
     key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
     packing: Packing | None = field(init=False, repr=False, compare=False)  # host (pinned) copy
     blocks: Blocks = field(init=False, repr=False, compare=False)  # the loop's view, host copy
@@ -79,6 +84,10 @@ class AttentionState:
         default_factory=dict, init=False, repr=False, compare=False
     )
     _windows: dict[int, AttentionState] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    # Per-step plans other consumers derive from this state (planned once, on first use).
+    derived: dict[object, object] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 

@@ -48,6 +48,8 @@ def _state(
         twin=twin,
         window=window,
         plan_window=plan_window,
+        documents=doc,
+        shard_layout=layout,
     )
 
 
@@ -88,6 +90,8 @@ def _halo_state(
         twin=twin,
         window=window,
         plan_window=plan_window,
+        documents=doc,
+        shard_layout=layout,
     )
 
 
