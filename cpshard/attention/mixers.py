@@ -15,8 +15,9 @@ RNN), and modules whose class names say they are such a mixer (``MIXER_NAMES``: 
 Mamba mixers, RWKV time mixing, linear attention, ...). Modules marked with
 ``cpshard_not_sequence = True`` (a vision tower run on the rank's own frames) and modules whose
 class says ``cpshard_sequence_mixer = True`` (mixers whose convolution and recurrence run through
-:mod:`cpshard.mixers` under CP, set by an integration) are skipped with their children. The check happens when the model is called eagerly (a ``torch.compile``d model
-is checked through its wrapper's call); inside a compiled region it is skipped.
+:mod:`cpshard.mixers` under CP, set by an integration) are skipped with their children. The
+check happens when the model is called eagerly (a ``torch.compile``d model is checked through its
+wrapper's call); inside a compiled region it is skipped.
 """
 
 from __future__ import annotations
