@@ -559,3 +559,61 @@ def loss_without_cp_factor(logits, batch, group):
     from cpshard import cp_cross_entropy
 
     return cp_cross_entropy(logits, batch.targets.labels, group) / dist.get_world_size(group)
+
+
+def documents_of(row: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each document of a 1-D id row: maximal runs of one non-zero id."""
+    out, start = [], 0
+    ids = row.tolist()
+    for t in range(1, len(ids) + 1):
+        if t == len(ids) or ids[t] != ids[start]:
+            if ids[start] != 0:
+                out.append((start, t))
+            start = t
+    return out
+
+
+def causal_conv_reference(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, doc: torch.Tensor
+) -> torch.Tensor:
+    """Each document of ``x`` ``[B, S, C]`` alone through a zero-padded causal depthwise
+    ``conv1d`` (``weight`` ``[C, K]``) then SiLU; padding rows are zeros."""
+    out = torch.zeros_like(x)
+    k = weight.shape[1]
+    for b in range(x.shape[0]):
+        for s, e in documents_of(doc[b]):
+            part = x[b, s:e].T[None]  # [1, C, n]
+            y = torch.nn.functional.conv1d(
+                part, weight[:, None], bias, padding=k - 1, groups=x.shape[2]
+            )
+            out[b, s:e] = torch.nn.functional.silu(y[0, :, : e - s].T)
+    return out
+
+
+def delta_rule_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    doc: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule token by token, each document from a zero state: ``q``, ``k``
+    ``[B, S, H, d_k]`` (L2-normalised with eps 1e-6, ``q`` scaled by ``d_k^-1/2``), ``v``
+    ``[B, S, H, d_v]``, ``g`` (log decay), ``beta`` ``[B, S, H]``; padding rows are zeros."""
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    out = torch.zeros_like(v)
+    rows = []
+    for b in range(q.shape[0]):
+        row = [torch.zeros_like(v[b, 0])] * q.shape[1]
+        for s, e in documents_of(doc[b]):
+            state = v.new_zeros(q.shape[2], q.shape[3], v.shape[3])
+            for t in range(s, e):
+                state = state * g[b, t].exp()[:, None, None]
+                kt = k[b, t]
+                err = v[b, t] - torch.einsum("hkv,hk->hv", state, kt)
+                state = state + torch.einsum("hk,hv->hkv", kt, err * beta[b, t][:, None])
+                row[t] = torch.einsum("hkv,hk->hv", state, q[b, t])
+        rows.append(torch.stack(row))
+    return torch.stack(rows) + out

@@ -1,0 +1,44 @@
+"""Sequence mixers other than attention under CP: causal convolutions and linear recurrences.
+
+Hybrid models (Qwen3.5 and Qwen3-Next: Gated DeltaNet linear attention behind a short causal
+convolution) mix tokens along the sequence outside attention. Under CP each rank holds a slice
+of every packed sequence, so these layers need, like attention, what the rest of each document
+contributes: the convolution the few tokens before each run (:mod:`~cpshard.mixers.conv`), the
+recurrence the state its document's earlier runs leave (:mod:`~cpshard.mixers.runs`,
+:mod:`~cpshard.mixers.carry`, :mod:`~cpshard.mixers.delta_rule`). They read the step's
+documents and layout from the active CP attention state (planned once per step, on first use)
+and reset at every document start, so a packed batch equals its documents run alone.
+"""
+
+from __future__ import annotations
+
+from cpshard.attention.state import AttentionState
+from cpshard.mixers.conv import cp_causal_conv1d
+from cpshard.mixers.delta_rule import cp_gated_delta_rule
+from cpshard.mixers.runs import RecurrenceRuns, plan_recurrence_runs
+
+
+def recurrence_runs(state: AttentionState, what: str) -> RecurrenceRuns:
+    """The step's :class:`RecurrenceRuns`, planned on first use and kept in the state."""
+    runs = state.derived.get("recurrence runs")
+    if runs is None:
+        if state.documents is None or state.shard_layout is None:
+            raise ValueError(
+                f"{what}: rank {state.group.rank}: this CP attention state carries no documents "
+                "or layout to plan a recurrence from"
+            )
+        runs = plan_recurrence_runs(
+            state.group.rank, state.group.world, state.shard_layout, state.documents, what
+        )
+        state.derived["recurrence runs"] = runs
+    assert isinstance(runs, RecurrenceRuns)
+    return runs
+
+
+__all__ = [
+    "RecurrenceRuns",
+    "cp_causal_conv1d",
+    "cp_gated_delta_rule",
+    "plan_recurrence_runs",
+    "recurrence_runs",
+]
