@@ -1,0 +1,185 @@
+"""Hybrid models through transformers under CP: Qwen3.5 and Qwen3-Next (Gated DeltaNet linear
+attention with its short causal convolution, mixed with full attention), tiny random configs,
+float64, one packed row of documents longer than the convolution with interior padding, every
+layout that keeps documents in few pieces per rank and the block-diagonal batch, W = 1..4;
+``stripe`` refused on every rank before the model computes anything.
+
+The reference runs each document alone through a copy of the model with plain SDPA attention
+and, for the recurrence, the token-by-token gated delta rule of :mod:`tests.helpers` (transformers'
+own computes in float32). Both models' RMS norms are their float64 statements (transformers'
+compute in float32). Bounds: loss relative error < 1e-9, every gradient within 1e-8 of the
+largest."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.helpers import EXAMPLES, delta_rule_reference
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(EXAMPLES))
+
+import cp_decoder  # noqa: E402
+
+from cpshard.integrations import transformers as cp_transformers  # noqa: E402
+
+ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
+LOSS_TOL, GRAD_TOL = 1e-9, 1e-8
+LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
+MODELS = {
+    "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
+    "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
+}
+
+
+def _config(family: str):
+    import transformers as T
+
+    common = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        tie_word_embeddings=False, layer_types=["linear_attention", "full_attention"],
+        linear_conv_kernel_dim=4, linear_key_head_dim=4, linear_value_head_dim=6,
+        linear_num_key_heads=2, linear_num_value_heads=4,
+    )  # fmt: skip
+    if family == "qwen3_5":
+        return T.Qwen3_5TextConfig(**common)
+    if family == "qwen3_next":
+        return T.Qwen3NextConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+            shared_expert_intermediate_size=16, decoder_sparse_step=1,
+            experts_implementation="eager",
+        )  # fmt: skip
+    raise AssertionError(family)
+
+
+def _rms(self, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * normed * F.silu(gate)
+
+
+def _model(family: str) -> torch.nn.Module:
+    import transformers
+
+    cp_transformers.register()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNormGated"):
+            module.forward = _gated_rms.__get__(module)
+        elif name.endswith("RMSNorm"):
+            module.forward = _rms.__get__(module)
+    model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
+    return model
+
+
+def _reference_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, **kwargs):  # fmt: skip
+    """One document's gated delta rule, token by token in float64 (heads repeated as the
+    layer's grouped value heads need)."""
+    assert use_qk_l2norm_in_kernel and initial_state is None and not output_final_state
+    rep = value.shape[2] // key.shape[2]
+    q, k = (t.repeat_interleave(rep, dim=2) for t in (query, key))
+    doc = torch.ones(q.shape[:2], dtype=torch.int64)
+    return delta_rule_reference(q, k, value, g, beta, doc), None
+
+
+@contextlib.contextmanager
+def _reference_recurrence(family: str) -> Iterator[None]:
+    module = importlib.import_module(MODELS[family])
+    saved = module.torch_chunk_gated_delta_rule
+    module.torch_chunk_gated_delta_rule = _reference_rule
+    try:
+        yield
+    finally:
+        module.torch_chunk_gated_delta_rule = saved
+
+
+def _step(family: str, layout: str, group) -> tuple[float, float, float]:
+    """One CP step and the per-document reference: (CP loss averaged over ranks, reference
+    loss, worst gradient difference relative to the largest gradient)."""
+    model = _model(family)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    reference.config.use_cache = False  # a training forward: no recurrent cache
+    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
+
+    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+        return out.logits
+
+    cp = cp_decoder.cp_loss(group, batch, forward, layout)
+    with _reference_recurrence(family):
+        ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
+    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
+    import cpshard
+
+    cpshard.reduce_cp_gradients(model, group)
+    total = cp.clone().reshape(1)
+    dist.all_reduce(total, group=group)
+    total /= dist.get_world_size(group)
+    want = dict(reference.named_parameters())
+    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
+    worst = max(
+        float(((p.grad if p.grad is not None else 0) - want[n].grad).abs().max()) / largest
+        for n, p in model.named_parameters()
+        if want[n].grad is not None
+    )
+    return float(total), float(ref.detach()), worst
+
+
+def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
+    return {
+        f"{family} {layout}": _step(family, layout, dist.group.WORLD)
+        for family in MODELS
+        for layout in layouts
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_hybrids_match_each_document_alone(pools, world: int) -> None:
+    layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
+    for rank, cases in enumerate(pools(world).run(_cases, layouts, timeout=900)):
+        for name, (cp, ref, grad) in cases.items():
+            assert abs(cp - ref) <= LOSS_TOL * abs(ref), f"rank {rank} W={world} {name}: {cp!r} vs {ref!r}"
+            assert grad <= GRAD_TOL, f"rank {rank} W={world} {name}: gradient {grad:.2e} off"
+
+
+def _stripe(rank: int, world: int) -> list[str]:
+    import cpshard
+
+    out = []
+    for family in MODELS:
+        model = _model(family)
+        ran = []
+        model.lm_head.register_forward_hook(lambda *a: ran.append(True))
+        batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=1)
+        ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, "stripe").shard(batch)
+        with ctx():
+            try:
+                model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+                out.append("no error")
+            except ValueError as exc:
+                out.append(str(exc) + (" (model computed)" if ran else ""))
+    return out
+
+
+def test_stripe_is_refused_on_every_rank(pools) -> None:
+    for rank, messages in enumerate(pools(2).run(_stripe, timeout=300)):
+        for msg in messages:
+            assert f"rank {rank}" in msg and "'stripe'" in msg, msg
+            assert "model computed" not in msg, msg
