@@ -1,7 +1,7 @@
-"""Models whose layers mix tokens outside attention (Gated DeltaNet + causal convolution,
-Mamba, Mamba2) are refused under a CP context, on every rank and before any result, with the
-module named; outside CP they run as before. (Supporting them is separate work: until then,
-a refusal and never a silently wrong step.)"""
+"""Models whose layers mix tokens outside attention in a way cpshard does not shard (Mamba,
+Mamba2) are refused under a CP context, on every rank and before any result, with the module
+named; outside CP they run as before: a refusal, never a silently wrong step. (Gated DeltaNet
+hybrids run under CP: tests/integrations/test_hybrid_models.py.)"""
 
 from __future__ import annotations
 
@@ -43,8 +43,6 @@ def _hybrid(name: str) -> torch.nn.Module:
 
 
 HYBRIDS = {  # model -> the module its refusal names
-    "qwen3_next": "model.layers.0.linear_attn",
-    "qwen3_5": "model.layers.0.linear_attn",
     "mamba": "backbone.layers.0.mixer",
     "mamba2": "backbone.layers.0.mixer",
 }
