@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from cpshard.comm.backend_name import device_backend
 from cpshard.comm.group import Group
 from cpshard.comm.hugepages import new_buffer
 from cpshard.comm.verbs import offsets
@@ -55,7 +56,12 @@ class TorchTransport:
         assert group.pg is not None
         self.group = group
         self.pg = group.pg
-        self.is_gloo = group.backend == "gloo"
+
+    def uses_gloo(self, device: torch.device) -> bool:
+        """Whether the group moves tensors on ``device`` over gloo, whatever form its backend
+        string takes (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ``"undefined"`` with gloo bound to
+        that device type): gloo takes the point-to-point routes, others the collectives."""
+        return device_backend(self.group.backend, self.pg, device.type) == "gloo"
 
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.pg, rank)
@@ -69,7 +75,7 @@ class TorchTransport:
         offs = offsets(sizes)
         me = self.group.rank
         out[offs[me] : offs[me + 1]].copy_(_flat(local))
-        if self.is_gloo or len(set(sizes)) > 1:
+        if len(set(sizes)) > 1 or self.uses_gloo(out.device):
             peers = [r for r in range(self.group.world) if r != me]
             self.send_recv(
                 [(r, out[offs[me] : offs[me + 1]]) for r in peers if sizes[me]],
@@ -81,7 +87,7 @@ class TorchTransport:
             dist.all_gather_into_tensor(out, out[offs[me] : offs[me + 1]], group=self.pg)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        if self.is_gloo:
+        if self.uses_gloo(out.device):
             self.reduce_scatter_v(out, full, [out.numel()] * self.group.world)
         else:
             dist.reduce_scatter_tensor(out, _flat(full), group=self.pg)
