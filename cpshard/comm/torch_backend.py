@@ -11,6 +11,7 @@ import torch.distributed as dist
 from cpshard.comm.backend_name import device_backend
 from cpshard.comm.group import Group
 from cpshard.comm.hugepages import new_buffer
+from cpshard.comm.torch_compat import all_gather_single, reduce_scatter_single
 from cpshard.comm.verbs import offsets
 
 
@@ -49,7 +50,10 @@ class TorchTransport:
       of the next; peak staging stays at 16 MiB instead of ``W * n``. Both sum the W
       contributions in rank order (a sum over dim 0), so results are deterministic and
       identical between the two routes. Equal reduce-scatters on gloo take the same routes,
-      since gloo emulates ``reduce_scatter_tensor`` with a full all-reduce (twice the traffic).
+      since gloo emulates its reduce-scatter with a full all-reduce (twice the traffic).
+
+    torch's collectives are called by their newest names on every supported torch
+    (:mod:`cpshard.comm.torch_compat`).
     """
 
     def __init__(self, group: Group) -> None:
@@ -84,13 +88,13 @@ class TorchTransport:
             )
         else:
             # In place: this rank's slot is the input (NCCL reads it before writing others).
-            dist.all_gather_into_tensor(out, out[offs[me] : offs[me + 1]], group=self.pg)
+            all_gather_single(out, out[offs[me] : offs[me + 1]], group=self.pg)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
         if self.uses_gloo(out.device):
             self.reduce_scatter_v(out, full, [out.numel()] * self.group.world)
         else:
-            dist.reduce_scatter_tensor(out, _flat(full), group=self.pg)
+            reduce_scatter_single(out, _flat(full), group=self.pg)
 
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None:
         full = _flat(full)
