@@ -148,36 +148,57 @@ def test_native_nccl_verbs_at_world_1(nccl_world1, bootstrap: str) -> None:
     assert comm.error() == ""
 
 
-def test_eagerly_initialised_subgroup_splits_from_torchs_communicator(nccl_world1) -> None:
-    """A subgroup of an eagerly initialised world (device_id given) has torch's communicator
-    already: cpshard looks it up and splits from it, and never asks torch for another."""
+@pytest.mark.parametrize("torch_first", [False, True])
+def test_eagerly_initialised_subgroup_splits_from_torchs_communicator(
+    nccl_world1, torch_first: bool
+) -> None:
+    """A subgroup of an eagerly initialised world (device_id given): cpshard looks torch's
+    communicator up before anything else, splits from it, and asks torch to create one only
+    when it has none, then exactly once; never when torch already has one (``torch_first``:
+    a collective of torch's on the subgroup made sure it has)."""
     from cpshard.comm import nccl
 
     sub = dist.new_group([0])
     backend = sub._get_backend(torch.device("cuda", 0))
+    if torch_first:
+        dist.all_reduce(torch.ones(1, device="cuda"), group=sub)
+        torch.cuda.synchronize()
     with torch.cuda.device(0):
         before = int(backend._comm_ptr())
-    calls = []
-    real = type(backend).eager_connect_single_device
+    assert before != 0 or not torch_first, "torch's collective made no communicator"
+    events: list[str] = []
+    kind = type(backend)
+    real_lookup, real_connect = kind._comm_ptr, kind.eager_connect_single_device
 
-    def counting(self, device):
-        calls.append(device)
-        return real(self, device)
+    def lookup(self):
+        events.append("lookup")
+        return real_lookup(self)
 
-    type(backend).eager_connect_single_device = counting
+    def connect(self, device):
+        events.append("connect")
+        return real_connect(self, device)
+
+    kind._comm_ptr, kind.eager_connect_single_device = lookup, connect
     try:
-        comm = nccl.communicator(resolve_group(sub, "test"), torch.device("cuda", 0))
+        group = resolve_group(sub, "test")
+        comm = nccl.communicator(group, torch.device("cuda", 0))
         assert comm.bootstrap == "split", comm.bootstrap
+        assert nccl.communicator(group, torch.device("cuda", 0)) is comm  # cached
         x = torch.randn(11, device="cuda")
         out = torch.empty_like(x)
         comm.all_gather(out, x)
         assert torch.equal(out, x)
+        assert events[:1] == ["lookup"], events  # looked up first
+        if before:
+            assert "connect" not in events, events  # torch had one: never another
+        else:
+            assert events.count("connect") == 1, events  # none: created once, then looked up
+            assert events[-1] == "lookup", events
         with torch.cuda.device(0):
-            after = int(backend._comm_ptr())
-        assert before == 0 or calls == [], calls  # looked up, not re-created
-        assert after != 0 and (before == 0 or after == before)
+            after = int(real_lookup(backend))
+        assert after != 0 and (before == 0 or after == before), (before, after)
     finally:
-        type(backend).eager_connect_single_device = real
+        kind._comm_ptr, kind.eager_connect_single_device = real_lookup, real_connect
         nccl.close(sub)
         dist.destroy_process_group(sub)
 
