@@ -214,10 +214,17 @@ def test_native_nccl_rejects_bad_arguments_before_enqueueing(nccl_world1) -> Non
         comm.reduce_scatter_v(torch.empty(7, device="cuda"), x, [8])
     with pytest.raises(RuntimeError, match="must be on cuda:0"):
         comm.all_gather(torch.empty(8), x)
-    with pytest.raises(RuntimeError, match="NCCL cannot sum dtype Bool"):
-        comm.reduce_scatter(torch.empty(8, dtype=torch.bool, device="cuda"), x.bool())
+    with pytest.raises(RuntimeError, match="NCCL cannot sum dtype Short"):
+        comm.reduce_scatter(torch.empty(8, dtype=torch.int16, device="cuda"), x.to(torch.int16))
     with pytest.raises(RuntimeError, match="send_peers holds 0"):
         comm.send_recv([(0, x)], [])
+    # A bool reduce-scatter is accepted: a logical or (the max of 0/1 bytes; one rank here).
+    flags = torch.tensor([True, False, False, True, False, True, True, False], device="cuda")
+    ored = torch.empty_like(flags)
+    comm.reduce_scatter(ored, flags)
+    assert torch.equal(ored, flags)
+    comm.reduce_scatter_v(ored, flags, [8])
+    assert torch.equal(ored, flags)
     # The communicator is still healthy: nothing half-enqueued.
     out = torch.empty(8, device="cuda")
     comm.all_gather(out, x)
@@ -276,6 +283,12 @@ def _two_rank_worker(rank: int, store_path: str, bootstrap: str) -> None:
             part.tolist()
             == (torch.arange(8.0) * 3)[[0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7]].tolist()
         )
+        # bool: a logical or over the ranks (rank r sets element i when (i + r) % 3 == 0)
+        flags = torch.tensor([(i + rank) % 3 == 0 for i in range(8)], device=device)
+        ored = torch.empty(sizes[rank], dtype=torch.bool, device=device)
+        comm.reduce_scatter_v(ored, flags, sizes)
+        want = [i % 3 == 0 or (i + 1) % 3 == 0 for i in range(8)]
+        assert ored.tolist() == (want[:3] if rank == 0 else want[3:])
         recv = torch.empty(4, device=device)
         comm.send_recv(
             [(1 - rank, torch.full((4,), float(rank), device=device))], [(1 - rank, recv)]
