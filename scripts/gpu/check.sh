@@ -19,8 +19,9 @@
 # ninja, CMake >= 3.26 and pytest are installed (the deps step installs only what is missing);
 # its CMake/ninja tree stays in build/ of this checkout, so a rerun recompiles only what changed.
 # Numeric checks (scripts/gpu/numerics.py): fp16/bf16 cp_attention on the varlen and loop paths
-# against an fp32 reference within a multiple of the reference's own low-precision error, and
-# GQA with single-token query runs against float64.
+# against an fp32 reference within a multiple of the reference's own low-precision error, the
+# same for a sliding window, sinks and logit soft-capping (alone and together), and GQA with
+# single-token query runs against float64.
 # Output goes to OUT (argument, else $OUT, else ./gpu-check): build.log, tests.txt,
 # steady_state.txt, benchmarks.txt, kernels_cuda.json, kernels_cpu.json, nccl_world1.json,
 # summary.txt.
