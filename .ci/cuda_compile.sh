@@ -147,7 +147,9 @@ from cpshard.comm import nccl
 uid = nccl.unique_id()
 assert uid.dtype == torch.uint8 and uid.shape == (nccl.UNIQUE_ID_BYTES,), uid
 assert uid.any(), "an all-zero ncclUniqueId"
-assert nccl.version() == tuple(torch.cuda.nccl.version()), (nccl.version(), torch.cuda.nccl.version())
+# torch reports (major, minor, patch) or, with a build suffix, a 4-tuple: compare the numbers.
+assert nccl.version() == nccl.nccl_version_triple(torch.cuda.nccl.version()), (
+    nccl.version(), torch.cuda.nccl.version())
 assert nccl.bootstrap_mode() == "split"
 print("   NCCL communicator built; NCCL", ".".join(map(str, nccl.version())), "(torch's);",
       "unique id of", uid.numel(), "bytes made through cpshard.comm.nccl.unique_id")

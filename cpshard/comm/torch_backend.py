@@ -8,8 +8,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from cpshard.comm.backend_name import device_backend
 from cpshard.comm.group import Group
 from cpshard.comm.hugepages import new_buffer
+from cpshard.comm.torch_compat import all_gather_single, reduce_scatter_single
 from cpshard.comm.verbs import offsets
 
 
@@ -48,14 +50,22 @@ class TorchTransport:
       of the next; peak staging stays at 16 MiB instead of ``W * n``. Both sum the W
       contributions in rank order (a sum over dim 0), so results are deterministic and
       identical between the two routes. Equal reduce-scatters on gloo take the same routes,
-      since gloo emulates ``reduce_scatter_tensor`` with a full all-reduce (twice the traffic).
+      since gloo emulates its reduce-scatter with a full all-reduce (twice the traffic).
+
+    torch's collectives are called by their newest names on every supported torch
+    (:mod:`cpshard.comm.torch_compat`).
     """
 
     def __init__(self, group: Group) -> None:
         assert group.pg is not None
         self.group = group
         self.pg = group.pg
-        self.is_gloo = group.backend == "gloo"
+
+    def uses_gloo(self, device: torch.device) -> bool:
+        """Whether the group moves tensors on ``device`` over gloo, whatever form its backend
+        string takes (``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ``"undefined"`` with gloo bound to
+        that device type): gloo takes the point-to-point routes, others the collectives."""
+        return device_backend(self.group.backend, self.pg, device.type) == "gloo"
 
     def _peer(self, rank: int) -> int:
         return dist.get_global_rank(self.pg, rank)
@@ -69,7 +79,7 @@ class TorchTransport:
         offs = offsets(sizes)
         me = self.group.rank
         out[offs[me] : offs[me + 1]].copy_(_flat(local))
-        if self.is_gloo or len(set(sizes)) > 1:
+        if len(set(sizes)) > 1 or self.uses_gloo(out.device):
             peers = [r for r in range(self.group.world) if r != me]
             self.send_recv(
                 [(r, out[offs[me] : offs[me + 1]]) for r in peers if sizes[me]],
@@ -78,13 +88,13 @@ class TorchTransport:
             )
         else:
             # In place: this rank's slot is the input (NCCL reads it before writing others).
-            dist.all_gather_into_tensor(out, out[offs[me] : offs[me + 1]], group=self.pg)
+            all_gather_single(out, out[offs[me] : offs[me + 1]], group=self.pg)
 
     def reduce_scatter(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        if self.is_gloo:
+        if self.uses_gloo(out.device):
             self.reduce_scatter_v(out, full, [out.numel()] * self.group.world)
         else:
-            dist.reduce_scatter_tensor(out, _flat(full), group=self.pg)
+            reduce_scatter_single(out, _flat(full), group=self.pg)
 
     def reduce_scatter_v(self, out: torch.Tensor, full: torch.Tensor, sizes: Sequence[int]) -> None:
         full = _flat(full)

@@ -6,7 +6,13 @@
   ``F.scaled_dot_product_attention``), so the bound tracks what the dtype allows;
 * GQA with single-token query runs (every document one token: FlashAttention's
   ``seqlenq_ngroups_swapped`` reshape of its log-sum-exp) on both paths against a float64
-  reference, the same way.
+  reference, the same way;
+* the variants, fp16 / bf16 against fp32 with the same bound (the sinks' gradient checked too):
+  a sliding window and sinks (alone and together, GQA) on both paths; logit soft-capping alone
+  and with a window and sinks on the loop (no varlen kernel takes a soft-cap: cpshard runs the
+  loop, and the check asserts it). The reference is SDPA where it has the option (a window: a
+  band mask), else the explicit statement in the dtype under test (soft-cap, sinks; the sinks
+  themselves fp32).
 
 Prints one ``ok`` / ``FAIL`` line per check with the errors and bounds; exits non-zero on a
 failure, 0 with ``skipped: <why>`` when there is no GPU. ``--device cpu`` runs the same checks
@@ -21,6 +27,7 @@ import argparse
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +38,24 @@ import cpshard  # noqa: E402
 from cpshard.attention import engine  # noqa: E402
 
 FACTOR = 3.0  # cpshard may err by this multiple of the reference's own low-precision error
+
+
+@dataclass(frozen=True)
+class Variant:
+    """cp_attention's options under check: a sliding ``window``, a logit ``softcap`` and
+    whether the call has ``sinks`` (one learned logit per query head)."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+
+    def __str__(self) -> str:
+        named = [f"window {self.window}"] if self.window is not None else []
+        named += [f"softcap {self.softcap:g}"] if self.softcap is not None else []
+        return " ".join(named + ["sinks"] * self.sinks)
+
+
+PLAIN = Variant()
 
 
 @contextmanager
@@ -53,16 +78,37 @@ def path(name: str, seen: list[str]) -> Iterator[None]:
         engine.varlen_kernel, engine.implementation = saved_kernel, saved_impl
 
 
-def reference(q, k, v, lengths: list[int]) -> torch.Tensor:
-    """Per-document causal attention with F.scaled_dot_product_attention, in q's dtype."""
+def explicit(q, k, v, visible: torch.Tensor, softcap: float | None, sinks) -> torch.Tensor:
+    """Matmul-softmax in q's dtype: soft-capped logits, a sink column dropped after the softmax."""
+    logits = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        logits = torch.cat([logits, column], dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    return (probs[..., : k.shape[2]] if sinks is not None else probs) @ v
+
+
+def reference(q, k, v, lengths: list[int], variant: Variant = PLAIN, sinks=None) -> torch.Tensor:
+    """Per-document causal attention in q's dtype: F.scaled_dot_product_attention (a window as
+    a band mask), or :func:`explicit` with a soft-cap or sinks (SDPA has neither)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     outs, at = [], 0
     for n in lengths:
         sl = slice(at, at + n)
-        outs.append(
-            F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True)
-        )
+        i = torch.arange(n, device=q.device)[:, None]
+        j = torch.arange(n, device=q.device)[None, :]
+        visible = (j <= i) & (j > i - (variant.window or n))
+        qs, ks, vs = q[:, :, sl], k[:, :, sl], v[:, :, sl]
+        if variant.softcap is not None or sinks is not None:
+            outs.append(explicit(qs, ks, vs, visible, variant.softcap, sinks))
+        elif variant.window is not None:
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible))
+        else:  # SDPA's own causal mask: its flash kernel on a GPU
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True))
         at += n
     return torch.cat(outs, dim=2)
 
@@ -78,14 +124,16 @@ def with_grads(
 
 
 def cp_with_grads(
-    leaves: list[torch.Tensor], lengths: list[int], weight: torch.Tensor
+    leaves: list[torch.Tensor], lengths: list[int], weight: torch.Tensor, variant: Variant
 ) -> list[torch.Tensor]:
     """cp_attention at world size 1 inside a sharder context over the documents ``lengths``,
-    and its gradients (the backward runs while the step's context is alive)."""
+    and its gradients w.r.t. ``leaves`` (q, k, v and, with sinks, the sinks; the backward runs
+    while the step's context is alive)."""
     doc = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(lengths)])[None]
     sharder = cpshard.ContextParallelSharder(None, "contiguous")
     ctx, local = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
-    q, k, v = (t.detach().clone().requires_grad_() for t in leaves)
+    leaves = [t.detach().clone().requires_grad_() for t in leaves]
+    q, k, v = leaves[:3]
     with ctx():
         out = cpshard.cp_attention(
             q,
@@ -93,14 +141,25 @@ def cp_with_grads(
             v,
             is_causal=True,
             enable_gqa=q.shape[1] != k.shape[1],
+            window=variant.window,
+            softcap=variant.softcap,
+            sinks=leaves[3] if variant.sinks else None,
             position_ids=local["position_ids"].to(q.device),
         )
-        grads = torch.autograd.grad((out.float() * weight).sum(), [q, k, v])
+        grads = torch.autograd.grad((out.float() * weight).sum(), leaves)
     return [out.detach().double(), *(g.double() for g in grads)]
 
 
 def check(
-    name: str, lengths: list[int], heads: int, kv_heads: int, dtype, truth_dtype, device, impl: str
+    name: str,
+    lengths: list[int],
+    heads: int,
+    kv_heads: int,
+    dtype,
+    truth_dtype,
+    device,
+    impl: str,
+    variant: Variant = PLAIN,
 ) -> bool:
     g = torch.Generator(device="cpu").manual_seed(len(lengths) * 131 + heads)
     s, d = sum(lengths), 64
@@ -109,30 +168,37 @@ def check(
         for h in (heads, kv_heads, kv_heads)
     ]
     weight = torch.randn(1, heads, s, d, generator=g).to(device)
-    lp = [t.to(device, dtype) for t in full]
-    truth = with_grads(
-        lambda *t: reference(*t, lengths), [t.to(device, truth_dtype) for t in full], weight
-    )
-    ref_lp = with_grads(lambda *t: reference(*t, lengths), lp, weight)
+    if variant.sinks:  # around the logits' scale: each sink takes a real share of the softmax
+        full.append(torch.randn(heads, generator=g, dtype=torch.float64) + 1.0)
+    names = ("out", "dq", "dk", "dv", "dsinks")[: 1 + len(full)]
+
+    def ref(*t: torch.Tensor) -> torch.Tensor:
+        return reference(*t[:3], lengths, variant, t[3] if variant.sinks else None)
+
+    # The sinks stay fp32 (a master weight), so their gradient is not rounded to the dtype at
+    # the end: over a few heads that rounding alone would decide both errors.
+    lp = [t.to(device, dtype) for t in full[:3]] + [t.to(device, torch.float32) for t in full[3:]]
+    truth = with_grads(ref, [t.to(device, truth_dtype) for t in full], weight)
+    ref_lp = with_grads(ref, lp, weight)
     seen: list[str] = []
     with path(impl, seen):
-        got = cp_with_grads(lp, lengths, weight)
+        got = cp_with_grads(lp, lengths, weight, variant)
     ok = True
     parts = []
-    for what, a, b, c in zip(("out", "dq", "dk", "dv"), got, ref_lp, truth, strict=True):
+    for what, a, b, c in zip(names, got, ref_lp, truth, strict=True):
         err = (a - c).abs().max().item()
         ref_err = (b - c).abs().max().item()
         bound = FACTOR * ref_err + 1e-6 * c.abs().max().item()
         ok &= bool(err <= bound) and bool(torch.isfinite(a).all())
         parts.append(f"{what} err {err:.2e} <= {bound:.2e}")
     used = sorted(set(seen))
-    want = {"varlen": "varlen", "loop": "loop"}[impl]
+    want = "loop" if variant.softcap is not None else impl  # no varlen kernel takes a soft-cap
     if device.type == "cuda" and used != [want]:
         ok = False
         parts.append(f"ran {used}, expected {want}")
     print(
         ("ok  " if ok else "FAIL"),
-        f"{name} {impl} {str(dtype).split('.')[-1]}:",
+        f"{name}{f' {variant}' if variant != PLAIN else ''} {impl} {str(dtype).split('.')[-1]}:",
         "; ".join(parts),
         flush=True,
     )
@@ -174,6 +240,19 @@ def main() -> int:
         ok &= check(
             "gqa single-token x16 H12/4", [1] * 16, 12, 4, dtypes[-1], torch.float64, device, impl
         )
+        # The variants. Sinks over 32 query heads: their gradient has one value per head, and
+        # the reference's error over a few values is too noisy a yardstick.
+        for dtype in dtypes:
+            truth = torch.float32 if dtype != torch.float32 else torch.float64
+            variants = [Variant(window=16), Variant(sinks=True), Variant(window=16, sinks=True)]
+            if impl == "loop":  # a soft-cap always runs the loop: a varlen pass would repeat it
+                variants += [Variant(softcap=3.0), Variant(window=16, softcap=3.0, sinks=True)]
+            for variant in variants:
+                heads, kv_heads = (32, 8) if variant.sinks else (8, 2)
+                ok &= check(
+                    f"docs[37,100,1,250,12] H{heads}/{kv_heads}", [37, 100, 1, 250, 12], heads,
+                    kv_heads, dtype, truth, device, impl, variant,
+                )  # fmt: skip
     print("all numeric checks passed" if ok else "numeric checks FAILED")
     return 0 if ok else 1
 

@@ -40,7 +40,7 @@ def test_nccl_bootstrap_helpers_need_no_gpu(monkeypatch: pytest.MonkeyPatch) -> 
     uid = nccl.unique_id()
     assert uid.dtype == torch.uint8 and uid.shape == (nccl.UNIQUE_ID_BYTES,)
     assert not torch.equal(uid, nccl.unique_id())  # fresh every time
-    assert nccl.version() == tuple(torch.cuda.nccl.version())
+    assert nccl.version() == nccl.nccl_version_triple(torch.cuda.nccl.version())  # 3- or 4-tuple
     monkeypatch.delenv(nccl.BOOTSTRAP_ENV, raising=False)
     assert nccl.bootstrap_mode() == "split"
     monkeypatch.setenv(nccl.BOOTSTRAP_ENV, "unique_id")
@@ -148,36 +148,57 @@ def test_native_nccl_verbs_at_world_1(nccl_world1, bootstrap: str) -> None:
     assert comm.error() == ""
 
 
-def test_eagerly_initialised_subgroup_splits_from_torchs_communicator(nccl_world1) -> None:
-    """A subgroup of an eagerly initialised world (device_id given) has torch's communicator
-    already: cpshard looks it up and splits from it, and never asks torch for another."""
+@pytest.mark.parametrize("torch_first", [False, True])
+def test_eagerly_initialised_subgroup_splits_from_torchs_communicator(
+    nccl_world1, torch_first: bool
+) -> None:
+    """A subgroup of an eagerly initialised world (device_id given): cpshard looks torch's
+    communicator up before anything else, splits from it, and asks torch to create one only
+    when it has none, then exactly once; never when torch already has one (``torch_first``:
+    a collective of torch's on the subgroup made sure it has)."""
     from cpshard.comm import nccl
 
     sub = dist.new_group([0])
     backend = sub._get_backend(torch.device("cuda", 0))
+    if torch_first:
+        dist.all_reduce(torch.ones(1, device="cuda"), group=sub)
+        torch.cuda.synchronize()
     with torch.cuda.device(0):
         before = int(backend._comm_ptr())
-    calls = []
-    real = type(backend).eager_connect_single_device
+    assert before != 0 or not torch_first, "torch's collective made no communicator"
+    events: list[str] = []
+    kind = type(backend)
+    real_lookup, real_connect = kind._comm_ptr, kind.eager_connect_single_device
 
-    def counting(self, device):
-        calls.append(device)
-        return real(self, device)
+    def lookup(self):
+        events.append("lookup")
+        return real_lookup(self)
 
-    type(backend).eager_connect_single_device = counting
+    def connect(self, device):
+        events.append("connect")
+        return real_connect(self, device)
+
+    kind._comm_ptr, kind.eager_connect_single_device = lookup, connect
     try:
-        comm = nccl.communicator(resolve_group(sub, "test"), torch.device("cuda", 0))
+        group = resolve_group(sub, "test")
+        comm = nccl.communicator(group, torch.device("cuda", 0))
         assert comm.bootstrap == "split", comm.bootstrap
+        assert nccl.communicator(group, torch.device("cuda", 0)) is comm  # cached
         x = torch.randn(11, device="cuda")
         out = torch.empty_like(x)
         comm.all_gather(out, x)
         assert torch.equal(out, x)
+        assert events[:1] == ["lookup"], events  # looked up first
+        if before:
+            assert "connect" not in events, events  # torch had one: never another
+        else:
+            assert events.count("connect") == 1, events  # none: created once, then looked up
+            assert events[-1] == "lookup", events
         with torch.cuda.device(0):
-            after = int(backend._comm_ptr())
-        assert before == 0 or calls == [], calls  # looked up, not re-created
-        assert after != 0 and (before == 0 or after == before)
+            after = int(real_lookup(backend))
+        assert after != 0 and (before == 0 or after == before), (before, after)
     finally:
-        type(backend).eager_connect_single_device = real
+        kind._comm_ptr, kind.eager_connect_single_device = real_lookup, real_connect
         nccl.close(sub)
         dist.destroy_process_group(sub)
 
@@ -193,10 +214,17 @@ def test_native_nccl_rejects_bad_arguments_before_enqueueing(nccl_world1) -> Non
         comm.reduce_scatter_v(torch.empty(7, device="cuda"), x, [8])
     with pytest.raises(RuntimeError, match="must be on cuda:0"):
         comm.all_gather(torch.empty(8), x)
-    with pytest.raises(RuntimeError, match="NCCL cannot sum dtype Bool"):
-        comm.reduce_scatter(torch.empty(8, dtype=torch.bool, device="cuda"), x.bool())
+    with pytest.raises(RuntimeError, match="NCCL cannot sum dtype Short"):
+        comm.reduce_scatter(torch.empty(8, dtype=torch.int16, device="cuda"), x.to(torch.int16))
     with pytest.raises(RuntimeError, match="send_peers holds 0"):
         comm.send_recv([(0, x)], [])
+    # A bool reduce-scatter is accepted: a logical or (the max of 0/1 bytes; one rank here).
+    flags = torch.tensor([True, False, False, True, False, True, True, False], device="cuda")
+    ored = torch.empty_like(flags)
+    comm.reduce_scatter(ored, flags)
+    assert torch.equal(ored, flags)
+    comm.reduce_scatter_v(ored, flags, [8])
+    assert torch.equal(ored, flags)
     # The communicator is still healthy: nothing half-enqueued.
     out = torch.empty(8, device="cuda")
     comm.all_gather(out, x)
@@ -255,6 +283,12 @@ def _two_rank_worker(rank: int, store_path: str, bootstrap: str) -> None:
             part.tolist()
             == (torch.arange(8.0) * 3)[[0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7]].tolist()
         )
+        # bool: a logical or over the ranks (rank r sets element i when (i + r) % 3 == 0)
+        flags = torch.tensor([(i + rank) % 3 == 0 for i in range(8)], device=device)
+        ored = torch.empty(sizes[rank], dtype=torch.bool, device=device)
+        comm.reduce_scatter_v(ored, flags, sizes)
+        want = [i % 3 == 0 or (i + 1) % 3 == 0 for i in range(8)]
+        assert ored.tolist() == (want[:3] if rank == 0 else want[3:])
         recv = torch.empty(4, device=device)
         comm.send_recv(
             [(1 - rank, torch.full((4,), float(rank), device=device))], [(1 - rank, recv)]
