@@ -190,7 +190,8 @@ def vlm_documents(batch: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Ten
 def merged_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     """The decoder's inputs for the FULL sequence, ready to shard: ``inputs_embeds`` with the
     image embeddings scattered in, the image-token mask and one dense ``[B, S, D]`` tensor per
-    deepstack level (zeros off images), plus positions, labels and document ids."""
+    deepstack level (zeros off images; none for a model without them), plus positions, labels
+    and document ids."""
     vlm = model.model
     features = vlm.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
     mask = (batch["input_ids"] == IMAGE).unsqueeze(-1)
@@ -202,7 +203,7 @@ def merged_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, An
         "labels": batch["labels"],
         "_packed_seq_ids": batch["_packed_seq_ids"],
     }
-    for k, level in enumerate(features.deepstack_features):
+    for k, level in enumerate(getattr(features, "deepstack_features", None) or []):
         merged[f"deepstack_{k}"] = torch.zeros_like(embeds).masked_scatter(mask, torch.cat(level))
     return merged
 
@@ -211,11 +212,13 @@ def decoder_logits(model: torch.nn.Module, local: dict[str, Any]) -> torch.Tenso
     """The decoder and LM head on this rank's tokens of :func:`merged_inputs`."""
     mask = local["visual_pos_masks"]
     levels = sorted(k for k in local if k.startswith("deepstack_"))
+    deepstack = (  # models without deepstack levels (Qwen3.5) take no such arguments
+        {"visual_pos_masks": mask, "deepstack_visual_embeds": [local[k][mask] for k in levels]}
+        if levels
+        else {"use_cache": False}
+    )
     hidden = model.model.language_model(
-        inputs_embeds=local["inputs_embeds"],
-        position_ids=local["position_ids"],
-        visual_pos_masks=mask,
-        deepstack_visual_embeds=[local[k][mask] for k in levels],
+        inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"], **deepstack
     ).last_hidden_state
     return model.lm_head(hidden)
 

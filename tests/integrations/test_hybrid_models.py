@@ -109,6 +109,25 @@ def _reference_recurrence(family: str) -> Iterator[None]:
         module.torch_chunk_gated_delta_rule = saved
 
 
+def _compare(model, reference, cp: torch.Tensor, ref: torch.Tensor, group) -> tuple[float, float, float]:
+    """After both backward passes: (CP loss averaged over ranks, reference loss, worst gradient
+    difference relative to the largest reference gradient), the CP gradients reduced first."""
+    import cpshard
+
+    cpshard.reduce_cp_gradients(model, group)
+    total = cp.clone().reshape(1)
+    dist.all_reduce(total, group=group)
+    total /= dist.get_world_size(group)
+    want = dict(reference.named_parameters())
+    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
+    worst = max(
+        float(((p.grad if p.grad is not None else 0) - want[n].grad).abs().max()) / largest
+        for n, p in model.named_parameters()
+        if want[n].grad is not None
+    )
+    return float(total), float(ref.detach()), worst
+
+
 def _step(family: str, layout: str, group) -> tuple[float, float, float]:
     """One CP step and the per-document reference: (CP loss averaged over ranks, reference
     loss, worst gradient difference relative to the largest gradient)."""
@@ -126,20 +145,7 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
     with _reference_recurrence(family):
         ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
-    import cpshard
-
-    cpshard.reduce_cp_gradients(model, group)
-    total = cp.clone().reshape(1)
-    dist.all_reduce(total, group=group)
-    total /= dist.get_world_size(group)
-    want = dict(reference.named_parameters())
-    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
-    worst = max(
-        float(((p.grad if p.grad is not None else 0) - want[n].grad).abs().max()) / largest
-        for n, p in model.named_parameters()
-        if want[n].grad is not None
-    )
-    return float(total), float(ref.detach()), worst
+    return _compare(model, reference, cp, ref, group)
 
 
 def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
@@ -150,13 +156,90 @@ def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, 
     }
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_hybrids_match_each_document_alone(pools, world: int) -> None:
-    layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
-    for rank, cases in enumerate(pools(world).run(_cases, layouts, timeout=900)):
+def _check(results: list[dict[str, tuple[float, float, float]]], world: int) -> None:
+    for rank, cases in enumerate(results):
         for name, (cp, ref, grad) in cases.items():
             assert abs(cp - ref) <= LOSS_TOL * abs(ref), f"rank {rank} W={world} {name}: {cp!r} vs {ref!r}"
             assert grad <= GRAD_TOL, f"rank {rank} W={world} {name}: gradient {grad:.2e} off"
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_hybrids_match_each_document_alone(pools, world: int) -> None:
+    layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
+    _check(pools(world).run(_cases, layouts, timeout=900), world)
+
+
+def _tiny_vlm() -> torch.nn.Module:
+    """A tiny random Qwen3.5 VLM (vision tower + hybrid decoder), float64 norms."""
+    import cp_vlm
+    import transformers
+
+    cp_transformers.register()
+    text = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                         "partial_rotary_factor": 1.0},
+        layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=4, linear_value_head_dim=6, linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    )  # fmt: skip
+    vision = dict(
+        depth=2, hidden_size=16, intermediate_size=32, num_heads=2, in_channels=3, patch_size=2,
+        temporal_patch_size=1, spatial_merge_size=2, out_hidden_size=32, num_position_embeddings=16,
+    )  # fmt: skip
+    config = transformers.Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=cp_vlm.IMAGE,
+        video_token_id=cp_vlm.VIDEO, vision_start_token_id=cp_vlm.START,
+        vision_end_token_id=cp_vlm.END, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float64)
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNormGated"):
+            module.forward = _gated_rms.__get__(module)
+        elif name.endswith("RMSNorm"):
+            module.forward = _rms.__get__(module)
+    model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
+    return model
+
+
+def _vlm_step(rank: int, world: int, layout: str) -> tuple[float, float, float]:
+    """The Qwen3.5 VLM's CP step: the tower on this rank's frames (``maybe_distribute_visual``
+    through the wrapped tower), the merged sequence sharded as ``layout``, the hybrid decoder
+    under CP; and the per-document reference (loss, reference loss, worst relative gradient)."""
+    import cp_vlm
+
+    import cpshard
+
+    group = dist.group.WORLD
+    model = _tiny_vlm()
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    reference.config.use_cache = False
+    reference.config.text_config.use_cache = False
+    cp_transformers.wrap_vision_tower(model)
+    batch = cp_vlm.vlm_batch(model, cp_vlm.ROWS, 0)
+    config = cpshard.CpVisionFrameShardingConfig(
+        enabled=True, min_tokens=1, min_frames=1, min_local_patch_rows=1
+    )
+    with cpshard.cp_vision_group(group, config=config):
+        merged = cp_vlm.merged_inputs(model, batch)
+    cp = cp_decoder.cp_loss(group, merged, lambda local: cp_vlm.decoder_logits(model, local), layout)
+    with _reference_recurrence("qwen3_5"):
+        ref = cp_decoder.reference_loss(reference, cp_vlm.vlm_documents(batch))
+    cp_decoder.reference_backward(ref, reference, world)
+    return _compare(model, reference, cp, ref, group)
+
+
+def _vlm_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
+    return {layout: _vlm_step(rank, world, layout) for layout in ("blockdiag", "balanced")}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_qwen3_5_vlm_matches_each_document_alone(pools, world: int) -> None:
+    _check(pools(world).run(_vlm_cases, timeout=900), world)
 
 
 def _stripe(rank: int, world: int) -> list[str]:
