@@ -170,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="tiny problems for the planner, vision, layouts, blockdiag and attention sections (a "
-        "smoke test: their figures mean nothing)",
+        help="tiny problems for the planner, vision, layouts, blockdiag, attention and mixers "
+        "sections (a smoke test: their figures mean nothing)",
     )
     bench.add_argument(
         "--timeout",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from cpshard.validation import is_int
 
 GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
-SECTION_OPS = ("planner", "vision", "layouts", "blockdiag", "attention")
+SECTION_OPS = ("planner", "vision", "layouts", "blockdiag", "attention", "mixers")
 OPS = (*GATHER_OPS, "strategies", *SECTION_OPS)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -38,7 +38,7 @@ class BenchConfig:
     backend: str = "auto"
     timeout_s: float = 600.0
     memory: bool = True  # measure peak extra memory (two profiled steps per op)
-    quick: bool = False  # smoke-test problem sizes for the planner/vision/layouts/blockdiag/attention sections
+    quick: bool = False  # smoke-test problem sizes for the sections
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, need: str) -> ValueError:

@@ -22,6 +22,7 @@ SECTION_MODULES = {
     "layouts": "cpshard.bench.layouts",
     "blockdiag": "cpshard.bench.blockdiag",
     "attention": "cpshard.bench.attention",
+    "mixers": "cpshard.bench.mixers",
 }
 
 

@@ -85,7 +85,8 @@ def chunk_table(runs: tuple[Run, ...], local_len: int, batch_size: int, chunk: i
     return ChunkTable(tokens, tuple(steps), valid, flat[valid], len(runs))
 
 
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
+def l2_normalise(x: torch.Tensor) -> torch.Tensor:
+    """``x`` over its L2 norm along the last dim, with :data:`L2_EPS` inside the root."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
 
 
@@ -192,7 +193,7 @@ def cp_gated_delta_rule(
     beta: torch.Tensor,
     runs: RecurrenceRuns,
     group: Group,
-    use_qk_l2norm: bool = True,
+    use_qkl2_normalise: bool = True,
 ) -> torch.Tensor:
     """The gated delta rule over this rank's shard of a CP step: every document from a zero
     state, documents that continue from other ranks from the state those ranks leave.
@@ -208,8 +209,8 @@ def cp_gated_delta_rule(
     q, k, v, gg, bb = (t.to(work) for t in (query, key, value, g, beta))
     if hv != hk:
         q, k = (t.repeat_interleave(hv // hk, dim=2) for t in (q, k))
-    if use_qk_l2norm:
-        q, k = _l2norm(q), _l2norm(k)
+    if use_qkl2_normalise:
+        q, k = l2_normalise(q), l2_normalise(k)
     q = q * q.shape[-1] ** -0.5
     device = q.device
     initial, tie = None, None

@@ -1,0 +1,185 @@
+"""Hybrid-model layers under CP: a Gated DeltaNet layer's short causal convolution and gated
+delta rule on this rank's contiguous shard (:func:`cpshard.mixers.cp_causal_conv1d`,
+:func:`cpshard.mixers.cp_gated_delta_rule`) next to the straightforward way.
+
+The baseline all-gathers the layer's inputs (the convolution's channels, then q, k, v, the
+decays and rates; backward reduce-scatter), runs the convolution and the recurrence over the
+whole sequence on every rank (per document) and keeps its own rows. cpshard receives
+``kernel - 1`` rows before each of its runs for the convolution and ONE ragged all-gather of
+the documents' end states and transitions for the recurrence (the parallel scan of
+:mod:`cpshard.mixers.carry`). The other exact way to carry the state, a sequential pass over
+ranks, makes rank r wait for the recurrences of ranks 0..r-1 in the forward and of r+1..W-1 in
+the backward: its latency is about W times one rank's recurrence; that figure is derived from
+the measured time of this rank's recurrence alone (no carry), printed beside it. One batch row
+of S = 16384 tokens (``--quick``: 512) in documents of 2048-6144 tokens (``--quick``: 64-192),
+so that most documents span ranks; 2 key / 4 value heads of dimension 64 (``--quick``: 16),
+kernel 4; contiguous layout; one step forward + backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cpshard import ContextParallelSharder, gather_sequence
+from cpshard.attention import active_state
+from cpshard.bench.attention import documents
+from cpshard.bench.blockdiag import check_output, fwd_bwd_figures
+from cpshard.bench.runtime import Runtime
+from cpshard.bench.timing import time_steps
+from cpshard.mixers import cp_causal_conv1d, cp_gated_delta_rule, recurrence_runs
+from cpshard.mixers.delta_rule import CHUNK, chunk_table, chunked_delta_rule, l2_normalise
+from cpshard.mixers.runs import Run
+
+SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
+DOC_LENS, QUICK_DOC_LENS = (2048, 6145), (64, 193)
+KEY_HEADS, VALUE_HEADS, DIM, QUICK_DIM, KERNEL = 2, 4, 64, 16, 4
+
+
+def steps(rt: Runtime) -> int:
+    return 1
+
+
+def _inputs(rt: Runtime, local: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """This rank's layer inputs (leaves): conv channels, q, k, v, log decays, rates; and the
+    conv weight."""
+    gen = torch.Generator().manual_seed(7 + rt.rank)
+    channels = 2 * KEY_HEADS * dim + VALUE_HEADS * dim
+
+    def make(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        t = torch.randn(*shape, generator=gen) * scale + shift
+        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_()
+
+    x = make(1, local, channels)
+    q, k = make(1, local, KEY_HEADS, dim), make(1, local, KEY_HEADS, dim)
+    v = make(1, local, VALUE_HEADS, dim)
+    g = (-torch.rand(1, local, VALUE_HEADS, generator=gen) * 0.1).to(rt.device, rt.dtype)
+    beta = torch.rand(1, local, VALUE_HEADS, generator=gen).to(rt.device, rt.dtype)
+    weight = torch.randn(channels, KERNEL, generator=torch.Generator().manual_seed(3))
+    return x, q, k, v, g.requires_grad_(), beta.requires_grad_(), weight.to(rt.device, rt.dtype)
+
+
+def _full_sequence_layer(doc: torch.Tensor, weight: torch.Tensor):
+    """The layer over the whole sequence, every document from a zero state (what each rank of
+    the baseline runs on the gathered inputs)."""
+    starts = [0] + [i for i in range(1, doc.shape[1]) if doc[0, i] != doc[0, i - 1]]
+    ends = starts[1:] + [doc.shape[1]]
+    runs = tuple(Run(0, s, e - s, s, s, e) for s, e in zip(starts, ends, strict=True))
+    table = chunk_table(runs, doc.shape[1], 1, CHUNK)
+
+    def layer(x, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
+        kernel = weight.shape[1]
+        parts = [
+            F.conv1d(x[:, s:e].transpose(1, 2), weight[:, None], padding=kernel - 1,
+                     groups=x.shape[2])[..., : e - s]
+            for s, e in zip(starts, ends, strict=True)
+        ]  # fmt: skip
+        y = F.silu(torch.cat(parts, -1).transpose(1, 2))
+        rep = v.shape[2] // q.shape[2]
+        qn, kn = (l2_normalise(t.repeat_interleave(rep, 2)) for t in (q, k))
+        o, _ = chunked_delta_rule(qn * qn.shape[-1] ** -0.5, kn, v, g, beta, table.to(q.device), None)
+        return y, o
+
+    return layer
+
+
+def run(rt: Runtime) -> dict:
+    quick = rt.cfg.quick
+    seq_len, dim = (QUICK_SEQ_LEN, QUICK_DIM) if quick else (SEQ_LEN, DIM)
+    rt.progress(f"mixers: Gated DeltaNet conv + recurrence S={seq_len}")
+    doc = documents(seq_len, QUICK_DOC_LENS if quick else DOC_LENS)
+    sharder = ContextParallelSharder(rt.pg, "contiguous")
+    ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    local = seq_len // rt.world
+    x, q, k, v, g, beta, weight = _inputs(rt, local, dim)
+    leaves = (x, q, k, v, g, beta)
+    full_layer = _full_sequence_layer(doc, weight)
+    mine = slice(rt.rank * local, (rt.rank + 1) * local)
+
+    def ours(x, q, k, v, g, beta) -> torch.Tensor:
+        with ctx():
+            state = active_state()
+            y = cp_causal_conv1d(x, weight, None, state, "silu")
+            o = cp_gated_delta_rule(q, k, v, g, beta, recurrence_runs(state, "bench"), state.group)
+        return y.sum() + o.sum()
+
+    def base(x, q, k, v, g, beta) -> torch.Tensor:
+        gathered = [gather_sequence(t.contiguous(), rt.pg, 1) for t in (x, q, k, v, g, beta)]
+        y, o = full_layer(*gathered)
+        return y[:, mine].sum() + o.view(1, seq_len, VALUE_HEADS, dim)[:, mine].sum()
+
+    with ctx():
+        state = active_state()
+        runs = recurrence_runs(state, "bench")
+        halo_rows = torch.tensor([state.windowed(KERNEL).exchange.received_rows])
+    dist.all_reduce(halo_rows, op=dist.ReduceOp.MAX, group=rt.pg)  # the most any rank receives
+    itemsize = torch.empty((), dtype=rt.dtype).element_size()
+    state_numel, transition_numel = VALUE_HEADS * dim * dim, VALUE_HEADS * dim * dim
+    carry = sum(
+        len(ex) * state_numel + sum(rs[i].incoming for i in ex) * transition_numel
+        for rs, ex in zip(runs.runs, runs.exported, strict=True)
+    )  # every rank receives every other rank's payload
+    inputs_per_token = x.shape[2] + 2 * KEY_HEADS * dim + VALUE_HEADS * dim + 2 * VALUE_HEADS
+    out = {
+        "world": rt.world,
+        "seq_len": seq_len,
+        "documents": int(doc.max()),
+        "key_heads": KEY_HEADS,
+        "value_heads": VALUE_HEADS,
+        "head_dim": dim,
+        "kernel": KERNEL,
+        "dtype": rt.cfg.dtype,
+        "ours_conv_bytes_received": int(halo_rows) * x.shape[2] * itemsize,
+        "ours_carry_bytes_received": carry * itemsize,
+        "base_bytes_received": (seq_len - local) * inputs_per_token * itemsize,
+    }
+    check_output(rt, ours, base, leaves, "mixers")
+    one = torch.ones((), device=rt.device, dtype=rt.dtype)
+    out.update(fwd_bwd_figures(rt, {"ours": ours, "base": base}, leaves, one))
+
+    # this rank's recurrence alone (no carry): the unit a sequential pass would chain W times
+    table = chunk_table(runs.mine, local, 1, CHUNK)
+
+    def alone() -> None:
+        for t in leaves:
+            t.grad = None
+        rep = VALUE_HEADS // KEY_HEADS
+        qn, kn = (l2_normalise(t.repeat_interleave(rep, 2)) for t in (q, k))
+        o, _ = chunked_delta_rule(qn * qn.shape[-1] ** -0.5, kn, v, g, beta, table, None)
+        o.sum().backward()
+
+    cfg = rt.cfg
+    timing = time_steps(
+        rt, {"alone": alone}, warmup=cfg.warmup, repeats=cfg.repeats, iters=cfg.iters,
+        target_s=cfg.target_s,
+    )["alone"]  # fmt: skip
+    out["recurrence_alone_s"] = timing.median_s
+    out["sequential_estimate_s"] = rt.world * timing.median_s
+    return out
+
+
+def render(r: dict) -> str:
+    mib = 1 << 20
+    return "\n".join(
+        [
+            "# mixers: a Gated DeltaNet layer's causal conv + gated delta rule fwd+bwd on the",
+            "#   rank's contiguous shard (conv: kernel - 1 rows per run; recurrence: one ragged",
+            "#   all-gather of end states and transitions)  vs  all-gather of the layer's inputs +",
+            f"#   the layer on the whole sequence on every rank; W = {r['world']}, S = "
+            f"{r['seq_len']}, {r['documents']} documents, {r['key_heads']} key / "
+            f"{r['value_heads']} value heads, dim {r['head_dim']}, kernel {r['kernel']}, "
+            f"{r['dtype']}",
+            f"#{'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'conv KiB':>9} "
+            f"{'carry KiB':>10} {'base MiB':>9} {'alone ms':>9} {'seq. est ms':>12}",
+            f" {r['ours_fwd_bwd_s'] * 1e3:>11.1f} {r['base_fwd_bwd_s'] * 1e3:>9.1f} "
+            f"{r['speedup']:>8.2f} {r['ours_conv_bytes_received'] / 1024:>9.1f} "
+            f"{r['ours_carry_bytes_received'] / 1024:>10.1f} "
+            f"{r['base_bytes_received'] / mib:>9.1f} {r['recurrence_alone_s'] * 1e3:>9.1f} "
+            f"{r['sequential_estimate_s'] * 1e3:>12.1f}",
+            "#   bytes received per rank (conv: the most any rank receives; carry: all ranks'",
+            "#   payloads, which every rank receives);",
+            "#   alone = this rank's recurrence with no carry (median, max over ranks); seq. est =",
+            "#   W x alone, the latency a sequential pass over ranks would add up to (derived)",
+        ]
+    )
