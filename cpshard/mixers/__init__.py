@@ -12,28 +12,9 @@ and reset at every document start, so a packed batch equals its documents run al
 
 from __future__ import annotations
 
-from cpshard.attention.state import AttentionState
 from cpshard.mixers.conv import cp_causal_conv1d
 from cpshard.mixers.delta_rule import cp_gated_delta_rule
-from cpshard.mixers.runs import RecurrenceRuns, plan_recurrence_runs
-
-
-def recurrence_runs(state: AttentionState, what: str) -> RecurrenceRuns:
-    """The step's :class:`RecurrenceRuns`, planned on first use and kept in the state."""
-    runs = state.derived.get("recurrence runs")
-    if runs is None:
-        if state.documents is None or state.shard_layout is None:
-            raise ValueError(
-                f"{what}: rank {state.group.rank}: this CP attention state carries no documents "
-                "or layout to plan a recurrence from"
-            )
-        runs = plan_recurrence_runs(
-            state.group.rank, state.group.world, state.shard_layout, state.documents, what
-        )
-        state.derived["recurrence runs"] = runs
-    assert isinstance(runs, RecurrenceRuns)
-    return runs
-
+from cpshard.mixers.runs import RecurrenceRuns, plan_recurrence_runs, recurrence_runs
 
 __all__ = [
     "RecurrenceRuns",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpshard.attention.state import AttentionState
 from cpshard.batch.runs import document_starts, rank_runs
 from cpshard.layouts import ShardLayout
 
@@ -128,3 +129,20 @@ def plan_recurrence_runs(
         for slot, i in enumerate(ex)
     }
     return RecurrenceRuns(rank, local, b, tuple(runs), exported, source)
+
+
+def recurrence_runs(state: AttentionState, what: str) -> RecurrenceRuns:
+    """The step's :class:`RecurrenceRuns`, planned on first use and kept in the state."""
+    runs = state.derived.get("recurrence runs")
+    if runs is None:
+        if state.documents is None or state.shard_layout is None:
+            raise ValueError(
+                f"{what}: rank {state.group.rank}: this CP attention state carries no documents "
+                "or layout to plan a recurrence from"
+            )
+        runs = plan_recurrence_runs(
+            state.group.rank, state.group.world, state.shard_layout, state.documents, what
+        )
+        state.derived["recurrence runs"] = runs
+    assert isinstance(runs, RecurrenceRuns)
+    return runs
