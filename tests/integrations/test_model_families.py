@@ -65,6 +65,8 @@ def _config(family: str):
         tie_word_embeddings=False,
     )
     mixed = ["sliding_attention", "full_attention"]
+    if family == "llama":  # the baseline: causal over the whole document, no variant
+        return T.LlamaConfig(**common)
     if family == "mistral":
         return T.MistralConfig(**common, sliding_window=4)
     if family == "qwen2":  # layer 0 full, layer 1 sliding
@@ -96,7 +98,9 @@ def _config(family: str):
     raise AssertionError(family)
 
 
-FAMILIES = ["mistral", "qwen2", "gemma2", "gemma3", "cohere2", "gpt_oss", "deepseek_v3"]
+FAMILIES = [
+    "llama", "mistral", "qwen2", "gemma2", "gemma3", "cohere2", "gpt_oss", "deepseek_v3"
+]
 
 
 def _gemma_norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +203,12 @@ def _vlm_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
     return {layout: _vlm_step(layout, dist.group.WORLD) for layout in _layouts(world)}
 
 
+# Every sharder layout and the block-diagonal batch at W = 2, 3 and 4 (W = 1 is one shard
+# whatever the layout: the block-diagonal batch at W = 1 is in test_transformers.py). Run after
+# the families, on their warm rank pools, the three worlds add about 5 s.
+VLM_WORLDS = (2, 3, 4)
+
+
 def _check(results: list[dict[str, tuple[float, float, float]]], world: int, grad_tol: float) -> None:
     for rank, cases in enumerate(results):
         for name, (cp, ref, grad) in cases.items():
@@ -211,8 +221,10 @@ def test_families_match_each_document_alone(pools, world: int) -> None:
     _check(pools(world).run(_cases, timeout=900), world, GRAD_TOL)
 
 
-@pytest.mark.parametrize("world", [4])
+@pytest.mark.parametrize("world", VLM_WORLDS)
 def test_qwen3_vl_through_the_sharder_without_naming_its_buffers(pools, world: int) -> None:
     # absolute gradient bound: the vision rotary embedding computes in float32 (see
     # test_transformers.py)
-    _check(pools(world).run(_vlm_cases, timeout=600), world, 1e-9)
+    results = pools(world).run(_vlm_cases, timeout=600)
+    assert all(sorted(cases) == sorted(_layouts(world)) for cases in results), results
+    _check(results, world, 1e-9)
