@@ -1,7 +1,8 @@
 """Models whose layers mix tokens outside attention (Gated DeltaNet + causal convolution,
 Mamba, Mamba2) are refused under a CP context, on every rank and before any result, with the
-module named; outside CP they run as before. (Supporting them is separate work: until then,
-a refusal and never a silently wrong step.)"""
+module named; outside CP they run as before. W = 2 (the block-diagonal batch, balanced) and W = 3
+(contiguous, head_tail, stripe, per_document_head_tail). (Supporting them is separate work: until
+then, a refusal and never a silently wrong step.)"""
 
 from __future__ import annotations
 
@@ -75,10 +76,26 @@ def _refused(rank: int, world: int, name: str, layout: str) -> tuple[str, bool]:
     return message, not calls and bool(torch.isfinite(outside).all())
 
 
+def _refusals(
+    rank: int, world: int, name: str, layouts: tuple[str, ...]
+) -> dict[str, tuple[str, bool]]:
+    return {layout: _refused(rank, world, name, layout) for layout in layouts}
+
+
+# The layouts each world runs: the block-diagonal batch and every sharder layout, across the two.
+WORLDS = {
+    2: ("blockdiag", "balanced"),
+    3: ("contiguous", "head_tail", "stripe", "per_document_head_tail"),
+}
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
 @pytest.mark.parametrize("name", list(HYBRIDS))
-def test_hybrid_models_are_refused_on_every_rank(pools, name: str) -> None:
-    for layout in ("blockdiag", "balanced"):
-        for rank, (message, clean) in enumerate(pools(2).run(_refused, name, layout, timeout=120)):
+def test_hybrid_models_are_refused_on_every_rank(pools, name: str, world: int) -> None:
+    results = pools(world).run(_refusals, name, WORLDS[world], timeout=120)
+    for rank, outcomes in enumerate(results):
+        assert list(outcomes) == list(WORLDS[world]), outcomes
+        for layout, (message, clean) in outcomes.items():
             assert f"rank {rank}" in message and repr(HYBRIDS[name]) in message, (layout, message)
             assert "train wrong" in message, message
-            assert clean, f"{name} {layout}: the model computed under CP before the refusal"
+            assert clean, f"{name} W={world} {layout}: computed under CP before the refusal"
