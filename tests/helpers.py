@@ -8,7 +8,8 @@ another. Worker-side functions here pickle by reference, like those of the test 
 * results of a rank pool: :func:`assert_no_mismatches`;
 * attention: :func:`packed_doc_ids` (named packing patterns), :func:`dense_attention` (the dense
   per-document attention reference), :class:`StandInVarlen` and :func:`kernel_path` (routing
-  cp_blockdiag_sdpa's kernels on CPU), :func:`compare_compiled`, :func:`recording_host_reads` and
+  cp_blockdiag_sdpa's kernels on CPU), :func:`masked_attention` (attention over any mask with
+  soft-capping and sinks, head by head), :func:`compare_compiled`, :func:`recording_host_reads` and
   :func:`record_host_reads` (the hot path's host reads of tensor data);
 * transport: :data:`GATHER_ERROR_CASES` and :func:`call_gather_case` (one rank's bad input to a
   gather, and the words its error must contain), :func:`counting_collectives` (the
@@ -139,6 +140,43 @@ def variant_attention(
     else:
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     return (probs @ v) * (doc != 0)[:, None, :, None]
+
+
+def masked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention over an arbitrary ``visible`` mask (``[B, Lq, Lk]`` bool, or ``[B, 1, Lq, Lk]``),
+    one head at a time, as the weighted sum it is: logits ``scale * q.k`` (soft-capped:
+    ``softcap * tanh(logit / softcap)``), weights ``exp(logit - m)`` on the visible keys, and the
+    head's sink adding ``exp(sink - m)`` to the denominator only. ``m`` (the largest logit, the
+    sink included) is a constant shift: detached. GQA by head groups; v's head dim free."""
+    visible = visible.reshape(visible.shape[0], *visible.shape[-2:])
+    rep = q.shape[1] // k.shape[1]
+    rows = []
+    for b in range(q.shape[0]):
+        heads = []
+        for h in range(q.shape[1]):
+            logits = scale * (q[b, h] @ k[b, h // rep].T)
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            logits = torch.where(visible[b], logits, float("-inf"))
+            shift = logits.max(-1, keepdim=True).values
+            if sinks is not None:
+                shift = torch.maximum(shift, sinks[h])
+            shift = shift.detach()
+            weights = torch.exp(logits - shift)
+            denominator = weights.sum(-1, keepdim=True)
+            if sinks is not None:
+                denominator = denominator + torch.exp(sinks[h] - shift)
+            heads.append((weights @ v[b, h // rep]) / denominator)
+        rows.append(torch.stack(heads))
+    return torch.stack(rows)
 
 
 class StandInVarlen:

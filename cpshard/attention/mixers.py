@@ -15,14 +15,27 @@ RNN), and modules whose class names say they are such a mixer (``MIXER_NAMES``: 
 Mamba mixers, RWKV time mixing, linear attention, ...). Modules marked with
 ``cpshard_not_sequence = True`` (a vision tower run on the rank's own frames) and modules whose
 class says ``cpshard_sequence_mixer = True`` (mixers whose convolution and recurrence run through
-:mod:`cpshard.mixers` under CP, set by an integration) are skipped with their children. The
-check happens when the model is called eagerly (a ``torch.compile``d model is checked through its
-wrapper's call); inside a compiled region it is skipped.
+:mod:`cpshard.mixers` under CP, set by an integration) are skipped with their children.
+
+Compiled models. The check runs eagerly, outside any compiled graph, at the call that enters the
+model: ``torch.compile(model)`` calls the global hooks on its wrapper eagerly, and with
+``model.compile()`` (``nn.Module.compile``) torch calls the model's hooks from its uncompiled
+``_call_impl``, each hook a frame of its own that dynamo would compile, where
+``torch.compiler.is_compiling()`` holds and the hook could not tell the model's call from a
+submodule's. So the hook's code is excluded from dynamo's frame compilation (it stays traceable
+inline), and the check it calls is ``torch.compiler.disable``d: the refusal is the same
+``ValueError`` with or without ``fullgraph``, and a model that passes compiles as before (no graph
+break; inside a compiled region, where submodules' hooks are traced inline, the hook does
+nothing). Not covered: a compiled function that calls an unchecked model (``torch.compile(step)``
+with ``model(...)`` inside it) traces the model's hooks inline; call such a model once eagerly
+inside the CP context, or compile the model itself.
 """
 
 from __future__ import annotations
 
+import types
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -95,14 +108,29 @@ def check_model(module: torch.nn.Module) -> None:
     _verified.update(module.modules())
 
 
+_check_eagerly: Callable[[torch.nn.Module], None] = check_model
+_skip_code: Callable[[types.CodeType], None] | None = None
+
+
 def _pre_hook(module: torch.nn.Module, args: object) -> None:
-    if not torch.compiler.is_compiling():
-        check_model(module)
+    # Traced inline (a submodule called inside a compiled region): nothing to do, the eager call
+    # that entered the region checked. Called as a frame of its own (the eager path, and the
+    # hooks of a model.compile()d module): dynamo never compiles this code (guard_models).
+    if not torch.compiler.is_compiling() and active_state() is not None:
+        _check_eagerly(module)
 
 
 def guard_models() -> None:
     """Install (once) the global module pre-hook that checks each model the first time it runs
-    inside a CP attention context (a no-op outside one)."""
-    global _handle
+    inside a CP attention context (a no-op outside one), and keep its code out of dynamo's frame
+    compilation (reapplied at every call, so that nothing resetting dynamo's per-code state in
+    between undoes it)."""
+    global _handle, _check_eagerly, _skip_code
+    if _skip_code is None:
+        from torch._dynamo.eval_frame import skip_code
+
+        _check_eagerly = torch.compiler.disable(check_model)
+        _skip_code = skip_code
+    _skip_code(_pre_hook.__code__)
     if _handle is None:
         _handle = torch.nn.modules.module.register_module_forward_pre_hook(_pre_hook)

@@ -63,6 +63,13 @@ def _lengths(spec: BatchSpec, g: torch.Generator) -> list[int]:
     )
 
 
+def check_lengths(text: str) -> str:
+    """``text`` when it is a ``lengths`` distribution :func:`synthetic_batch` reads, else
+    ``ValueError`` saying the forms."""
+    _lengths(BatchSpec(lengths=text, docs=1), torch.Generator().manual_seed(0))
+    return text
+
+
 def synthetic_batch(spec: BatchSpec, vocab: int, replica: int = 0) -> dict[str, torch.Tensor]:
     """``spec.rows`` rows of ``spec.docs`` packed documents each (ids 1, 2, ... per row, padding
     id 0 at the end of the shorter rows); random token ids in ``[1, vocab)``."""

@@ -9,8 +9,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from cpshard.parity.batches import BatchSpec
+from cpshard.parity.batches import BatchSpec, check_lengths
 from cpshard.parity.config import (
     CASE_LAYOUTS,
     DEFAULT_LAYOUTS,
@@ -19,7 +20,7 @@ from cpshard.parity.config import (
     Case,
     Setup,
 )
-from cpshard.parity.models import ModelSpec
+from cpshard.parity.models import ModelSpec, check_model_spec, load_object
 
 _DESCRIPTION = """\
 Run one training step of MODEL under context parallelism on W local gloo ranks (CPU, float64)
@@ -58,6 +59,36 @@ def _worlds(text: str) -> tuple[int, ...]:
     return values
 
 
+def _positive(what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: {text!r} is not an integer") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{what}: must be >= 1, got {value}")
+        return value
+
+    return parse
+
+
+def _tol(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tol: {text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--tol: must be finite and >= 0, got {text}")
+    return value
+
+
+def _lengths(text: str) -> str:
+    try:
+        return check_lengths(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--{exc}") from None
+
+
 def _mesh(text: str) -> tuple[int, int]:
     try:
         dp, cp = (int(s) for s in text.lower().split("x"))
@@ -78,11 +109,16 @@ def parser(prog: str = "cpshard parity") -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="parameter and batch seed")
     p.add_argument(
         "--lengths",
+        type=_lengths,
         default=BatchSpec.lengths,
         help="document lengths: uniform:LO-HI, lognormal:MU,SIGMA or fixed:N,N,...",
     )
-    p.add_argument("--docs", type=int, default=BatchSpec.docs, help="documents per row")
-    p.add_argument("--rows", type=int, default=BatchSpec.rows, help="rows of the batch")
+    p.add_argument(
+        "--docs", type=_positive("--docs"), default=BatchSpec.docs, help="documents per row"
+    )
+    p.add_argument(
+        "--rows", type=_positive("--rows"), default=BatchSpec.rows, help="rows of the batch"
+    )
     p.add_argument(
         "--batch", help="a torch.save'd batch dict, or module:function(replica) -> batch"
     )
@@ -103,7 +139,7 @@ def parser(prog: str = "cpshard parity") -> argparse.ArgumentParser:
         default=("flat",),
         help="FSDP2 modes for --mesh: flat (the flattened mesh), hsdp, dp",
     )
-    p.add_argument("--tol", type=float, default=DEFAULT_TOL, help="what counts as exact")
+    p.add_argument("--tol", type=_tol, default=DEFAULT_TOL, help="what counts as exact")
     p.add_argument("--json", metavar="PATH", help="write the report as JSON")
     return p
 
@@ -117,6 +153,20 @@ def cases_from(args: argparse.Namespace) -> list[Case]:
     return cases
 
 
+def _check_loadable(setup: Setup) -> None:
+    """``ValueError`` for a ``--model``, ``--loss`` or ``--batch`` that names nothing loadable
+    (a bad argument, told apart from a model that fails the check)."""
+    try:
+        check_model_spec(setup.model)
+        if setup.loss is not None:
+            load_object(setup.loss, "loss")
+        source = setup.batch.source
+        if source is not None and not Path(source).exists():
+            load_object(source, "batch")
+    except ValueError as exc:  # "model: ...", "loss: ...", "batch: ...": the option's name
+        raise ValueError(f"--{exc}") from None
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "cpshard parity") -> int:
     """Run the command; returns its exit status."""
     from cpshard.parity.report import table, write_json
@@ -125,9 +175,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "cpshard parity") -> int
     args = parser(prog).parse_args(list(sys.argv[1:] if argv is None else argv))
     if os.getcwd() not in sys.path:  # user modules named module:function, as `python -m` finds them
         sys.path.insert(0, os.getcwd())
-    batch = BatchSpec(args.lengths, args.docs, args.rows, args.batch, args.seed)
-    setup = Setup(ModelSpec.parse(args.model, args.seed), batch, args.loss, args.tol)
     try:
+        batch = BatchSpec(args.lengths, args.docs, args.rows, args.batch, args.seed)
+        setup = Setup(ModelSpec.parse(args.model, args.seed), batch, args.loss, args.tol)
+        _check_loadable(setup)
         cases = cases_from(args)
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)

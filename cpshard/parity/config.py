@@ -27,6 +27,11 @@ class Setup:
     loss: str | None = None
     tol: float = DEFAULT_TOL
 
+    def __post_init__(self) -> None:
+        # a negative tolerance would call every case different, and blame a module for it
+        if not 0 <= self.tol < float("inf"):
+            raise ValueError(f"tol: must be finite and >= 0, got {self.tol!r}")
+
 
 @dataclass(frozen=True)
 class Case:

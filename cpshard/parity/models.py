@@ -111,6 +111,35 @@ def _shrink(config: Any) -> Any:
     return config
 
 
+def _architecture(name: str) -> Any:
+    """The transformers model class ``name``, or ``ValueError``."""
+    import transformers
+
+    cls = getattr(transformers, name, None)
+    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+        raise ValueError(f"model: {name!r} is not a transformers model class")
+    return cls
+
+
+def check_model_spec(spec: ModelSpec) -> None:
+    """``ValueError`` when ``spec`` names no model: an architecture transformers lacks, a
+    factory that does not load, a config file with no ``model_type``. (What the model then
+    does is the check's to find.)"""
+    if spec.kind == "architecture":
+        _architecture(spec.value)
+    elif spec.kind == "factory":
+        load_object(spec.value, "model")
+    else:
+        path = Path(spec.value)
+        path = path / "config.json" if path.is_dir() else path
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"model: cannot read a config from {spec.value!r}: {exc}") from None
+        if not isinstance(data, dict) or "model_type" not in data:
+            raise ValueError(f"model: {path} has no model_type")
+
+
 def _transformers_model(spec: ModelSpec) -> torch.nn.Module:
     import transformers
 
@@ -118,9 +147,7 @@ def _transformers_model(spec: ModelSpec) -> torch.nn.Module:
 
     cp_transformers.register()
     if spec.kind == "architecture":
-        cls = getattr(transformers, spec.value, None)
-        if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
-            raise ValueError(f"model: {spec.value!r} is not a transformers model class")
+        cls = _architecture(spec.value)
         config = _shrink(cls.config_class())
     else:
         path = Path(spec.value)

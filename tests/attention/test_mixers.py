@@ -75,3 +75,83 @@ def test_marked_modules_are_skipped() -> None:
     model = _Model(tower)
     with _context():
         mixers.check_model(model)  # no error: the marked subtree is not the sharded sequence
+
+
+# --------------------------------------------------------------------------- compiled models
+
+
+class _ConvLM(torch.nn.Module):
+    """Embedding, a convolution over the sequence (kernel 3: a token mixer; kernel 1: a
+    per-token projection), a head."""
+
+    def __init__(self, kernel: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.conv = torch.nn.Conv1d(8, 8, kernel, padding=kernel - 1)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.conv(self.embed(input_ids).transpose(1, 2))[..., : input_ids.shape[1]]
+        return self.head(x.transpose(1, 2))
+
+
+COMPILED = [
+    "torch.compile", "torch.compile fullgraph", "module.compile", "module.compile fullgraph"
+]
+
+
+def _compiled_in_cp(rank: int, world: int) -> dict[str, tuple[str, int, int, bool]]:
+    """Each way of compiling, a model with a token mixer (kernel 3) and one without (kernel 1),
+    called inside a CP context: (this rank's error or 'no error', graphs compiled inside the
+    context, graphs compiled after a call outside it, that call's output finite)."""
+    import torch._dynamo
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from cpshard import ContextParallelSharder
+
+    doc = torch.tensor([[1] * 7 + [2] * 5 + [0] * 2 + [3] * 6])
+    batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    out = {}
+    for how in COMPILED:
+        for kernel in (3, 1):
+            torch._dynamo.reset()
+            counter = CompileCounterWithBackend("eager")
+            torch.manual_seed(0)
+            model = _ConvLM(kernel)
+            full = how.endswith("fullgraph")
+            if how.startswith("torch.compile"):
+                run = torch.compile(model, backend=counter, fullgraph=full)
+            else:
+                model.compile(backend=counter, fullgraph=full)
+                run = model
+            ctx, local = ContextParallelSharder(dist.group.WORLD, "balanced").shard(dict(batch))
+            try:
+                with ctx():
+                    run(local["input_ids"])
+                message = "no error"
+            except ValueError as exc:
+                message = str(exc)
+            inside = counter.frame_count
+            finite = bool(torch.isfinite(run(doc)).all())  # outside CP: runs, compiled
+            out[f"{how} kernel {kernel}"] = (message, inside, counter.frame_count, finite)
+    return out
+
+
+def test_compiled_models_are_checked_on_every_rank(pool2) -> None:
+    """``torch.compile(model)`` and ``model.compile()``, with and without fullgraph: a model with
+    a token mixer is refused on every rank before anything is compiled or run, with the same
+    ValueError as eagerly; a model without one compiles into one graph inside the context."""
+    for rank, cases in enumerate(pool2.run(_compiled_in_cp, timeout=300)):
+        for how in COMPILED:
+            message, inside, after, finite = cases[f"{how} kernel 3"]
+            named = "'_orig_mod.conv'" if how.startswith("torch.compile") else "'conv'"
+            assert f"rank {rank}: " in message, (rank, how, message)
+            said = f"module {named} is a convolution over the sequence"
+            assert said in message, (rank, how, message)
+            assert "train wrong" in message, (rank, how, message)
+            assert inside == 0, f"rank {rank} {how}: compiled {inside} graphs before refusing"
+            assert after >= 1 and finite, (rank, how, after, finite)
+            message, inside, after, finite = cases[f"{how} kernel 1"]
+            assert message == "no error", (rank, how, message)
+            assert inside == 1 and finite, (rank, how, inside, finite)

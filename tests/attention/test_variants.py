@@ -1,7 +1,9 @@
 """CP attention's variants — sliding windows of any size, logit soft-capping, attention sinks,
 a value head size unlike the query/key one — against the dense single-process reference
 (:func:`tests.helpers.variant_attention`), every sharder layout and the block-diagonal batch,
-W = 1..4, every kernel path, forward and float64 backward (the sinks' gradient included)."""
+W = 1..4, every kernel path, forward and float64 backward (the sinks' gradient included).
+Outside a CP context, soft-capping and sinks (with windows, masks, GQA, no causality) against
+:func:`tests.helpers.masked_attention`, attention stated head by head."""
 
 from __future__ import annotations
 
@@ -229,3 +231,62 @@ def test_varlen_kernel_window_arguments() -> None:
     assert args(packing(4, 3)) == {"window_size_left": 2, "window_size_right": 0}
     assert args(packing(1, None)) == {"window_size_left": 9, "window_size_right": 0}
     assert args(packing(1, 5)) == {"window_size_left": 4, "window_size_right": 0}
+
+
+# (name, is_causal, window, softcap, sinks, attn_mask: None / "bool" / "float", scale, d_v)
+OUTSIDE_CASES = [
+    ("softcap", True, None, 0.7, False, None, None, D),
+    ("sinks", True, None, None, True, None, None, D),
+    ("softcap sinks scale d_v 6", True, None, 1.5, True, None, 0.3, 6),
+    ("sinks window 3", True, 3, None, True, None, None, D),
+    ("softcap window 4", True, 4, 0.9, False, None, None, D),
+    ("softcap sinks bidirectional", False, None, 0.8, True, None, None, D),
+    ("softcap sinks causal bool mask", True, None, 1.1, True, "bool", None, D),
+    ("softcap float mask bidirectional", False, None, 0.6, False, "float", None, D),
+]
+
+
+@pytest.mark.parametrize("case", OUTSIDE_CASES, ids=[c[0] for c in OUTSIDE_CASES])
+def test_outside_a_context_softcap_and_sinks_match_the_statement(case: tuple) -> None:
+    """No active CP context: ``cp_attention`` with soft-capping and sinks (SDPA has neither) is
+    plain PyTorch attention; float64 forward and backward (sinks' gradient included) against
+    :func:`tests.helpers.masked_attention`, head by head over the same visibility."""
+    from cpshard import cp_attention
+    from tests.helpers import masked_attention
+
+    _, causal, window, softcap, with_sinks, mask_kind, scale, d_v = case
+    b, heads, kv_heads, s = 2, 4, 2, 11
+    g = torch.Generator().manual_seed(s + d_v + len(case[0]))
+    q = torch.randn(b, heads, s, D, dtype=torch.float64, generator=g).requires_grad_()
+    k = torch.randn(b, kv_heads, s, D, dtype=torch.float64, generator=g).requires_grad_()
+    v = torch.randn(b, kv_heads, s, d_v, dtype=torch.float64, generator=g).requires_grad_()
+    w = torch.randn(b, heads, s, d_v, dtype=torch.float64, generator=g)
+    sinks = torch.randn(heads, dtype=torch.float64, generator=g).requires_grad_()
+    sinks = sinks if with_sinks else None
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    visible = torch.ones(b, s, s, dtype=torch.bool)
+    if causal:
+        visible &= j <= i
+    if window is not None:
+        visible &= i - j < window
+    attn_mask = None
+    if mask_kind is not None:  # keys 3, 4 of row 0 and the last three of row 1 hidden
+        keys = torch.ones(b, s, dtype=torch.bool)
+        keys[0, 3:5] = False
+        keys[1, -3:] = False
+        visible &= keys[:, None, :]
+        hidden = ~keys[:, None, None, :].expand(b, 1, s, s)
+        additive = torch.zeros(b, 1, s, s, dtype=torch.float64).masked_fill(hidden, float("-inf"))
+        attn_mask = ~hidden if mask_kind == "bool" else additive
+    leaves = [q, k, v] + ([sinks] if sinks is not None else [])
+    got = cp_attention(
+        q, k, v, attn_mask, is_causal=causal, scale=scale, enable_gqa=True, window=window,
+        softcap=softcap, sinks=sinks,
+    )  # fmt: skip
+    want = masked_attention(q, k, v, visible, scale or D**-0.5, softcap, sinks)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    for name, a, e in zip(
+        "qkvs"[: len(leaves)], torch.autograd.grad((got * w).sum(), leaves),
+        torch.autograd.grad((want * w).sum(), leaves), strict=True,
+    ):  # fmt: skip
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-12, msg=f"{case[0]}: d{name}")

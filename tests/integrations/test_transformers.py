@@ -190,6 +190,55 @@ def test_outside_cp_the_attention_is_sdpa_with_its_masks():
     assert torch.equal(got, want)
 
 
+# (name, attention_mask: None or "bool", softcap, sinks)
+PLAIN_CASES = [
+    ("softcap, no mask", None, 0.7, False),
+    ("softcap sinks, no mask", None, 1.3, True),
+    ("sinks, causal window padding mask", "bool", None, True),
+    ("softcap sinks, causal padding mask", "bool", 0.9, True),
+]
+
+
+@pytest.mark.parametrize("case", PLAIN_CASES, ids=[c[0] for c in PLAIN_CASES])
+def test_outside_cp_softcap_and_sinks_are_plain_attention(case):
+    """Outside a CP step, a call with ``softcap`` or ``s_aux`` (which transformers' "sdpa" does
+    not implement) is plain attention on "sdpa"'s reading of the mask (None: causal, as the
+    module is; a boolean ``[B, 1, S, S]`` mask: its True entries): float64 forward and
+    backward, the sinks' gradient included, against :func:`tests.helpers.masked_attention`."""
+    from tests.helpers import masked_attention
+
+    name, mask_kind, softcap, with_sinks = case
+    b, heads, kv_heads, s, d = 2, 4, 2, 10, 8
+    g = torch.Generator().manual_seed(len(name))
+    q = torch.randn(b, heads, s, d, dtype=torch.float64, generator=g).requires_grad_()
+    k = torch.randn(b, kv_heads, s, d, dtype=torch.float64, generator=g).requires_grad_()
+    v = torch.randn(b, kv_heads, s, d, dtype=torch.float64, generator=g).requires_grad_()
+    w = torch.randn(b, s, heads, d, dtype=torch.float64, generator=g)
+    sinks = torch.randn(heads, dtype=torch.float64, generator=g).requires_grad_()
+    module = torch.nn.Module().eval()
+    module.is_causal = True
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    visible = (j <= i).expand(b, s, s).clone()
+    mask = None
+    if mask_kind == "bool":  # right padding (row 1's last 3 tokens), a window of 4 in row 0
+        visible[1] &= j < s - 3
+        if "window" in name:
+            visible[0] &= i - j < 4
+        mask = visible[:, None]
+    kwargs = {"softcap": softcap, "s_aux": sinks if with_sinks else None}
+    got, weights = cp_transformers.cpshard_attention(module, q, k, v, mask, scaling=0.4, **kwargs)
+    assert weights is None and got.shape == (b, s, heads, d)
+    want = masked_attention(q, k, v, visible, 0.4, softcap, sinks if with_sinks else None)
+    want = want.transpose(1, 2)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-13)
+    leaves = [q, k, v] + ([sinks] if with_sinks else [])
+    for label, a, e in zip(
+        "qkvs"[: len(leaves)], torch.autograd.grad((got * w).sum(), leaves),
+        torch.autograd.grad((want * w).sum(), leaves), strict=True,
+    ):  # fmt: skip
+        torch.testing.assert_close(a, e, rtol=0, atol=1e-12, msg=f"{name}: d{label}")
+
+
 def test_wrap_vision_tower_keeps_the_tower():
     model = cp_vlm.tiny_vlm()
     keys = list(model.state_dict())

@@ -1,7 +1,9 @@
 """Models whose layers mix tokens outside attention in a way cpshard does not shard (Mamba,
 Mamba2) are refused under a CP context, on every rank and before any result, with the module
-named; outside CP they run as before: a refusal, never a silently wrong step. (Gated DeltaNet
-hybrids run under CP: tests/integrations/test_hybrid_models.py.)"""
+named; outside CP they run as before: a refusal, never a silently wrong step. W = 2 (the
+block-diagonal batch, balanced) and W = 3 (contiguous, head_tail, stripe,
+per_document_head_tail). (Gated DeltaNet hybrids run under CP:
+tests/integrations/test_hybrid_models.py.)"""
 
 from __future__ import annotations
 
@@ -16,19 +18,8 @@ from cpshard.integrations import transformers as cp_transformers  # noqa: E402
 def _hybrid(name: str) -> torch.nn.Module:
     import transformers as T
 
-    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
-    linear = dict(linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
-                  linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"])  # fmt: skip
     ssm = dict(vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2, conv_kernel=4)
-    if name == "qwen3_next":
-        config = T.Qwen3NextConfig(
-            **text, **linear, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-            shared_expert_intermediate_size=16, experts_implementation="eager",
-        )
-    elif name == "qwen3_5":
-        config = T.Qwen3_5TextConfig(**text, **linear)
-    elif name == "mamba":
+    if name == "mamba":
         config = T.MambaConfig(**ssm)
     elif name == "mamba2":
         config = T.Mamba2Config(**ssm, num_heads=4, head_dim=16, n_groups=1)
@@ -37,8 +28,6 @@ def _hybrid(name: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(config).to(torch.float64)
     cp_transformers.register()
-    if name.startswith("qwen"):
-        model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
     return model
 
 
@@ -73,10 +62,26 @@ def _refused(rank: int, world: int, name: str, layout: str) -> tuple[str, bool]:
     return message, not calls and bool(torch.isfinite(outside).all())
 
 
+def _refusals(
+    rank: int, world: int, name: str, layouts: tuple[str, ...]
+) -> dict[str, tuple[str, bool]]:
+    return {layout: _refused(rank, world, name, layout) for layout in layouts}
+
+
+# The layouts each world runs: the block-diagonal batch and every sharder layout, across the two.
+WORLDS = {
+    2: ("blockdiag", "balanced"),
+    3: ("contiguous", "head_tail", "stripe", "per_document_head_tail"),
+}
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
 @pytest.mark.parametrize("name", list(HYBRIDS))
-def test_hybrid_models_are_refused_on_every_rank(pools, name: str) -> None:
-    for layout in ("blockdiag", "balanced"):
-        for rank, (message, clean) in enumerate(pools(2).run(_refused, name, layout, timeout=120)):
+def test_hybrid_models_are_refused_on_every_rank(pools, name: str, world: int) -> None:
+    results = pools(world).run(_refusals, name, WORLDS[world], timeout=120)
+    for rank, outcomes in enumerate(results):
+        assert list(outcomes) == list(WORLDS[world]), outcomes
+        for layout, (message, clean) in outcomes.items():
             assert f"rank {rank}" in message and repr(HYBRIDS[name]) in message, (layout, message)
             assert "train wrong" in message, message
-            assert clean, f"{name} {layout}: the model computed under CP before the refusal"
+            assert clean, f"{name} W={world} {layout}: computed under CP before the refusal"

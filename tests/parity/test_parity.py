@@ -6,7 +6,9 @@ in one process, and the diagnoses of set-ups that do not.
 * a user's decoder whose attention calls plain SDPA: differs, first at its attention module;
 * labels shifted per shard: differs, the labelled-token count named;
 * a per-rank mean loss: differs, the loss named while the logits and count are exact;
-* FSDP2 over the flattened (2, 2) mesh with a loss lacking the CP factor: gradients 1/cp.
+* FSDP2 over the flattened (2, 2) mesh with a loss lacking the CP factor: gradients 1/cp;
+* the command as the console script runs it: exit 1 with the diagnosis for the plain-SDPA
+  decoder, exit 2 (the option named, nothing run) for arguments that name nothing runnable.
 
 The broken set-ups live in ``tests/helpers.py`` and are loaded as ``module:function``, as a
 user's would be. Cases run on the session's rank pools.
@@ -163,3 +165,79 @@ def test_fsdp_meshes_exact(pools) -> None:
     cases = [Case("balanced", 4, dp=2, fsdp=mode) for mode in ("flat", "hsdp", "dp")]
     report = _run(pools, "LlamaForCausalLM", cases)
     assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _command(*args: str) -> subprocess.CompletedProcess:
+    """``cpshard ARGS`` as the installed console script runs it (its entry point, from this
+    checkout's package)."""
+    script = "import sys; from cpshard.bench.cli import main; sys.exit(main())"
+    return subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+
+
+def test_console_script_is_the_entry_point_run_here() -> None:
+    assert 'cpshard = "cpshard.bench.cli:main"' in (REPO / "pyproject.toml").read_text()
+
+
+def test_command_exits_1_naming_the_module_that_differs() -> None:
+    done = _command(
+        "parity", "--model", "tests.helpers:plain_sdpa_decoder", "--worlds", "2",
+        "--layouts", "blockdiag",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
+    said = "blockdiag W=2: differs: forward differs first at module 'blocks.0.attn'"
+    assert said in done.stdout and "0/1 cases exact" in done.stdout, done.stdout
+
+
+def test_command_exits_2_for_a_bad_argument() -> None:
+    done = _command("parity", "--model", "LlamaForCausalLM", "--layouts", "diagonal")
+    assert done.returncode == 2, done.stdout + done.stderr[-3000:]
+    assert "--layouts: unknown diagonal; choose from blockdiag" in done.stderr, done.stderr
+    assert "cases exact" not in done.stdout, done.stdout  # nothing ran
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--lengths", "bogus"], "--lengths: expected uniform:LO-HI"),
+        (["--rows", "0"], "--rows: must be >= 1, got 0"),
+        (["--docs", "x"], "--docs: 'x' is not an integer"),
+        (["--tol", "-1"], "--tol: must be finite and >= 0"),
+        (["--tol", "nan"], "--tol: must be finite and >= 0"),
+        (["--worlds", "0"], "--worlds: world sizes must be >= 1"),
+        (["--mesh", "2by2"], "--mesh: expected DPxCP"),
+        (["--fsdp", "zero"], "--fsdp: unknown zero"),
+        (["--model", "NoSuchModelForCausalLM"], "--model: 'NoSuchModelForCausalLM' is not a"),
+        (["--model", "tests.helpers:no_such_factory"], "--model: cannot load"),
+        (["--loss", "no_such_module:loss"], "--loss: cannot load"),
+        (["--batch", "tests.helpers:no_such_collator"], "--batch: cannot load"),
+    ],
+)
+def test_bad_arguments_exit_2_before_any_case_runs(args: list[str], said: str, capsys) -> None:
+    """Arguments that name nothing runnable are refused as arguments (exit 2, the option
+    named), not run as cases that crash or 'differ' (a negative tolerance would call every
+    case different and blame a module)."""
+    from cpshard.bench.cli import main
+
+    argv = ["parity", "--model", "LlamaForCausalLM", *args]
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's own exit for an option it cannot parse
+        status = exc.code
+    err = capsys.readouterr().err
+    assert status == 2 and said in err, (status, err)
+
+
+def test_setup_refuses_a_tolerance_that_is_not_finite_and_non_negative() -> None:
+    for tol in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="tol: must be finite and >= 0"):
+            Setup(ModelSpec.parse("LlamaForCausalLM"), BATCH, None, tol)
