@@ -599,16 +599,12 @@ def loss_without_cp_factor(logits, batch, group):
     return cp_cross_entropy(logits, batch.targets.labels, group) / dist.get_world_size(group)
 
 
-def documents_of(row: torch.Tensor) -> list[tuple[int, int]]:
-    """``(start, end)`` of each document of a 1-D id row: maximal runs of one non-zero id."""
-    out, start = [], 0
-    ids = row.tolist()
-    for t in range(1, len(ids) + 1):
-        if t == len(ids) or ids[t] != ids[start]:
-            if ids[start] != 0:
-                out.append((start, t))
-            start = t
-    return out
+def _documents(row: torch.Tensor) -> list[tuple[int, int]]:
+    """``(start, end)`` of each document of a 1-D id row (the examples' definition)."""
+    sys.path.insert(0, str(EXAMPLES))
+    from cp_decoder import runs
+
+    return runs(row)
 
 
 def causal_conv_reference(
@@ -619,7 +615,7 @@ def causal_conv_reference(
     out = torch.zeros_like(x)
     k = weight.shape[1]
     for b in range(x.shape[0]):
-        for s, e in documents_of(doc[b]):
+        for s, e in _documents(doc[b]):
             part = x[b, s:e].T[None]  # [1, C, n]
             y = torch.nn.functional.conv1d(
                 part, weight[:, None], bias, padding=k - 1, groups=x.shape[2]
@@ -645,7 +641,7 @@ def delta_rule_reference(
     rows = []
     for b in range(q.shape[0]):
         row = [torch.zeros_like(v[b, 0])] * q.shape[1]
-        for s, e in documents_of(doc[b]):
+        for s, e in _documents(doc[b]):
             state = v.new_zeros(q.shape[2], q.shape[3], v.shape[3])
             for t in range(s, e):
                 state = state * g[b, t].exp()[:, None, None]
@@ -655,3 +651,21 @@ def delta_rule_reference(
                 row[t] = torch.einsum("hkv,hk->hv", state, q[b, t])
         rows.append(torch.stack(row))
     return torch.stack(rows) + out
+
+
+def step_context(layout: str, doc: torch.Tensor, group=None) -> tuple:
+    """``(context factory, sharder)`` of one CP step over the document ids ``doc``: ``layout``
+    a sharder layout, or ``"blockdiag"`` for the block-diagonal batch (with a ``contiguous``
+    sharder for the test's own token verbs, which shard alike)."""
+    from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
+
+    group = dist.group.WORLD if group is None else group
+    batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    if layout == "blockdiag":
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(group, None, batch)
+        sharder = ContextParallelSharder(group, "contiguous")
+        sharder.shard(dict(batch))
+        return ctx, sharder
+    sharder = ContextParallelSharder(group, layout)
+    ctx, _ = sharder.shard(batch)
+    return ctx, sharder

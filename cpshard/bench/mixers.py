@@ -13,10 +13,12 @@ the backward: its latency is about W times one rank's recurrence; that figure is
 the measured time of this rank's recurrence alone (no carry), printed beside it. One batch row
 of S = 16384 tokens (``--quick``: 512) in documents of 2048-6144 tokens (``--quick``: 64-192),
 so that most documents span ranks; 2 key / 4 value heads of dimension 64 (``--quick``: 16),
-kernel 4; contiguous layout; one step forward + backward.
+kernel 4; contiguous layout; one step forward + backward (time and bytes; no peak memory).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -136,7 +138,10 @@ def run(rt: Runtime) -> dict:
     }
     check_output(rt, ours, base, leaves, "mixers")
     one = torch.ones((), device=rt.device, dtype=rt.dtype)
-    out.update(fwd_bwd_figures(rt, {"ours": ours, "base": base}, leaves, one))
+    # no memory columns: a profiled step of this section (the recurrence's thousands of small
+    # allocations, on 4 ranks) ran the 24 GiB bench machine out of memory
+    unprofiled = dataclasses.replace(rt, cfg=dataclasses.replace(rt.cfg, memory=False))
+    out.update(fwd_bwd_figures(unprofiled, {"ours": ours, "base": base}, leaves, one))
 
     # this rank's recurrence alone (no carry): the unit a sequential pass would chain W times
     table = chunk_table(runs.mine, local, 1, CHUNK)

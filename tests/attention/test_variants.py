@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpshard.layouts import LAYOUTS
-from tests.helpers import kernel_path, packed_doc_ids, variant_attention
+from tests.helpers import kernel_path, packed_doc_ids, step_context, variant_attention
 
 D = 8
 
@@ -49,9 +49,7 @@ def _sharded(sharder, t: torch.Tensor) -> torch.Tensor:
 
 def _distributed(rank: int, world: int, layouts: list[str], path: str) -> list[tuple]:
     """Per (layout, case): the gathered output and this rank's gradients of q, k, v, sinks."""
-    import torch.distributed as dist
-
-    from cpshard import ContextParallelSharder, cp_attention, make_cp_blockdiag_batch_and_ctx
+    from cpshard import cp_attention
 
     results = []
     with kernel_path(path):
@@ -61,14 +59,7 @@ def _distributed(rank: int, world: int, layouts: list[str], path: str) -> list[t
                 doc, *full, sinks = _case(case)
                 q, k, v = (t.requires_grad_() for t in full[:3])
                 sinks.requires_grad_()
-                batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
-                if layout == "blockdiag":
-                    ctx, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
-                    sharder = ContextParallelSharder(dist.group.WORLD, "contiguous")
-                    sharder.shard(dict(batch))  # its token verbs for the test's tensors
-                else:
-                    sharder = ContextParallelSharder(dist.group.WORLD, layout)
-                    ctx, _ = sharder.shard(batch)
+                ctx, sharder = step_context(layout, doc)
                 with ctx():
                     out = cp_attention(
                         *(_sharded(sharder, t) for t in (q, k, v)),

@@ -71,12 +71,8 @@ def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return self.weight * normed * F.silu(gate)
 
 
-def _model(family: str) -> torch.nn.Module:
-    import transformers
-
-    cp_transformers.register()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
+def _float64_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with its RMS norms' float64 statements and the ``"cpshard"`` attention."""
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNormGated"):
@@ -85,6 +81,15 @@ def _model(family: str) -> torch.nn.Module:
             module.forward = _rms.__get__(module)
     model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
     return model
+
+
+def _model(family: str) -> torch.nn.Module:
+    import transformers
+
+    cp_transformers.register()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
+    return _float64_norms(model)
 
 
 def _reference_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
@@ -195,14 +200,7 @@ def _tiny_vlm() -> torch.nn.Module:
     )  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForConditionalGeneration(config).to(torch.float64)
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNormGated"):
-            module.forward = _gated_rms.__get__(module)
-        elif name.endswith("RMSNorm"):
-            module.forward = _rms.__get__(module)
-    model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
-    return model
+    return _float64_norms(model)
 
 
 def _vlm_step(rank: int, world: int, layout: str) -> tuple[float, float, float]:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import causal_conv_reference, delta_rule_reference, packed_doc_ids
+from tests.helpers import (
+    causal_conv_reference,
+    delta_rule_reference,
+    packed_doc_ids,
+    step_context,
+)
 
 LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
 # (packing, B, S, heads k, heads v, d_k, d_v, conv channels, kernel)
@@ -39,9 +44,6 @@ def _inputs(case: tuple) -> tuple[torch.Tensor, ...]:
 
 
 def _distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
-    import torch.distributed as dist
-
-    from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
     from cpshard.attention import active_state
     from cpshard.mixers import cp_causal_conv1d, cp_gated_delta_rule, recurrence_runs
 
@@ -51,14 +53,7 @@ def _distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
             doc, *full, out_w, conv_w = _inputs(case)
             leaves = [t.requires_grad_() for t in full]
             q, k, v, logdecay, beta, x, w, bias = leaves
-            batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
-            if layout == "blockdiag":
-                ctx, _ = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
-                sharder = ContextParallelSharder(dist.group.WORLD, "contiguous")
-                sharder.shard(dict(batch))  # its token verbs for the test's tensors
-            else:
-                sharder = ContextParallelSharder(dist.group.WORLD, layout)
-                ctx, _ = sharder.shard(batch)
+            ctx, sharder = step_context(layout, doc)
 
             def shard(t: torch.Tensor) -> torch.Tensor:
                 return sharder.shard_token_tensor(t, seq_dim=1, fill=0.0)
