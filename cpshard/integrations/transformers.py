@@ -27,6 +27,7 @@ from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, state_for_tokens
 from cpshard.integrations import gated_deltanet
+from cpshard.integrations.masks import mask_problem
 from cpshard.vision import maybe_distribute_visual
 
 __all__ = ["ATTN_IMPLEMENTATION", "cpshard_attention", "register", "wrap_vision_tower"]
@@ -156,8 +157,20 @@ def _plain_forward(
 
 def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """The mask builder for ``"cpshard"``: none under CP (the step's documents define the
-    attention; a mask built from one shard would be wrong), transformers' SDPA mask otherwise."""
+    attention; a mask built from one shard would be wrong) once the model's mask function is
+    one CP attention implements (:mod:`cpshard.integrations.masks`), transformers' SDPA mask
+    otherwise."""
     if _cp_active():
+        # sdpa_mask(batch_size, cache_position, kv_length, kv_offset, mask_function, ...)
+        problem = mask_problem(kwargs.get("mask_function", args[4] if len(args) > 4 else None))
+        if problem is not None:
+            raise ValueError(
+                f"{_WHAT}: rank {_cp_rank()}: the model builds its attention mask with "
+                f"{problem!r}, a pattern CP attention does not implement (it implements causal "
+                "and bidirectional attention within documents and sliding windows; not chunked "
+                "attention, bidirectional image blocks or other custom masks); under CP the "
+                "step would attend something else than the model. Train this model outside CP"
+            )
         return None
     from transformers.masking_utils import sdpa_mask
 
