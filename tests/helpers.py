@@ -617,3 +617,35 @@ def delta_rule_reference(
                 row[t] = torch.einsum("hkv,hk->hv", state, q[b, t])
         rows.append(torch.stack(row))
     return torch.stack(rows) + out
+
+
+def ssd_reference(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    doc: torch.Tensor,
+) -> torch.Tensor:
+    """Mamba2's state-space recurrence token by token, each document from a zero state: ``x``
+    ``[B, S, H, P]``, ``dt`` ``[B, S, H]`` (the step as used), ``A`` ``[H]``, ``B``, ``C``
+    ``[B, S, G, N]`` (head ``h`` reads group ``h * G // H``), ``D`` ``[H]`` or None;
+    ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``, ``y_t = S_t C_t + D x_t``; padding rows are
+    zeros."""
+    heads, groups = x.shape[2], B.shape[2]
+    group_of = torch.arange(heads) * groups // heads
+    rows = []
+    for b in range(x.shape[0]):
+        row = [torch.zeros_like(x[b, 0])] * x.shape[1]
+        for s, e in documents_of(doc[b]):
+            state = x.new_zeros(heads, x.shape[3], B.shape[3])
+            for t in range(s, e):
+                bt, ct = B[b, t, group_of], C[b, t, group_of]  # [H, N]
+                state = state * torch.exp(dt[b, t] * A)[:, None, None] + torch.einsum(
+                    "h,hp,hn->hpn", dt[b, t], x[b, t], bt
+                )
+                y = torch.einsum("hpn,hn->hp", state, ct)
+                row[t] = y + D[:, None] * x[b, t] if D is not None else y
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
