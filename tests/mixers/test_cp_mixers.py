@@ -3,7 +3,7 @@ document run alone (:func:`tests.helpers.causal_conv_reference`,
 :func:`tests.helpers.delta_rule_reference`, :func:`tests.helpers.ssd_reference`: a plain conv1d
 and the token-by-token recurrences), every layout that keeps documents in few pieces per rank
 and the block-diagonal batch, W = 1..4, forward and float64 backward; ``stripe`` refused on
-every rank."""
+every rank; bad shapes raise naming the argument and the rank."""
 
 from __future__ import annotations
 
@@ -150,3 +150,53 @@ def test_stripe_is_refused_on_every_rank(pools) -> None:
     messages = pools(2).run(_refused, timeout=120)
     for r, msg in enumerate(messages):
         assert f"rank {r}" in msg and "'stripe'" in msg and "contiguous" in msg, msg
+
+
+class _Solo:  # rank 1 of a world-2 group, planned alone (the checks run before any transfer)
+    world, rank, name = 2, 1, "solo"
+
+
+def _ssd_args(**bad: tuple[int, ...] | None) -> dict:
+    """cp_ssd's tensors for rank 1's shard of ``[1, 12]`` (6 tokens, 4 heads of 3, 2 groups of
+    state 5), with the shapes ``bad`` names replaced."""
+    shapes = {"x": (1, 6, 4, 3), "dt": (1, 6, 4), "A": (4,), "B": (1, 6, 2, 5),
+              "C": (1, 6, 2, 5), "D": (4,)} | bad  # fmt: skip
+    return {k: None if s is None else torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"x": (1, 5, 4, 3)}, "x must be [B, L, heads, head_dim]"),
+        ({"dt": (1, 6, 3)}, "dt must be (1, 6, 4)"),
+        ({"A": (4, 1)}, "A must be [4]"),
+        ({"D": (3,)}, "D must be [4] or None"),
+        ({"B": (1, 6, 3, 5), "C": (1, 6, 3, 5)}, "B must be [B, L, groups, d_state]"),
+        ({"C": (1, 6, 1, 5)}, "B and C must have one shape"),
+    ],
+)
+def test_ssd_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words: str) -> None:
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_ssd, plan_recurrence_runs
+
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_ssd(**_ssd_args(**bad), runs=runs, group=_Solo())
+    assert words in str(err.value), err.value
+
+
+@pytest.mark.parametrize(
+    ("x", "weight", "words"),
+    [((1, 5, 3), (3, 4), "x must be [B, L, channels]"), ((1, 6, 3), (2, 4), "weight must be [3")],
+)
+def test_conv_bad_shapes_raise_naming_the_argument_and_the_rank(x, weight, words) -> None:
+    from cpshard.attention import step_state
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_causal_conv1d
+
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    state = step_state(_Solo(), make_layout("contiguous", 2, 12), doc)
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_causal_conv1d(torch.randn(x), torch.randn(weight), None, state, "silu")
+    assert words in str(err.value), err.value
