@@ -1,7 +1,7 @@
-"""Models whose layers mix tokens outside attention in a way cpshard does not shard (Mamba,
-Mamba2) are refused under a CP context, on every rank and before any result, with the module
-named; outside CP they run as before: a refusal, never a silently wrong step. (Gated DeltaNet
-hybrids run under CP: tests/integrations/test_hybrid_models.py.)"""
+"""Models whose layers mix tokens outside attention in a way cpshard does not shard (Mamba) are
+refused under a CP context, on every rank and before any result, with the module named; outside
+CP they run as before: a refusal, never a silently wrong step. (Gated DeltaNet hybrids and Mamba2
+models run under CP: tests/integrations/test_hybrid_models.py, test_mamba2_models.py.)"""
 
 from __future__ import annotations
 
@@ -44,7 +44,6 @@ def _hybrid(name: str) -> torch.nn.Module:
 
 HYBRIDS = {  # model -> the module its refusal names
     "mamba": "backbone.layers.0.mixer",
-    "mamba2": "backbone.layers.0.mixer",
 }
 
 
