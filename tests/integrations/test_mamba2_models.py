@@ -2,7 +2,8 @@
 Mamba2-attention hybrid), tiny random configs, float64, one packed row of documents longer than
 the convolution with interior padding, every layout that keeps documents in few pieces per rank
 and the block-diagonal batch, W = 1..4; ``stripe`` refused on every rank before the model's
-head; a cached call refused on every rank; outside CP the layers run transformers' own code.
+head; a cached call refused on every rank; a padding mask not read under CP (the step's
+documents say what is padding); outside CP the layers run transformers' own code.
 
 The reference runs each document alone through a copy of the model (plain SDPA attention) with,
 for the recurrence, the token-by-token SSD of :mod:`tests.helpers` (transformers' own computes
@@ -244,3 +245,29 @@ def test_outside_cp_the_layers_run_transformers_code(family: str) -> None:
         for name, fn in swapped.items():
             setattr(module, name, fn)
     torch.testing.assert_close(dispatched, original, rtol=0, atol=0)
+
+
+def _mask_ignored(rank: int, world: int) -> list[float]:
+    """Per model, under CP: the largest logit difference between a call with the full
+    sequence's padding mask (transformers trims it to the shard's length) and one without."""
+    import cpshard
+
+    out = []
+    for family in MODELS:
+        model = _model(family)
+        batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=2)
+        mask = (batch["_packed_seq_ids"] != 0).long()
+        ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, "balanced").shard(batch)
+        with ctx():
+            calls = [
+                model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                      use_cache=False, **extra).logits
+                for extra in ({}, {"attention_mask": mask})
+            ]  # fmt: skip
+        out.append(float((calls[0] - calls[1]).abs().max()))
+    return out
+
+
+def test_a_padding_mask_is_not_read_under_cp(pools) -> None:
+    for rank, diffs in enumerate(pools(2).run(_mask_ignored, timeout=300)):
+        assert diffs == [0.0] * len(MODELS), f"rank {rank}: {diffs}"
