@@ -15,7 +15,9 @@ another. Worker-side functions here pickle by reference, like those of the test 
   torch.distributed calls made inside a block);
 * parity: :func:`cp_aware_decoder` / :func:`plain_sdpa_decoder` (a user's own decoder) and the
   broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
-  :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``.
+  :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
+* sequence mixers, each document alone: :func:`causal_conv_reference`,
+  :func:`delta_rule_reference`, :func:`ssd_reference`.
 """
 
 from __future__ import annotations
