@@ -17,6 +17,7 @@ decay ``exp(A_h sum_t dt_t)``, a scalar per head; with ``E`` from a zero start i
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from cpshard.comm import Group
 from cpshard.mixers.carry import carry_states
@@ -55,11 +56,12 @@ def chunked_ssd(
     xc = to_chunks(x * dt[..., None], table).transpose(1, 2)  # [N, H, C, P]: dt_t x_t
     bc, cc = (to_chunks(t, table).transpose(1, 2) for t in (b, c))  # [N, H, C, N]
     ac = to_chunks(a, table).transpose(1, 2)  # [N, H, C]
-    decay = _segment_decay(ac)
-    attn = (cc @ bc.transpose(-1, -2)) * decay  # causal, diagonal included
-    c_read = cc * ac.cumsum(-1).exp()[..., None]  # the start state decayed up to each position
-    written = xc.transpose(-1, -2) @ (bc * decay[..., -1, :, None])  # [N, H, P, N]
+    after = F.pad(ac[..., 1:].flip(-1).cumsum(-1).flip(-1), (0, 1))  # log decay after each token
+    written = xc.transpose(-1, -2) @ (bc * after.exp()[..., None])  # [N, H, P, N]
     chunk_decay = ac.sum(-1).exp()[..., None, None]  # [N, H, 1, 1]
+    if want_output:
+        attn = (cc @ bc.transpose(-1, -2)) * _segment_decay(ac)  # causal, diagonal included
+        c_read = cc * ac.cumsum(-1).exp()[..., None]  # the start state decayed to each token
 
     state = initial if initial is not None else x.new_zeros(table.runs, heads, p, b.shape[-1])
     outs = []
