@@ -16,7 +16,9 @@ another. Worker-side functions here pickle by reference, like those of the test 
   torch.distributed calls made inside a block);
 * parity: :func:`cp_aware_decoder` / :func:`plain_sdpa_decoder` (a user's own decoder) and the
   broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
-  :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``.
+  :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
+* sequence mixers, each document alone: :func:`causal_conv_reference`,
+  :func:`delta_rule_reference`, :func:`ssd_reference`.
 """
 
 from __future__ import annotations
@@ -651,6 +653,38 @@ def delta_rule_reference(
                 row[t] = torch.einsum("hkv,hk->hv", state, q[b, t])
         rows.append(torch.stack(row))
     return torch.stack(rows) + out
+
+
+def ssd_reference(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    doc: torch.Tensor,
+) -> torch.Tensor:
+    """Mamba2's state-space recurrence token by token, each document from a zero state: ``x``
+    ``[B, S, H, P]``, ``dt`` ``[B, S, H]`` (the step as used), ``A`` ``[H]``, ``B``, ``C``
+    ``[B, S, G, N]`` (head ``h`` reads group ``h * G // H``), ``D`` ``[H]`` or None;
+    ``S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T``, ``y_t = S_t C_t + D x_t``; padding rows are
+    zeros."""
+    heads, groups = x.shape[2], B.shape[2]
+    group_of = torch.arange(heads) * groups // heads
+    rows = []
+    for b in range(x.shape[0]):
+        row = [torch.zeros_like(x[b, 0])] * x.shape[1]
+        for s, e in _documents(doc[b]):
+            state = x.new_zeros(heads, x.shape[3], B.shape[3])
+            for t in range(s, e):
+                bt, ct = B[b, t, group_of], C[b, t, group_of]  # [H, N]
+                state = state * torch.exp(dt[b, t] * A)[:, None, None] + torch.einsum(
+                    "h,hp,hn->hpn", dt[b, t], x[b, t], bt
+                )
+                y = torch.einsum("hpn,hn->hp", state, ct)
+                row[t] = y + D[:, None] * x[b, t] if D is not None else y
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
 
 
 def step_context(layout: str, doc: torch.Tensor, group=None) -> tuple:

@@ -31,7 +31,8 @@ from cpshard.bench.blockdiag import check_output, fwd_bwd_figures
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
 from cpshard.mixers import cp_causal_conv1d, cp_gated_delta_rule, recurrence_runs
-from cpshard.mixers.delta_rule import CHUNK, chunk_table, chunked_delta_rule, l2_normalise
+from cpshard.mixers.chunks import CHUNK, chunk_table
+from cpshard.mixers.delta_rule import chunked_delta_rule, l2_normalise
 from cpshard.mixers.runs import Run
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512

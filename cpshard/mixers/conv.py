@@ -50,10 +50,21 @@ def cp_causal_conv1d(
     group: ``y[t] = bias + sum_j weight[:, j] * x[t - K + 1 + j]`` over taps in ``t``'s document,
     then ``activation`` (``"silu"``/``"swish"`` or None). ``weight`` ``[C, K]``. Collective over
     the state's group (the window exchange) when ``K > 1``."""
+    where = f"cpshard CP convolution: rank {state.group.rank}"
+    if x.dim() != 3 or tuple(x.shape[:2]) != (state.batch_size, state.local_len):
+        raise ValueError(
+            f"{where}: x must be [B, L, channels] with [B, L] = [{state.batch_size}, "
+            f"{state.local_len}] (this rank's shard), got {tuple(x.shape)}"
+        )
     b, local, channels = x.shape
+    if weight.dim() != 2 or weight.shape[0] != channels:
+        raise ValueError(
+            f"{where}: weight must be [{channels}, kernel] (one filter per channel of x), got "
+            f"{tuple(weight.shape)}"
+        )
     kernel = weight.shape[-1]
     if activation not in (None, "silu", "swish"):
-        raise ValueError(f"cpshard CP convolution: activation {activation!r} is not supported")
+        raise ValueError(f"{where}: activation {activation!r} is not supported")
     windowed = state.windowed(kernel)
     buffer = windowed.extend(x.unsqueeze(1)).squeeze(1)  # [B, key_len, C]
     flat = torch.cat([buffer.reshape(-1, channels), buffer.new_zeros(1, channels)])

@@ -1,8 +1,9 @@
-"""The CP causal convolution and the CP gated delta rule against each document run alone
-(:func:`tests.helpers.causal_conv_reference`, :func:`tests.helpers.delta_rule_reference`: a
-plain conv1d and the token-by-token recurrence), every layout that keeps documents in few pieces
-per rank and the block-diagonal batch, W = 1..4, forward and float64 backward; ``stripe``
-refused on every rank."""
+"""The CP causal convolution, the CP gated delta rule and the CP SSD (Mamba2) against each
+document run alone (:func:`tests.helpers.causal_conv_reference`,
+:func:`tests.helpers.delta_rule_reference`, :func:`tests.helpers.ssd_reference`: a plain conv1d
+and the token-by-token recurrences), every layout that keeps documents in few pieces per rank
+and the block-diagonal batch, W = 1..4, forward and float64 backward; ``stripe`` refused on
+every rank; bad shapes raise naming the argument and the rank."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from tests.helpers import (
     causal_conv_reference,
     delta_rule_reference,
     packed_doc_ids,
+    ssd_reference,
     step_context,
 )
 
 LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
-# (packing, B, S, heads k, heads v, d_k, d_v, conv channels, kernel)
+# (packing, B, S, heads k, heads v, d_k, d_v, conv channels, kernel); the SSD runs with the
+# value heads as heads, the key heads as groups, d_v as head dim and d_k as state size
 CASES = [
     ("one_doc", 1, 150, 2, 2, 4, 3, 5, 4),  # one document over every rank (chunks of 64 cut)
     ("interior_pad", 2, 42, 1, 2, 3, 4, 3, 4),  # GVA: value heads twice the key heads
@@ -40,19 +43,28 @@ def _inputs(case: tuple) -> tuple[torch.Tensor, ...]:
     real = (doc != 0).to(torch.float64)  # padding outputs are not compared: weight them 0
     out_w = torch.randn(b, s, hv, dv, **f64) * real[..., None, None]
     conv_w = torch.randn(b, s, c, **f64) * real[..., None]
-    return doc, q, k, v, logdecay, beta, x, w, bias, out_w, conv_w
+    xs, dt = torch.randn(b, s, hv, dv, **f64), torch.rand(b, s, hv, **f64)
+    a, d = -0.1 - 2 * torch.rand(hv, **f64), torch.randn(hv, **f64)
+    bm, cm = torch.randn(b, s, hk, dk, **f64), torch.randn(b, s, hk, dk, **f64)
+    ssd_w = torch.randn(b, s, hv, dv, **f64) * real[..., None, None]
+    ssd = (xs, dt, a, bm, cm, d)
+    return doc, q, k, v, logdecay, beta, x, w, bias, *ssd, out_w, conv_w, ssd_w
+
+
+def _loss(outs: tuple[torch.Tensor, ...], weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return sum((o * w).sum() for o, w in zip(outs, weights, strict=True))
 
 
 def _distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
     from cpshard.attention import active_state
-    from cpshard.mixers import cp_causal_conv1d, cp_gated_delta_rule, recurrence_runs
+    from cpshard.mixers import cp_causal_conv1d, cp_gated_delta_rule, cp_ssd, recurrence_runs
 
     results = []
     for layout in layouts:
         for case in CASES:
-            doc, *full, out_w, conv_w = _inputs(case)
+            doc, *full, out_w, conv_w, ssd_w = _inputs(case)
             leaves = [t.requires_grad_() for t in full]
-            q, k, v, logdecay, beta, x, w, bias = leaves
+            q, k, v, logdecay, beta, x, w, bias, xs, dt, a, bm, cm, d = leaves
             ctx, sharder = step_context(layout, doc)
 
             def shard(t: torch.Tensor) -> torch.Tensor:
@@ -64,9 +76,10 @@ def _distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
                 sharded = (shard(t) for t in (q, k, v, logdecay, beta))
                 o = cp_gated_delta_rule(*sharded, runs, state.group)
                 y = cp_causal_conv1d(shard(x), w, bias, state, "silu")
-            ((o * shard(out_w)).sum() + (y * shard(conv_w)).sum()).backward()
+                z = cp_ssd(shard(xs), shard(dt), a, shard(bm), shard(cm), d, runs, state.group)
+            _loss((o, y, z), tuple(shard(t) for t in (out_w, conv_w, ssd_w))).backward()
             gathered = [
-                sharder.gather_token_tensor(t.detach(), 1, trim=True) for t in (o, y)
+                sharder.gather_token_tensor(t.detach(), 1, trim=True) for t in (o, y, z)
             ]
             results.append((*gathered, *(t.grad for t in leaves)))
     return results
@@ -98,27 +111,25 @@ def test_every_layout_matches_each_document_alone(pools, world: int) -> None:
     at = 0
     for layout in layouts:
         for case in CASES:
-            doc, *full, out_w, conv_w = _inputs(case)
+            doc, *full, out_w, conv_w, ssd_w = _inputs(case)
             leaves = [t.requires_grad_() for t in full]
-            q, k, v, logdecay, beta, x, w, bias = leaves
+            q, k, v, logdecay, beta, x, w, bias, xs, dt, a, bm, cm, d = leaves
             want_o = delta_rule_reference(q, k, v, logdecay, beta, doc)
             want_y = causal_conv_reference(x, w, bias, doc)
-            grads = torch.autograd.grad(
-                (want_o * out_w).sum() + (want_y * conv_w).sum(), leaves
-            )
+            want_z = ssd_reference(xs, dt, a, bm, cm, d, doc)
+            wants = (want_o, want_y, want_z)
+            grads = torch.autograd.grad(_loss(wants, (out_w, conv_w, ssd_w)), leaves)
             where = f"{layout} W={world} {case[0]}"
             pad = doc == 0
             for r in range(world):
-                o, y = got[r][at][:2]
-                torch.testing.assert_close(
-                    o[~pad], want_o[~pad], rtol=0, atol=1e-12, msg=f"{where} delta rule, rank {r}"
-                )
-                torch.testing.assert_close(
-                    y[~pad], want_y[~pad], rtol=0, atol=1e-12, msg=f"{where} conv, rank {r}"
-                )
-            names = ["q", "k", "v", "g", "beta", "x", "conv weight", "conv bias"]
+                for what, out, want in zip(("delta rule", "conv", "ssd"), got[r][at][:3], wants):
+                    torch.testing.assert_close(
+                        out[~pad], want[~pad], rtol=0, atol=1e-12, msg=f"{where} {what}, rank {r}"
+                    )
+            names = ["q", "k", "v", "g", "beta", "x", "conv weight", "conv bias",
+                     "ssd x", "dt", "A", "B", "C", "D"]  # fmt: skip
             for j, name in enumerate(names):
-                parts = [got[r][at][2 + j] for r in range(world)]  # None: rank held no token
+                parts = [got[r][at][3 + j] for r in range(world)]  # None: rank held no token
                 total = sum(p for p in parts if p is not None)
                 torch.testing.assert_close(
                     total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}"
@@ -130,3 +141,53 @@ def test_stripe_is_refused_on_every_rank(pools) -> None:
     messages = pools(2).run(_refused, timeout=120)
     for r, msg in enumerate(messages):
         assert f"rank {r}" in msg and "'stripe'" in msg and "contiguous" in msg, msg
+
+
+class _Solo:  # rank 1 of a world-2 group, planned alone (the checks run before any transfer)
+    world, rank, name = 2, 1, "solo"
+
+
+def _ssd_args(**bad: tuple[int, ...] | None) -> dict:
+    """cp_ssd's tensors for rank 1's shard of ``[1, 12]`` (6 tokens, 4 heads of 3, 2 groups of
+    state 5), with the shapes ``bad`` names replaced."""
+    shapes = {"x": (1, 6, 4, 3), "dt": (1, 6, 4), "A": (4,), "B": (1, 6, 2, 5),
+              "C": (1, 6, 2, 5), "D": (4,)} | bad  # fmt: skip
+    return {k: None if s is None else torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"x": (1, 5, 4, 3)}, "x must be [B, L, heads, head_dim]"),
+        ({"dt": (1, 6, 3)}, "dt must be (1, 6, 4)"),
+        ({"A": (4, 1)}, "A must be [4]"),
+        ({"D": (3,)}, "D must be [4] or None"),
+        ({"B": (1, 6, 3, 5), "C": (1, 6, 3, 5)}, "B must be [B, L, groups, d_state]"),
+        ({"C": (1, 6, 1, 5)}, "B and C must have one shape"),
+    ],
+)
+def test_ssd_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words: str) -> None:
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_ssd, plan_recurrence_runs
+
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_ssd(**_ssd_args(**bad), runs=runs, group=_Solo())
+    assert words in str(err.value), err.value
+
+
+@pytest.mark.parametrize(
+    ("x", "weight", "words"),
+    [((1, 5, 3), (3, 4), "x must be [B, L, channels]"), ((1, 6, 3), (2, 4), "weight must be [3")],
+)
+def test_conv_bad_shapes_raise_naming_the_argument_and_the_rank(x, weight, words) -> None:
+    from cpshard.attention import step_state
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_causal_conv1d
+
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    state = step_state(_Solo(), make_layout("contiguous", 2, 12), doc)
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_causal_conv1d(torch.randn(x), torch.randn(weight), None, state, "silu")
+    assert words in str(err.value), err.value

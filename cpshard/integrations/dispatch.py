@@ -1,0 +1,76 @@
+"""The functions transformers' hybrid layers mix tokens with, swapped for dispatchers on the
+active CP step.
+
+transformers' Gated DeltaNet and Mamba2 layers call module-level functions of their modeling
+module for what mixes tokens along the sequence (the short causal convolution, the recurrence).
+:func:`install_dispatchers` puts a dispatcher in each one's place — outside a CP attention
+context the original function, inside one cpshard's per-document version over the step's shards
+(:mod:`cpshard.mixers`) — and marks the layer's class ``cpshard_sequence_mixer`` so that the
+check refusing token mixers CP does not shard lets it run. :func:`causal_conv` is the
+convolution's dispatcher, which both families share.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from cpshard.attention.state import active_state
+from cpshard.mixers import cp_causal_conv1d, recurrence_runs
+
+Make = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> dispatcher
+
+
+def install_dispatchers(
+    modules: Mapping[str, str], makers: Mapping[str, Make], what: str
+) -> None:
+    """For each modeling module (``{module name: layer class name}``) transformers has, replace
+    each function ``makers`` names by ``make(original)`` and mark the layer class (idempotent;
+    modules this transformers lacks are skipped). Raises ``ImportError`` (naming ``what``) when
+    a module lacks one of the functions."""
+    for name, cls_name in modules.items():
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attr, make in makers.items():
+            fn = getattr(module, attr, None)
+            if fn is None:
+                raise ImportError(f"{what}: {name} has no {attr}; this transformers is unsupported")
+            if not hasattr(fn, "cpshard_original"):
+                dispatcher = make(fn)
+                dispatcher.cpshard_original = fn  # type: ignore[attr-defined]
+                setattr(module, attr, dispatcher)
+        getattr(module, cls_name).cpshard_sequence_mixer = True
+
+
+def causal_conv(what: str) -> Make:
+    """The dispatcher of transformers' ``causal_conv1d_fn`` (``[B, C, L]`` in and out, weight
+    ``[C, K]``): under CP :func:`cpshard.mixers.cp_causal_conv1d`, after the step's runs are
+    planned (which refuses a layout that cuts documents into many pieces, on every rank, before
+    any transfer)."""
+
+    def make(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        @functools.wraps(original)
+        def causal_conv1d_fn(
+            hidden_states: torch.Tensor,
+            weight: torch.Tensor,
+            bias: torch.Tensor | None = None,
+            activation: str | None = None,
+            **kwargs: Any,
+        ) -> torch.Tensor:
+            state = active_state()
+            if state is None:
+                return original(hidden_states, weight, bias, activation=activation, **kwargs)
+            recurrence_runs(state, what)
+            x = hidden_states.transpose(1, 2).to(weight.dtype)  # [B, L, C]
+            y = cp_causal_conv1d(x, weight, bias, state, activation)
+            return y.transpose(1, 2).to(hidden_states.dtype)
+
+        return causal_conv1d_fn
+
+    return make

@@ -1,0 +1,134 @@
+"""transformers' Mamba2 layers (Mamba2, and the Mamba2 layers of the NemotronH hybrids) under CP,
+with no change to the model.
+
+The layer projects its input, convolves the x, B and C channels causally, runs the state-space
+recurrence (SSD) and a gated norm, all in its own forward, except for the functions of its
+modeling module it calls for the token mixing. :func:`install` puts dispatchers in their place
+(:mod:`cpshard.integrations.dispatch`); outside a CP attention context each is the original
+function, inside one:
+
+* ``causal_conv1d_fn``: cpshard's per-document convolution
+  (:func:`cpshard.mixers.cp_causal_conv1d`);
+* ``mamba2_chunk_scan``: the step ``dt`` made as the original makes it (bias, softplus, clamp to
+  the layer's limits), then :func:`cpshard.mixers.cp_ssd`, states carried across ranks;
+* ``mamba2_split_conv1d_scan_combined`` (a fused kernel, when one is installed, that would scan
+  the shard alone): None, so the layer takes the path above;
+* ``apply_mask_to_padding_states``: the hidden states unmasked. The step's documents say which
+  tokens are padding and padding belongs to no document, so zeroing it changes no other token;
+  the layer's 2-D mask is the caller's trimmed to the local length, which for a full-sequence
+  mask would zero other tokens (as the attention layers' masks, it is not read under CP);
+* ``causal_conv1d_update`` and ``mamba2_selective_state_update`` (token-by-token decoding), and
+  ``mamba2_chunk_scan`` with a cache's state: refused, CP shards training steps.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cpshard.attention.state import AttentionState, active_state
+from cpshard.integrations.dispatch import causal_conv, install_dispatchers
+from cpshard.mixers import cp_ssd, recurrence_runs
+
+_WHAT = "cpshard.integrations.transformers (Mamba2)"
+# modeling module -> the Mamba2 layer class in it
+MODULES = {
+    "transformers.models.mamba2.modeling_mamba2": "Mamba2Mixer",
+    "transformers.models.nemotron_h.modeling_nemotron_h": "NemotronHMamba2Mixer",
+}
+
+
+def _cache_refused(state: AttentionState) -> ValueError:
+    return ValueError(
+        f"{_WHAT}: rank {state.group.rank}: a Mamba2 layer ran with a cache inside a CP context; "
+        "CP shards training steps: call the model with use_cache=False"
+    )
+
+
+def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def mamba2_chunk_scan(
+        hidden_states: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        chunk_size: int,
+        D: torch.Tensor | None = None,
+        dt_bias: torch.Tensor | None = None,
+        initial_states: torch.Tensor | None = None,
+        dt_softplus: bool = False,
+        dt_limit: tuple[float, float] = (0.0, float("inf")),
+        return_final_states: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        state = active_state()
+        if state is None:
+            return original(
+                hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
+                initial_states=initial_states, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                return_final_states=return_final_states, **kwargs,
+            )  # fmt: skip
+        if initial_states is not None or return_final_states:
+            raise _cache_refused(state)
+        runs = recurrence_runs(state, _WHAT)
+        if dt_bias is not None:
+            dt = dt + dt_bias.to(dt.dtype)
+        if dt_softplus:
+            dt = F.softplus(dt)
+        dt = torch.clamp(dt, min=dt_limit[0], max=dt_limit[1])
+        return cp_ssd(hidden_states, dt, A, B, C, D, runs, state.group)
+
+    return mamba2_chunk_scan
+
+
+def _fused(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def mamba2_split_conv1d_scan_combined(*args: Any, **kwargs: Any) -> Any:
+        return None if active_state() is not None else original(*args, **kwargs)
+
+    return mamba2_split_conv1d_scan_combined
+
+
+def _mask(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def apply_mask_to_padding_states(
+        hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if active_state() is not None:
+            return hidden_states
+        return original(hidden_states, attention_mask)
+
+    return apply_mask_to_padding_states
+
+
+def _decode(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def refused_under_cp(*args: Any, **kwargs: Any) -> Any:
+        state = active_state()
+        if state is not None:
+            raise _cache_refused(state)
+        return original(*args, **kwargs)
+
+    return refused_under_cp
+
+
+def install() -> None:
+    """Put the dispatchers into every Mamba2 modeling module transformers has and mark its layer
+    class (idempotent; modules this transformers lacks are skipped)."""
+    install_dispatchers(
+        MODULES,
+        {
+            "apply_mask_to_padding_states": _mask,
+            "causal_conv1d_fn": causal_conv(_WHAT),
+            "mamba2_split_conv1d_scan_combined": _fused,
+            "mamba2_chunk_scan": _scan,
+            "causal_conv1d_update": _decode,
+            "mamba2_selective_state_update": _decode,
+        },
+        _WHAT,
+    )

@@ -1,0 +1,273 @@
+"""Mamba2 models through transformers under CP: Mamba2 (state-space layers only) and NemotronH (a
+Mamba2-attention hybrid), tiny random configs, float64, one packed row of documents longer than
+the convolution with interior padding, every layout that keeps documents in few pieces per rank
+and the block-diagonal batch, W = 1..4; ``stripe`` refused on every rank before the model's
+head; a cached call refused on every rank; a padding mask not read under CP (the step's
+documents say what is padding); outside CP the layers run transformers' own code.
+
+The reference runs each document alone through a copy of the model (plain SDPA attention) with,
+for the recurrence, the token-by-token SSD of :mod:`tests.helpers` (transformers' own computes
+in float32). Both models' RMS norms are their float64 statements (transformers' compute in
+float32) and the logits are read before the heads' float32 cast. Bounds: loss relative error
+< 1e-9, every gradient within 1e-8 of the largest."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import sys
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.helpers import EXAMPLES, ssd_reference
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(EXAMPLES))
+
+import cp_decoder  # noqa: E402
+
+from cpshard.integrations import transformers as cp_transformers  # noqa: E402
+
+ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
+LOSS_TOL, GRAD_TOL = 1e-9, 1e-8
+LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
+MODELS = {
+    "mamba2": "transformers.models.mamba2.modeling_mamba2",
+    "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h",
+}
+
+
+def _config(family: str):
+    import transformers as T
+
+    if family == "mamba2":
+        return T.Mamba2Config(
+            vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
+            conv_kernel=4, num_heads=4, head_dim=16, n_groups=2, residual_in_fp32=False,
+            time_step_limit=(0.0, 0.3), use_cache=False, tie_word_embeddings=False,
+        )  # fmt: skip
+    if family == "nemotron_h":
+        return T.NemotronHConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+            layers_block_type=["linear_attention", "full_attention", "linear_attention", "mlp"],
+            ssm_state_size=4, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, conv_kernel=4,
+            initializer_range=0.1, use_cache=False,
+        )  # fmt: skip
+    raise AssertionError(family)
+
+
+def _rms(self, x: torch.Tensor) -> torch.Tensor:
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Mamba2's gated norm: gate first, then RMS over each group of channels."""
+    if gate is not None:
+        x = x * F.silu(gate)
+    groups = x.view(*x.shape[:-1], -1, self.group_size)
+    normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * normed.view(x.shape)
+
+
+class _Logits(torch.nn.Module):
+    """The causal LM's logits before its head's float32 cast, ``(input_ids, position_ids) ->
+    .logits`` (no cache)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> SimpleNamespace:
+        out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return SimpleNamespace(logits=self.lm.lm_head(out.last_hidden_state))
+
+
+def _model(family: str) -> torch.nn.Module:
+    import transformers
+
+    cp_transformers.register()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNormGated"):
+            module.forward = _gated_rms.__get__(module)
+        elif name.endswith("RMSNorm"):
+            module.forward = _rms.__get__(module)
+        if hasattr(module, "dt_bias"):  # steps of about 0.3 to 1.3: the state carries far
+            with torch.no_grad():
+                module.dt_bias.normal_()
+    if family == "nemotron_h":
+        model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
+    return model
+
+
+def _reference_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None,
+                    initial_states=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
+                    return_final_states=False, **kwargs):  # fmt: skip
+    """One document's SSD, token by token in float64, from the step the layer's own scan makes
+    (bias, softplus, clamp)."""
+    assert initial_states is None and not return_final_states
+    dt = F.softplus(dt + dt_bias) if dt_softplus else dt + dt_bias
+    dt = dt.clamp(dt_limit[0], dt_limit[1])
+    doc = torch.ones(hidden_states.shape[:2], dtype=torch.int64)
+    return ssd_reference(hidden_states, dt, A, B, C, D, doc)
+
+
+@contextlib.contextmanager
+def _reference_recurrence(family: str) -> Iterator[None]:
+    module = importlib.import_module(MODELS[family])
+    saved = module.mamba2_chunk_scan
+    module.mamba2_chunk_scan = _reference_scan
+    try:
+        yield
+    finally:
+        module.mamba2_chunk_scan = saved
+
+
+def _step(family: str, layout: str, group) -> tuple[float, float, float]:
+    """One CP step and the per-document reference: (CP loss averaged over ranks, reference
+    loss, worst gradient difference relative to the largest gradient)."""
+    import cpshard
+
+    model = _model(family)
+    reference = copy.deepcopy(model)
+    if family == "nemotron_h":
+        reference.set_attn_implementation("sdpa")
+    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
+    logits = _Logits(model)
+
+    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
+        return logits(local["input_ids"], local["position_ids"]).logits
+
+    cp = cp_decoder.cp_loss(group, batch, forward, layout)
+    with _reference_recurrence(family):
+        ref = cp_decoder.reference_loss(_Logits(reference), cp_decoder.text_documents(batch))
+    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
+    cpshard.reduce_cp_gradients(model, group)
+    total = cp.clone().reshape(1)
+    dist.all_reduce(total, group=group)
+    total /= dist.get_world_size(group)
+    want = dict(reference.named_parameters())
+    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
+    worst = max(
+        float(((p.grad if p.grad is not None else 0) - want[n].grad).abs().max()) / largest
+        for n, p in model.named_parameters()
+        if want[n].grad is not None
+    )
+    return float(total), float(ref.detach()), worst
+
+
+def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
+    return {
+        f"{family} {layout}": _step(family, layout, dist.group.WORLD)
+        for family in MODELS
+        for layout in layouts
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_mamba2_models_match_each_document_alone(pools, world: int) -> None:
+    layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
+    for rank, cases in enumerate(pools(world).run(_cases, layouts, timeout=900)):
+        for name, (cp, ref, grad) in cases.items():
+            assert abs(cp - ref) <= LOSS_TOL * abs(ref), f"rank {rank} W={world} {name}: {cp!r} vs {ref!r}"
+            assert grad <= GRAD_TOL, f"rank {rank} W={world} {name}: gradient {grad:.2e} off"
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    """Under ``stripe``, and with a cache under ``balanced``: each model's error on this rank
+    (``" (model computed)"`` appended when its head ran)."""
+    import cpshard
+
+    out = []
+    for family in MODELS:
+        for layout, use_cache in (("stripe", False), ("balanced", True)):
+            model = _model(family)
+            ran = []
+            model.lm_head.register_forward_hook(lambda *a: ran.append(True))
+            batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=1)
+            ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, layout).shard(batch)
+            with ctx():
+                try:
+                    model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                          use_cache=use_cache)  # fmt: skip
+                    out.append("no error")
+                except ValueError as exc:
+                    out.append(str(exc) + (" (model computed)" if ran else ""))
+    return out
+
+
+def test_stripe_and_a_cache_are_refused_on_every_rank(pools) -> None:
+    for rank, messages in enumerate(pools(2).run(_refusals, timeout=300)):
+        stripes, caches = messages[0::2], messages[1::2]
+        for msg in stripes:
+            assert f"rank {rank}" in msg and "'stripe'" in msg, msg
+            assert "model computed" not in msg, msg
+        for msg in caches:
+            assert f"rank {rank}" in msg and "use_cache=False" in msg, msg
+            assert "model computed" not in msg, msg
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_outside_cp_the_layers_run_transformers_code(family: str) -> None:
+    """With cpshard's dispatchers installed, a model outside CP gives exactly what it gives with
+    transformers' own functions, in training (the fused-kernel entry taken first) and with a
+    padding mask."""
+    model = _model(family).train()
+    module = importlib.import_module(MODELS[family])
+    ids = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+
+    def logits() -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    dispatched = logits()
+    swapped = {
+        name: fn for name, fn in vars(module).items() if hasattr(fn, "cpshard_original")
+    }
+    assert len(swapped) == 6, sorted(swapped)
+    try:
+        for name, fn in swapped.items():
+            setattr(module, name, fn.cpshard_original)
+        original = logits()
+    finally:
+        for name, fn in swapped.items():
+            setattr(module, name, fn)
+    torch.testing.assert_close(dispatched, original, rtol=0, atol=0)
+
+
+def _mask_ignored(rank: int, world: int) -> list[float]:
+    """Per model, under CP: the largest logit difference between a call with the full
+    sequence's padding mask (transformers trims it to the shard's length) and one without."""
+    import cpshard
+
+    out = []
+    for family in MODELS:
+        model = _model(family)
+        batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=2)
+        mask = (batch["_packed_seq_ids"] != 0).long()
+        ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, "balanced").shard(batch)
+        with ctx():
+            calls = [
+                model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                      use_cache=False, **extra).logits
+                for extra in ({}, {"attention_mask": mask})
+            ]  # fmt: skip
+        out.append(float((calls[0] - calls[1]).abs().max()))
+    return out
+
+
+def test_a_padding_mask_is_not_read_under_cp(pools) -> None:
+    for rank, diffs in enumerate(pools(2).run(_mask_ignored, timeout=300)):
+        assert diffs == [0.0] * len(MODELS), f"rank {rank}: {diffs}"
