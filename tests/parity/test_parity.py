@@ -126,16 +126,20 @@ def test_fsdp_without_cp_factor_names_the_factor(pools) -> None:
     assert "(= 1/cp)" in r.diagnosis, r.diagnosis
 
 
-def test_sliding_window_models_exact_and_hybrids_refused(pools) -> None:
-    """Sliding-window families check exact; a hybrid model (Gated DeltaNet) is refused with
-    the module named, never reported exact or merely different."""
+def test_sliding_window_and_hybrid_models_exact(pools) -> None:
+    """Sliding-window families check exact; a hybrid model (Gated DeltaNet) runs under CP and
+    checks exact within its own float32 internals (transformers computes its recurrence and
+    norms in float32 whatever the model's dtype; at the default tolerance that rounding is what
+    it reports)."""
     for model in ("MistralForCausalLM", "Qwen2ForCausalLM"):
         report = _run(pools, model, [Case("stripe", 2), Case("blockdiag", 2)])
         assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
+    setup = Setup(ModelSpec.parse("Qwen3_5ForCausalLM"), BATCH, None, tol=1e-6)
+    report = run_parity(setup, [Case("blockdiag", 2), Case("balanced", 2)], pools=pools)
+    assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
     report = _run(pools, "Qwen3_5ForCausalLM", [Case("blockdiag", 2)])
-    (result,) = report.results
-    assert not report.exact and result.verdict == "refused", (result.verdict, result.diagnosis)
-    assert "linear_attn" in result.diagnosis, result.diagnosis
+    assert not report.exact  # at float64's 1e-9 the float32 internals show, first in a norm
+    assert "layernorm" in report.results[0].diagnosis, report.results[0].diagnosis
 
 
 def test_refusals_and_crashes_are_reported_as_such() -> None:
