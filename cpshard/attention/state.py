@@ -168,6 +168,11 @@ def state_for(key: torch.Tensor) -> AttentionState:
     return state
 
 
+def any_step_alive() -> bool:
+    """True while some step's attention state is alive (its context object not yet dropped)."""
+    return len(_registry) > 0
+
+
 # The state of the innermost active attention context.
 current: ScopedValue[AttentionState | None] = ScopedValue(None, "cpshard CP attention context")
 

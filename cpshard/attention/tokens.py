@@ -76,7 +76,7 @@ def token_problem(position_ids: torch.Tensor | None, state: AttentionState | Non
     )
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread (a checkpointed
     layer's recompute runs there)."""
     return torch._C._current_graph_task_id() != -1
@@ -91,7 +91,7 @@ def state_for_tokens(
 
     Raises ``RuntimeError`` (naming the rank) for a recompute whose step's state is gone (the
     context object was dropped before ``backward()``)."""
-    if position_ids is None or torch.compiler.is_compiling() or not _in_backward():
+    if position_ids is None or torch.compiler.is_compiling() or not in_backward():
         return active
     origin = _origins.get(position_ids)
     if origin is None:

@@ -19,10 +19,29 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.state import active_state
+from cpshard.attention.state import AttentionState, active_state, any_step_alive
+from cpshard.attention.tokens import in_backward
 from cpshard.mixers import cp_causal_conv1d, recurrence_runs
 
 Make = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> dispatcher
+
+
+def mixing_state(what: str) -> AttentionState | None:
+    """The CP step a hybrid layer's token mixing runs under: the active context's, else None
+    (the original function runs). An activation-checkpoint recompute during a backward called
+    after the step's context exited cannot find its step here (these functions see no batch
+    tensor to look it up by): while some CP step is alive it raises, naming ``what``, rather
+    than mix this rank's shard alone. (A model outside CP recomputed while a CP step is alive
+    is refused too: this cannot tell the two apart.)"""
+    state = active_state()
+    if state is None and in_backward() and any_step_alive():
+        raise ValueError(
+            f"{what}: a checkpointed hybrid layer (linear attention / state-space scan) was "
+            "recomputed during backward outside its CP step's context, where cpshard cannot "
+            "find its step; call backward() inside the `with ctx():` block when hybrid layers "
+            "are checkpointed"
+        )
+    return state
 
 
 def install_dispatchers(
@@ -63,7 +82,7 @@ def causal_conv(what: str) -> Make:
             activation: str | None = None,
             **kwargs: Any,
         ) -> torch.Tensor:
-            state = active_state()
+            state = mixing_state(what)
             if state is None:
                 return original(hidden_states, weight, bias, activation=activation, **kwargs)
             recurrence_runs(state, what)

@@ -17,8 +17,7 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.state import active_state
-from cpshard.integrations.dispatch import causal_conv, install_dispatchers
+from cpshard.integrations.dispatch import causal_conv, install_dispatchers, mixing_state
 from cpshard.mixers import cp_gated_delta_rule, recurrence_runs
 
 _WHAT = "cpshard.integrations.transformers (Gated DeltaNet)"
@@ -44,7 +43,7 @@ def _rule(original: Callable[..., Any]) -> Callable[..., Any]:
         use_qk_l2norm_in_kernel: bool = False,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        state = active_state()
+        state = mixing_state(_WHAT)
         if state is None:
             return original(
                 query, key, value, g=g, beta=beta, chunk_size=chunk_size,

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cpshard.attention.state import AttentionState, active_state
-from cpshard.integrations.dispatch import causal_conv, install_dispatchers
+from cpshard.attention.state import AttentionState
+from cpshard.integrations.dispatch import causal_conv, install_dispatchers, mixing_state
 from cpshard.mixers import cp_ssd, recurrence_runs
 
 _WHAT = "cpshard.integrations.transformers (Mamba2)"
@@ -66,7 +66,7 @@ def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
         return_final_states: bool = False,
         **kwargs: Any,
     ) -> Any:
-        state = active_state()
+        state = mixing_state(_WHAT)
         if state is None:
             return original(
                 hidden_states, dt, A, B, C, chunk_size, D=D, dt_bias=dt_bias,
@@ -89,7 +89,7 @@ def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
 def _fused(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def mamba2_split_conv1d_scan_combined(*args: Any, **kwargs: Any) -> Any:
-        return None if active_state() is not None else original(*args, **kwargs)
+        return None if mixing_state(_WHAT) is not None else original(*args, **kwargs)
 
     return mamba2_split_conv1d_scan_combined
 
@@ -99,7 +99,7 @@ def _mask(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def apply_mask_to_padding_states(
         hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
     ) -> torch.Tensor:
-        if active_state() is not None:
+        if mixing_state(_WHAT) is not None:
             return hidden_states
         return original(hidden_states, attention_mask)
 
@@ -109,7 +109,7 @@ def _mask(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 def _decode(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def refused_under_cp(*args: Any, **kwargs: Any) -> Any:
-        state = active_state()
+        state = mixing_state(_WHAT)
         if state is not None:
             raise _cache_refused(state)
         return original(*args, **kwargs)

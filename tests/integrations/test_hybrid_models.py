@@ -264,3 +264,52 @@ def test_stripe_is_refused_on_every_rank(pools) -> None:
         for msg in messages:
             assert f"rank {rank}" in msg and "'stripe'" in msg, msg
             assert "model computed" not in msg, msg
+
+
+def _checkpointed(rank: int, world: int, backward_inside: bool) -> tuple[str, tuple | None]:
+    """A checkpointed Qwen3.5 whose last layer is linear attention (the first recompute in
+    backward). Backward inside the context: the step equals the reference; outside it: the
+    recompute cannot find its step (the error on this rank, never the original function on the
+    shard)."""
+    import transformers
+
+    import cpshard
+
+    group = dist.group.WORLD
+    cp_transformers.register()
+    config = _config("qwen3_5")
+    config.layer_types = ["full_attention", "linear_attention"]
+    torch.manual_seed(0)
+    model = _float64_norms(transformers.AutoModelForCausalLM.from_config(config).to(torch.float64))
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    reference.config.use_cache = False
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.train()
+    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=2)
+    ctx, local = cpshard.ContextParallelSharder(group, "balanced").shard(batch)
+    with ctx():
+        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
+        loss = cpshard.cp_cross_entropy(out.logits, local.targets.labels, group)
+        if backward_inside:
+            loss.backward()
+    if not backward_inside:
+        try:
+            loss.backward()
+        except ValueError as exc:
+            return str(exc), None
+        return "no error", None
+    del ctx  # the step is over: the reference's backward runs with no CP step alive
+    with _reference_recurrence("qwen3_5"):
+        ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
+    cp_decoder.reference_backward(ref, reference, world)
+    return "", _compare(model, reference, loss.detach(), ref, group)
+
+
+def test_checkpointed_hybrid_layers(pools) -> None:
+    """Backward inside the context: exact; outside: refused on every rank."""
+    results = pools(2).run(_checkpointed, True, timeout=300)
+    _check([{"checkpointed, backward inside": r[1]} for r in results], 2)
+    for rank, (message, _) in enumerate(pools(2).run(_checkpointed, False, timeout=300)):
+        assert "recomputed during backward outside its CP step's context" in message, (rank, message)
