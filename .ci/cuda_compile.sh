@@ -177,6 +177,7 @@ stamp "GPU check scripts: parse, skip, CPU numerics passed"
 if [[ "${CPSHARD_CUDA_TESTS:-1}" == 1 && -d "$repo/tests" ]]; then
   mkdir -p "$work/run"
   cp -r "$src/tests" "$work/run/tests"
+  cp -r "$src/examples" "$work/run/examples"  # the tests' shared references read their runs
   [[ -f "$src/pyproject.toml" ]] && cp "$src/pyproject.toml" "$work/run/"
   stamp "pytest (CPU tensors, CUDA build) from $work/run"
   step=$(date +%s)

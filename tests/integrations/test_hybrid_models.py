@@ -232,7 +232,7 @@ def _vlm_step(rank: int, world: int, layout: str) -> tuple[float, float, float]:
 
 
 def _vlm_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
-    return {layout: _vlm_step(rank, world, layout) for layout in ("blockdiag", "balanced")}
+    return {layout: _vlm_step(rank, world, layout) for layout in LAYOUTS}
 
 
 @pytest.mark.parametrize("world", [2, 4])
