@@ -703,3 +703,57 @@ def step_context(layout: str, doc: torch.Tensor, group=None) -> tuple:
     sharder = ContextParallelSharder(group, layout)
     ctx, _ = sharder.shard(batch)
     return ctx, sharder
+
+
+def relative_step_errors(
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    cp: torch.Tensor,
+    ref: torch.Tensor,
+    group: dist.ProcessGroup,
+) -> tuple[float, float, float]:
+    """After a CP step's and its reference's backward passes: (CP loss averaged over ranks,
+    reference loss, worst gradient difference relative to the largest reference gradient), the
+    CP gradients reduced over ``group`` first."""
+    from cpshard import reduce_cp_gradients
+
+    reduce_cp_gradients(model, group)
+    total = cp.clone().reshape(1)
+    dist.all_reduce(total, group=group)
+    total /= dist.get_world_size(group)
+    want = dict(reference.named_parameters())
+    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
+    worst = max(
+        float(((p.grad if p.grad is not None else 0) - want[n].grad).abs().max()) / largest
+        for n, p in model.named_parameters()
+        if want[n].grad is not None
+    )
+    return float(total), float(ref.detach()), worst
+
+
+def check_relative_errors(
+    results: list[dict[str, tuple[float, float, float]]],
+    world: int,
+    loss_tol: float = 1e-9,
+    grad_tol: float = 1e-8,
+) -> None:
+    """Every rank's cases of :func:`relative_step_errors` within the bounds."""
+    for rank, cases in enumerate(results):
+        for name, (cp, ref, grad) in cases.items():
+            where = f"rank {rank} W={world} {name}"
+            assert abs(cp - ref) <= loss_tol * abs(ref), f"{where}: {cp!r} vs {ref!r}"
+            assert grad <= grad_tol, f"{where}: gradient {grad:.2e} off"
+
+
+@contextmanager
+def swapped(module: str, name: str, value: object) -> Iterator[None]:
+    """``module.name`` (a module path) set to ``value`` for the block."""
+    import importlib
+
+    mod = importlib.import_module(module)
+    saved = getattr(mod, name)
+    setattr(mod, name, value)
+    try:
+        yield
+    finally:
+        setattr(mod, name, saved)

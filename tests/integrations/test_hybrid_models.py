@@ -12,18 +12,21 @@ largest."""
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import importlib
 import sys
-from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import EXAMPLES, delta_rule_reference
+from tests.helpers import (
+    EXAMPLES,
+    check_relative_errors,
+    delta_rule_reference,
+    relative_step_errors,
+    swapped,
+)
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES))
@@ -33,7 +36,6 @@ import cp_decoder  # noqa: E402
 from cpshard.integrations import transformers as cp_transformers  # noqa: E402
 
 ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
-LOSS_TOL, GRAD_TOL = 1e-9, 1e-8
 LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
 MODELS = {
     "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
@@ -103,36 +105,6 @@ def _reference_rule(query, key, value, g, beta, initial_state=None, output_final
     return delta_rule_reference(q, k, value, g, beta, doc), None
 
 
-@contextlib.contextmanager
-def _reference_recurrence(family: str) -> Iterator[None]:
-    module = importlib.import_module(MODELS[family])
-    saved = module.torch_chunk_gated_delta_rule
-    module.torch_chunk_gated_delta_rule = _reference_rule
-    try:
-        yield
-    finally:
-        module.torch_chunk_gated_delta_rule = saved
-
-
-def _compare(model, reference, cp: torch.Tensor, ref: torch.Tensor, group) -> tuple[float, float, float]:
-    """After both backward passes: (CP loss averaged over ranks, reference loss, worst gradient
-    difference relative to the largest reference gradient), the CP gradients reduced first."""
-    import cpshard
-
-    cpshard.reduce_cp_gradients(model, group)
-    total = cp.clone().reshape(1)
-    dist.all_reduce(total, group=group)
-    total /= dist.get_world_size(group)
-    want = dict(reference.named_parameters())
-    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
-    worst = max(
-        float(((p.grad if p.grad is not None else 0) - want[n].grad).abs().max()) / largest
-        for n, p in model.named_parameters()
-        if want[n].grad is not None
-    )
-    return float(total), float(ref.detach()), worst
-
-
 def _step(family: str, layout: str, group) -> tuple[float, float, float]:
     """One CP step and the per-document reference: (CP loss averaged over ranks, reference
     loss, worst gradient difference relative to the largest gradient)."""
@@ -147,10 +119,10 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
         return out.logits
 
     cp = cp_decoder.cp_loss(group, batch, forward, layout)
-    with _reference_recurrence(family):
+    with swapped(MODELS[family], "torch_chunk_gated_delta_rule", _reference_rule):
         ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
-    return _compare(model, reference, cp, ref, group)
+    return relative_step_errors(model, reference, cp, ref, group)
 
 
 def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
@@ -161,17 +133,10 @@ def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, 
     }
 
 
-def _check(results: list[dict[str, tuple[float, float, float]]], world: int) -> None:
-    for rank, cases in enumerate(results):
-        for name, (cp, ref, grad) in cases.items():
-            assert abs(cp - ref) <= LOSS_TOL * abs(ref), f"rank {rank} W={world} {name}: {cp!r} vs {ref!r}"
-            assert grad <= GRAD_TOL, f"rank {rank} W={world} {name}: gradient {grad:.2e} off"
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_hybrids_match_each_document_alone(pools, world: int) -> None:
     layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
-    _check(pools(world).run(_cases, layouts, timeout=900), world)
+    check_relative_errors(pools(world).run(_cases, layouts, timeout=900), world)
 
 
 def _tiny_vlm() -> torch.nn.Module:
@@ -225,10 +190,10 @@ def _vlm_step(rank: int, world: int, layout: str) -> tuple[float, float, float]:
     with cpshard.cp_vision_group(group, config=config):
         merged = cp_vlm.merged_inputs(model, batch)
     cp = cp_decoder.cp_loss(group, merged, lambda local: cp_vlm.decoder_logits(model, local), layout)
-    with _reference_recurrence("qwen3_5"):
+    with swapped(MODELS["qwen3_5"], "torch_chunk_gated_delta_rule", _reference_rule):
         ref = cp_decoder.reference_loss(reference, cp_vlm.vlm_documents(batch))
     cp_decoder.reference_backward(ref, reference, world)
-    return _compare(model, reference, cp, ref, group)
+    return relative_step_errors(model, reference, cp, ref, group)
 
 
 def _vlm_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
@@ -237,7 +202,7 @@ def _vlm_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_qwen3_5_vlm_matches_each_document_alone(pools, world: int) -> None:
-    _check(pools(world).run(_vlm_cases, timeout=900), world)
+    check_relative_errors(pools(world).run(_vlm_cases, timeout=900), world)
 
 
 def _stripe(rank: int, world: int) -> list[str]:
@@ -301,15 +266,15 @@ def _checkpointed(rank: int, world: int, backward_inside: bool) -> tuple[str, tu
             return str(exc), None
         return "no error", None
     del ctx  # the step is over: the reference's backward runs with no CP step alive
-    with _reference_recurrence("qwen3_5"):
+    with swapped(MODELS["qwen3_5"], "torch_chunk_gated_delta_rule", _reference_rule):
         ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, world)
-    return "", _compare(model, reference, loss.detach(), ref, group)
+    return "", relative_step_errors(model, reference, loss.detach(), ref, group)
 
 
 def test_checkpointed_hybrid_layers(pools) -> None:
     """Backward inside the context: exact; outside: refused on every rank."""
     results = pools(2).run(_checkpointed, True, timeout=300)
-    _check([{"checkpointed, backward inside": r[1]} for r in results], 2)
+    check_relative_errors([{"checkpointed, backward inside": r[1]} for r in results], 2)
     for rank, (message, _) in enumerate(pools(2).run(_checkpointed, False, timeout=300)):
         assert "recomputed during backward outside its CP step's context" in message, (rank, message)

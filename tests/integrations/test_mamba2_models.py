@@ -13,11 +13,9 @@ float32) and the logits are read before the heads' float32 cast. Bounds: loss re
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import importlib
 import sys
-from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -25,7 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import EXAMPLES, ssd_reference
+from tests.helpers import (
+    EXAMPLES,
+    check_relative_errors,
+    relative_step_errors,
+    ssd_reference,
+    swapped,
+)
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES))
@@ -35,7 +39,6 @@ import cp_decoder  # noqa: E402
 from cpshard.integrations import transformers as cp_transformers  # noqa: E402
 
 ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
-LOSS_TOL, GRAD_TOL = 1e-9, 1e-8
 LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
 MODELS = {
     "mamba2": "transformers.models.mamba2.modeling_mamba2",
@@ -123,22 +126,9 @@ def _reference_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None
     return ssd_reference(hidden_states, dt, A, B, C, D, doc)
 
 
-@contextlib.contextmanager
-def _reference_recurrence(family: str) -> Iterator[None]:
-    module = importlib.import_module(MODELS[family])
-    saved = module.mamba2_chunk_scan
-    module.mamba2_chunk_scan = _reference_scan
-    try:
-        yield
-    finally:
-        module.mamba2_chunk_scan = saved
-
-
 def _step(family: str, layout: str, group) -> tuple[float, float, float]:
     """One CP step and the per-document reference: (CP loss averaged over ranks, reference
     loss, worst gradient difference relative to the largest gradient)."""
-    import cpshard
-
     model = _model(family)
     reference = copy.deepcopy(model)
     if family == "nemotron_h":
@@ -150,21 +140,10 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
         return logits(local["input_ids"], local["position_ids"]).logits
 
     cp = cp_decoder.cp_loss(group, batch, forward, layout)
-    with _reference_recurrence(family):
+    with swapped(MODELS[family], "mamba2_chunk_scan", _reference_scan):
         ref = cp_decoder.reference_loss(_Logits(reference), cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
-    cpshard.reduce_cp_gradients(model, group)
-    total = cp.clone().reshape(1)
-    dist.all_reduce(total, group=group)
-    total /= dist.get_world_size(group)
-    want = dict(reference.named_parameters())
-    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
-    worst = max(
-        float(((p.grad if p.grad is not None else 0) - want[n].grad).abs().max()) / largest
-        for n, p in model.named_parameters()
-        if want[n].grad is not None
-    )
-    return float(total), float(ref.detach()), worst
+    return relative_step_errors(model, reference, cp, ref, group)
 
 
 def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
@@ -178,10 +157,7 @@ def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_mamba2_models_match_each_document_alone(pools, world: int) -> None:
     layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
-    for rank, cases in enumerate(pools(world).run(_cases, layouts, timeout=900)):
-        for name, (cp, ref, grad) in cases.items():
-            assert abs(cp - ref) <= LOSS_TOL * abs(ref), f"rank {rank} W={world} {name}: {cp!r} vs {ref!r}"
-            assert grad <= GRAD_TOL, f"rank {rank} W={world} {name}: gradient {grad:.2e} off"
+    check_relative_errors(pools(world).run(_cases, layouts, timeout=900), world)
 
 
 def _refusals(rank: int, world: int) -> list[str]:
