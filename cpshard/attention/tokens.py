@@ -107,6 +107,22 @@ def state_for_tokens(
     return state
 
 
+def check_recompute_found(what: str, layer: str) -> None:
+    """Raise ``ValueError`` (naming ``what``) when a ``layer`` runs during backward with no CP
+    context active while some CP step is alive: an activation-checkpoint recompute whose step
+    could not be found (its ``position_ids`` are not the sharded batch's, or it sees none), which
+    would otherwise run on the rank's shard alone. (A model outside CP recomputed while a CP
+    step is alive is refused too: the two cannot be told apart here.)"""
+    from cpshard.attention.state import any_step_alive
+
+    if in_backward() and any_step_alive() and not torch.compiler.is_compiling():
+        raise ValueError(
+            f"{what}: a checkpointed {layer} was recomputed during backward outside its CP "
+            "step's context, where cpshard cannot find its step; call backward() inside the "
+            "`with ctx():` block when such layers are checkpointed"
+        )
+
+
 def check_outside(position_ids: torch.Tensor | None, what: str) -> None:
     """Raise ``ValueError`` (naming ``what`` and the rank) when ``position_ids`` are a sharded
     batch's while no CP attention context is active."""

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.state import AttentionState, active_state, any_step_alive
-from cpshard.attention.tokens import in_backward
+from cpshard.attention.state import AttentionState, active_state
+from cpshard.attention.tokens import check_recompute_found
 from cpshard.mixers import cp_causal_conv1d, recurrence_runs
 
 Make = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> dispatcher
@@ -28,19 +28,13 @@ Make = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> dispatc
 
 def mixing_state(what: str) -> AttentionState | None:
     """The CP step a hybrid layer's token mixing runs under: the active context's, else None
-    (the original function runs). An activation-checkpoint recompute during a backward called
-    after the step's context exited cannot find its step here (these functions see no batch
-    tensor to look it up by): while some CP step is alive it raises, naming ``what``, rather
-    than mix this rank's shard alone. (A model outside CP recomputed while a CP step is alive
-    is refused too: this cannot tell the two apart.)"""
+    (the original function runs). A recompute during a backward called after the step's
+    context exited cannot find its step here (these functions see no batch tensor to look it up
+    by): it raises (:func:`~cpshard.attention.tokens.check_recompute_found`) rather than mix
+    this rank's shard alone."""
     state = active_state()
-    if state is None and in_backward() and any_step_alive():
-        raise ValueError(
-            f"{what}: a checkpointed hybrid layer (linear attention / state-space scan) was "
-            "recomputed during backward outside its CP step's context, where cpshard cannot "
-            "find its step; call backward() inside the `with ctx():` block when hybrid layers "
-            "are checkpointed"
-        )
+    if state is None:
+        check_recompute_found(what, "hybrid layer (linear attention / state-space scan)")
     return state
 
 

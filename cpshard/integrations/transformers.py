@@ -25,7 +25,7 @@ import torch
 from cpshard.attention.api import cp_attention
 from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
-from cpshard.attention.tokens import check_outside, state_for_tokens
+from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
 from cpshard.integrations import gated_deltanet, mamba2
 from cpshard.integrations.masks import mask_problem
 from cpshard.vision import maybe_distribute_visual
@@ -93,6 +93,7 @@ def cpshard_attention(
     position_ids = kwargs.get("position_ids")
     if not _cp_active() and state_for_tokens(position_ids, None) is None:  # recompute: its step
         check_outside(position_ids, _WHAT)
+        check_recompute_found(_WHAT, "attention layer")
         forward = _outside_cp(module, kwargs)
         return forward(
             module, query, key, value, attention_mask,

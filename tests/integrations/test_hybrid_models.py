@@ -231,11 +231,14 @@ def test_stripe_is_refused_on_every_rank(pools) -> None:
             assert "model computed" not in msg, msg
 
 
-def _checkpointed(rank: int, world: int, backward_inside: bool) -> tuple[str, tuple | None]:
-    """A checkpointed Qwen3.5 whose last layer is linear attention (the first recompute in
-    backward). Backward inside the context: the step equals the reference; outside it: the
-    recompute cannot find its step (the error on this rank, never the original function on the
-    shard)."""
+def _checkpointed(
+    rank: int, world: int, backward_inside: bool, last: str = "linear_attention"
+) -> tuple[str, tuple | None]:
+    """A checkpointed Qwen3.5 whose last layer (the first recompute in backward) is ``last``.
+    Backward inside the context: the step equals the reference; outside it: the recompute
+    cannot find its step (Qwen3.5 derives its layers' position ids, so even its attention
+    cannot look the step up): the error on this rank, never the layer run on the shard
+    alone."""
     import transformers
 
     import cpshard
@@ -243,7 +246,7 @@ def _checkpointed(rank: int, world: int, backward_inside: bool) -> tuple[str, tu
     group = dist.group.WORLD
     cp_transformers.register()
     config = _config("qwen3_5")
-    config.layer_types = ["full_attention", "linear_attention"]
+    config.layer_types = ["full_attention", "linear_attention"][:: 1 if last == "linear_attention" else -1]
     torch.manual_seed(0)
     model = _float64_norms(transformers.AutoModelForCausalLM.from_config(config).to(torch.float64))
     reference = copy.deepcopy(model)
@@ -276,5 +279,6 @@ def test_checkpointed_hybrid_layers(pools) -> None:
     """Backward inside the context: exact; outside: refused on every rank."""
     results = pools(2).run(_checkpointed, True, timeout=300)
     check_relative_errors([{"checkpointed, backward inside": r[1]} for r in results], 2)
-    for rank, (message, _) in enumerate(pools(2).run(_checkpointed, False, timeout=300)):
-        assert "recomputed during backward outside its CP step's context" in message, (rank, message)
+    for last in ("linear_attention", "full_attention"):
+        for rank, (message, _) in enumerate(pools(2).run(_checkpointed, False, last, timeout=300)):
+            assert "recomputed during backward outside its CP step's context" in message, (rank, message)
