@@ -86,6 +86,41 @@ def chunked_delta_rule(
     return from_chunks(outs, table, b * length, v), state
 
 
+def _check(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    runs: RecurrenceRuns,
+) -> None:
+    """Raise ``ValueError`` naming the argument and the rank when the shapes do not fit the
+    step's shard (the chunk tables index this rank's ``[B, L]`` tokens: another length would be
+    read wrongly, not refused; the same arguments on every rank raise alike, before any
+    transfer)."""
+    where = f"cpshard CP gated delta rule: rank {runs.rank}"
+    shard = (runs.batch_size, runs.local_len)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() != 4 or tuple(t.shape[:2]) != shard:
+            raise ValueError(
+                f"{where}: {name} must be [B, L, heads, head_dim] with [B, L] = {list(shard)} "
+                f"(this rank's shard), got {tuple(t.shape)}"
+            )
+    if query.shape != key.shape:
+        raise ValueError(
+            f"{where}: query and key must have one shape, got {tuple(query.shape)} and "
+            f"{tuple(key.shape)}"
+        )
+    heads = value.shape[2]
+    if heads % key.shape[2]:
+        raise ValueError(
+            f"{where}: value's {heads} heads must be a multiple of key's {key.shape[2]}"
+        )
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (*shard, heads):
+            raise ValueError(f"{where}: {name} must be {(*shard, heads)}, got {tuple(t.shape)}")
+
+
 def cp_gated_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -102,7 +137,9 @@ def cp_gated_delta_rule(
     ``query``, ``key`` ``[B, L, H_k, d_k]``, ``value`` ``[B, L, H_v, d_v]`` (``H_v`` a multiple
     of ``H_k``), ``g`` (log decay) and ``beta`` ``[B, L, H_v]``. Returns ``[B, L, H_v, d_v]`` in
     ``value``'s dtype (computed in float32 at least). Collective over ``group`` when a document
-    spans ranks (every rank calls it alike)."""
+    spans ranks (every rank calls it alike). Raises ``ValueError`` (naming the argument and the
+    rank) for shapes that are not this rank's shard."""
+    _check(query, key, value, g, beta, runs)
     out_dtype = value.dtype
     work = torch.promote_types(value.dtype, torch.float32)
     b, length, hk, _ = key.shape

@@ -177,6 +177,35 @@ def test_ssd_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words:
     assert words in str(err.value), err.value
 
 
+def _rule_args(**bad: tuple[int, ...]) -> dict:
+    """cp_gated_delta_rule's tensors for rank 1's shard of ``[1, 12]`` (6 tokens, 2 key heads
+    of 3, 4 value heads of 2), with the shapes ``bad`` names replaced."""
+    shapes = {"query": (1, 6, 2, 3), "key": (1, 6, 2, 3), "value": (1, 6, 4, 2),
+              "g": (1, 6, 4), "beta": (1, 6, 4)} | bad  # fmt: skip
+    return {k: torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"query": (1, 7, 2, 3)}, "query must be [B, L, heads, head_dim]"),
+        ({"key": (1, 6, 2, 4)}, "query and key must have one shape"),
+        ({"value": (1, 6, 3, 2), "g": (1, 6, 3), "beta": (1, 6, 3)}, "multiple of key's 2"),
+        ({"g": (1, 6, 2)}, "g must be (1, 6, 4)"),
+        ({"beta": (1, 5, 4)}, "beta must be (1, 6, 4)"),
+    ],
+)
+def test_delta_rule_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words: str) -> None:
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_gated_delta_rule, plan_recurrence_runs
+
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_gated_delta_rule(**_rule_args(**bad), runs=runs, group=_Solo())
+    assert words in str(err.value), err.value
+
+
 @pytest.mark.parametrize(
     ("x", "weight", "words"),
     [((1, 5, 3), (3, 4), "x must be [B, L, channels]"), ((1, 6, 3), (2, 4), "weight must be [3")],
