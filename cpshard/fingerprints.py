@@ -56,7 +56,7 @@ def digest(values: Sequence[int] | torch.Tensor | None) -> list[int]:
 
 
 # The kinds of call a fingerprint names (a gather and a halo exchange never match each other).
-GATHER, HALO, EXCHANGE = 1, 2, 3
+GATHER, HALO, EXCHANGE, HEADS = 1, 2, 3, 4
 
 
 def call_key(

@@ -10,9 +10,11 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from cpshard.attention.head_attention import head_parallel_attention
 from cpshard.attention.ops import cp_attention_op
 from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import AttentionState, active_state
+from cpshard.attention.strategy import route
 from cpshard.attention.tokens import check_outside, state_for_tokens, token_problem
 from cpshard.consensus import check_call
 from cpshard.fingerprints import device_code, digest, dtype_code
@@ -157,6 +159,8 @@ def _problem(
         problem = "dropout_p must be 0 while CP attention is active"
     elif q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         problem = "q, k, v must be [B, heads, L, D]"
+    elif min(q.shape[1], k.shape[1]) < 1:
+        problem = f"q and k need at least one head, got {q.shape[1]} and {k.shape[1]}"
     elif (
         q.shape[2] != state.local_len
         or k.shape[2] != state.local_len
@@ -209,6 +213,7 @@ def _fields(
             int(sinks is not None),
         ],
         "exchange plan": digest(state.windowed(window if state.causal else None).exchange.plan),
+        "strategy": digest([ord(c) for c in state.strategy]),
     }
 
 
@@ -236,7 +241,14 @@ def attend(
     fields = _fields(state, query, key, value, window, softcap, sinks)
     check_call(state.group, what, problem, fields)
     kv = torch.cat([key, value], dim=-1)
-    out, _ = cp_attention_op(query, kv, state.key, key.shape[-1], scale, window, softcap, sinks)
+    d_k = key.shape[-1]
+    size = query.element_size()
+    plan = route(state, window, query.shape[1], key.shape[1], d_k, value.shape[-1], size)
+    if plan is not None:
+        return head_parallel_attention(
+            plan, state.causal, query, kv, d_k, scale, window, softcap, sinks
+        )
+    out, _ = cp_attention_op(query, kv, state.key, d_k, scale, window, softcap, sinks)
     return out
 
 

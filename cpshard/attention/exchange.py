@@ -36,6 +36,11 @@ class KVExchange(Protocol):
         """K/V rows (over every batch row) this rank receives from the others per exchange."""
         ...
 
+    @property
+    def most_received_rows(self) -> int:
+        """The most K/V rows any rank receives per exchange (alike on every rank)."""
+        ...
+
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """This rank's K/V ``[B, H, L, D]`` -> the key buffer ``[B, H, key_len, D]`` (``key``:
         the step state's registry key, which the exchange's custom op takes)."""

@@ -53,6 +53,12 @@ class HaloExchange:
     def received_rows(self) -> int:
         return self.halo * self.batch_size
 
+    @property
+    def most_received_rows(self) -> int:
+        return max(
+            (min(h, r * self.local_len) for r, h in enumerate(self.halos)), default=0
+        ) * self.batch_size
+
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return kv_halo(kv, key) if self.group.world > 1 else kv
 

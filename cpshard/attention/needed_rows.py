@@ -85,6 +85,10 @@ class NeededRowsExchange:
     def received_rows(self) -> int:
         return sum(self.recv_counts) - self.recv_counts[self.group.rank]
 
+    @property
+    def most_received_rows(self) -> int:
+        return max(sum(row) - row[r] for r, row in enumerate(self.counts))
+
     def tables_on(self, device: torch.device) -> Tables:
         """The exchange tables on ``device``, copied there once per device and cached."""
         return cached_on(self._tables_on, device, self.tables)

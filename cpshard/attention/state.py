@@ -37,11 +37,44 @@ from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
 from cpshard.scoped import ScopedValue
 
+STRATEGIES = ("needed_rows", "heads", "hierarchical", "auto")
+
 _keys = itertools.count()
 # The sliding windows layers have asked for (any step): a step plans their states at its setup,
 # so that from a model's second step on no layer plans in its forward.
 seen_windows: set[int] = set()
 _registry: weakref.WeakValueDictionary[int, AttentionState] = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True)
+class HeadParallel:
+    """A step's head-parallel plan (DeepSpeed-Ulysses, and its hierarchical form): one
+    all-to-all over ``group`` turns "all heads, my tokens" into "my heads, the tokens of every
+    rank of ``group``" before attention, and back after it; ``inner`` (a causal state, its twin
+    inside) attends those tokens across the ranks that hold the same heads (one rank: a plain
+    per-document attention; the ranks at the same place of every node: the needed-rows
+    exchange between nodes). ``order``: where each token of the gathered shards goes so that
+    they ascend in global order (host ``[T]`` or ``[B, T]``; None: they already do)."""
+
+    group: Group
+    inner: AttentionState
+    order: torch.Tensor | None
+    _order_on: dict[torch.device, torch.Tensor | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+
+    @property
+    def kind(self) -> str:
+        """``"heads"`` (the all-to-all spans the CP group) or ``"hierarchical"``."""
+        return "heads" if self.inner.group.world == 1 else "hierarchical"
+
+    def order_on(self, device: torch.device) -> torch.Tensor | None:
+        """:attr:`order` on ``device``, copied there once per device and cached."""
+        return None if self.order is None else cached_on(self._order_on, device, self.order)
+
+    def place_on(self, device: torch.device) -> None:
+        self.order_on(device)
+        self.inner.place_on(device)
 
 
 @dataclass(frozen=True)
@@ -74,6 +107,11 @@ class AttentionState:
     # than attention (convolutions, recurrences: cpshard.mixers) plan their steps from.
     documents: torch.Tensor | None = field(default=None, repr=False, compare=False)
     shard_layout: ShardLayout | None = field(default=None, repr=False, compare=False)
+    # How the step's calls exchange (``STRATEGIES``) and its head-parallel plans: ``heads``
+    # and ``hierarchical`` use theirs, ``auto`` the cheapest of them and this state's own
+    # exchange (:mod:`cpshard.attention.strategy`).
+    strategy: str = "needed_rows"
+    head_parallel: tuple[HeadParallel, ...] = field(default=(), repr=False, compare=False)
     key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
     packing: Packing | None = field(init=False, repr=False, compare=False)  # host (pinned) copy
     blocks: Blocks = field(init=False, repr=False, compare=False)  # the loop's view, host copy
@@ -97,6 +135,8 @@ class AttentionState:
         key = next(_keys)
         if self.window is not None and not self.causal:
             raise ValueError("a sliding window needs a causal attention state")
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         packing = pack(
             self.spans,
             self.local_len,
@@ -132,6 +172,8 @@ class AttentionState:
         self.packing_on(device)
         self.blocks_on(device)
         self.exchange.place_on(device)
+        for plan in self.head_parallel:
+            plan.place_on(device)
 
     def bidirectional(self) -> AttentionState:
         """The step's state for bidirectional attention within documents."""

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 
 from cpshard.attention.halo import HaloExchange, halo_spans
+from cpshard.attention.head_plan import head_parallel_plans
 from cpshard.attention.needed_rows import plan_needed_rows
 from cpshard.attention.state import AttentionState, seen_windows
 from cpshard.batch.runs import document_starts, rank_runs
@@ -32,6 +33,7 @@ def _state(
     twin: AttentionState | None,
     window: int | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
+    **routes: object,
 ) -> AttentionState:
     """The needed-rows state (causal when it is given the bidirectional ``twin``)."""
     plan = plan_needed_rows(group, layout, doc, twin is not None, window)
@@ -50,6 +52,7 @@ def _state(
         plan_window=plan_window,
         documents=doc,
         shard_layout=layout,
+        **routes,
     )
 
 
@@ -60,6 +63,7 @@ def _halo_state(
     twin: AttentionState,
     window: int | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
+    **routes: object,
 ) -> AttentionState:
     """The causal state of a layout whose ranks hold contiguous runs (``contiguous``): each
     rank's runs see their document from its start (or their ``window``), over its K/V with the
@@ -92,19 +96,29 @@ def _halo_state(
         plan_window=plan_window,
         documents=doc,
         shard_layout=layout,
+        **routes,
     )
 
 
 def step_state(
-    group: Group, layout: ShardLayout, doc_ids: torch.Tensor, device: torch.device | None = None
+    group: Group,
+    layout: ShardLayout,
+    doc_ids: torch.Tensor,
+    device: torch.device | None = None,
+    strategy: str = "needed_rows",
+    mesh: tuple[Group, Group] | None = None,
 ) -> AttentionState:
     """The step's causal :class:`AttentionState` for this rank (its bidirectional twin in
     ``.twin``), from the batch's document ids ``[B, P]`` (padded length, host, 0 = padding; a
     document = a maximal run of one non-zero id). Every rank passes the same ids and layout (the
     entry point agreed on them). ``device``: where the step's metadata goes once (the batch's
-    device)."""
+    device). ``strategy``: how the step's calls exchange (``"needed_rows"``, ``"heads"``,
+    ``"hierarchical"`` or ``"auto"``: :mod:`cpshard.attention.strategy`); ``mesh``: the
+    ``(inter, intra)`` groups of a 2-D CP mesh whose flattening is ``group`` (hierarchical)."""
     doc = doc_ids.to("cpu", torch.int64)
-    both = _state(group, layout, doc, None)
+    plans = head_parallel_plans(group, layout, doc, device, strategy, mesh, step_state)
+    routes = {"strategy": strategy, "head_parallel": plans}
+    both = _state(group, layout, doc, None, **routes)
     causal = _halo_state if layout.contiguous_shards else _state
 
     def plan_window(window: int) -> AttentionState:
@@ -113,7 +127,7 @@ def step_state(
             state.place_on(device)
         return state
 
-    state = causal(group, layout, doc, both, plan_window=plan_window)
+    state = causal(group, layout, doc, both, plan_window=plan_window, **routes)
     if device is not None:  # the attention's metadata on the batch's device, once per step
         for s in (state, both):
             s.place_on(device)

@@ -13,7 +13,7 @@ the native NCCL communicator.
   name, with fake kernels and autograd, so ``torch.compile`` traces the transport.
 """
 
-from cpshard.comm.group import Group, GroupLike, group_from_name, resolve_group
+from cpshard.comm.group import Group, GroupLike, group_from_name, resolve_group, split_cp_mesh
 from cpshard.comm.host import all_gather_bytes, all_gather_small
 from cpshard.comm.nvtx import nvtx_range
 from cpshard.comm.reduce import all_reduce_sum_
@@ -33,5 +33,6 @@ __all__ = [
     "nvtx_range",
     "offsets",
     "resolve_group",
+    "split_cp_mesh",
     "transport_for",
 ]

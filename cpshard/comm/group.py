@@ -63,3 +63,21 @@ def global_ranks(group: Group) -> tuple[list[int], int]:
     if group.pg is None:
         return [0], 0
     return dist.get_process_group_ranks(group.pg), dist.get_rank()
+
+
+def split_cp_mesh(
+    group: GroupLike, what: str
+) -> tuple[GroupLike, tuple[Group, Group] | None]:
+    """A 2-D DeviceMesh ``(inter, intra)`` as its flattening (the CP group: rank ``inter *
+    intra_size + intra``) and its dims' groups; any other ``group`` as is, with None."""
+    if not isinstance(group, DeviceMesh) or group.ndim != 2:
+        return group, None
+    flat = group._flatten()
+    inter, intra = (resolve_group(group.get_group(d), what) for d in (0, 1))
+    rank = dist.get_rank(flat.get_group())
+    if rank != inter.rank * intra.world + intra.rank:
+        raise ValueError(
+            f"{what}: rank {rank}: the flattened CP mesh numbers its ranks {rank}, not inter "
+            f"{inter.rank} x {intra.world} + intra {intra.rank}"
+        )
+    return flat, (inter, intra)

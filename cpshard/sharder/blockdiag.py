@@ -14,9 +14,9 @@ from typing import Any, ContextManager
 import torch
 
 from cpshard.batch.targets import ShardedBatch
-from cpshard.comm import GroupLike, resolve_group
+from cpshard.comm import GroupLike, resolve_group, split_cp_mesh
 from cpshard.consensus import agree
-from cpshard.sharder.planning import BatchPlanner
+from cpshard.sharder.planning import BatchPlanner, check_strategy
 
 _WHAT = "cpshard.make_cp_blockdiag_batch_and_ctx"
 
@@ -47,6 +47,7 @@ def make_cp_blockdiag_batch_and_ctx(
     padding_token_id: int = 0,
     *,
     shift_labels: bool = True,
+    strategy: str = "auto",
 ) -> tuple[Callable[[], ContextManager[None]], ShardedBatch]:
     """Shard a batch sequentially for block-diagonal (per-document) CP attention.
 
@@ -64,13 +65,19 @@ def make_cp_blockdiag_batch_and_ctx(
     across the CP group (causal, or bidirectional with ``is_causal=False``). ``tp_mesh`` is
     accepted for signature compatibility and unused. Batch size > 1 is supported. The batch's
     ``position_ids`` are registered as this step's tokens: CP attention given them raises under
-    another context or outside any.
+    another context or outside any. ``strategy``: how CP attention exchanges, as
+    :class:`~cpshard.ContextParallelSharder` takes it (``cp_mesh`` may then be a 2-D
+    ``(inter, intra)`` mesh).
     """
+    cp_mesh, mesh = split_cp_mesh(cp_mesh, _WHAT)
     g = resolve_group(cp_mesh, _WHAT)
+    check_strategy(strategy, mesh, f"{_WHAT}: rank {g.rank}")
     problem = _problem(batch, loss_mask, shift_labels)
     if problem is not None:  # every rank raises (the others in the planner's consensus round)
         agree(g, _WHAT, problem)
-    planner = BatchPlanner("contiguous", None, 1, {}, {}, shift_labels, what=_WHAT)
+    planner = BatchPlanner(
+        "contiguous", None, 1, {}, {}, shift_labels, what=_WHAT, strategy=strategy, mesh=mesh
+    )
     ctx, sharded, _ = planner.shard_batch(
         cp_mesh, tp_mesh, batch, loss_mask=loss_mask, padding_token_id=padding_token_id
     )

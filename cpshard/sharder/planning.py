@@ -18,12 +18,13 @@ from typing import Any
 import torch
 
 from cpshard.attention.activation import activated
+from cpshard.attention.state import STRATEGIES
 from cpshard.attention.step import step_state
 from cpshard.attention.tokens import register_tokens
 from cpshard.batch.documents import DocumentError, document_positions, read_documents
 from cpshard.batch.padding import IGNORE_INDEX, pad_sequence, pad_value, sequence_dim
 from cpshard.batch.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shift_targets
-from cpshard.comm import GroupLike, resolve_group
+from cpshard.comm import Group, GroupLike, resolve_group
 from cpshard.consensus import agree
 from cpshard.fingerprints import digest
 from cpshard.layouts import ShardLayout, is_closed_form, make_layout
@@ -34,11 +35,24 @@ from cpshard.validation import Problem, dim_arg, tensor_arg
 KNOWN_KEYS = ("input_ids", "inputs_embeds", "position_ids", *CONSUMED_KEYS)
 
 
+def check_strategy(strategy: object, mesh: tuple[Group, Group] | None, where: str) -> None:
+    """``strategy`` is one of ``STRATEGIES``, and ``hierarchical`` has its 2-D mesh."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{where}: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if strategy == "hierarchical" and mesh is None:
+        raise ValueError(
+            f"{where}: strategy='hierarchical' needs a 2-D CP DeviceMesh (inter, intra) as the "
+            "group"
+        )
+
+
 class BatchPlanner:
     """The built-in ``shard_batch`` of a layout: ``layout`` (canonical name, or None for a
     sharder in the direct form, which has no built-in one), ``num_chunks``, ``pad_multiple``,
     ``extra_seq_buffers`` / ``extra_pad_values`` and ``shift_labels`` as the sharder takes them
-    (checked there). ``what`` names the entry point in errors."""
+    (checked there). ``what`` names the entry point in errors. ``strategy``: the attention
+    exchange's (:mod:`cpshard.attention.strategy`); ``mesh``: the ``(inter, intra)`` groups
+    of a 2-D CP mesh (:func:`cpshard.comm.split_cp_mesh`)."""
 
     def __init__(
         self,
@@ -49,10 +63,13 @@ class BatchPlanner:
         extra_pad_values: dict[str, Any],
         shift_labels: bool,
         what: str = "cpshard.ContextParallelSharder.shard",
+        strategy: str = "auto",
+        mesh: tuple[Group, Group] | None = None,
     ) -> None:
         self.layout, self.num_chunks, self.pad_multiple = layout, num_chunks, pad_multiple
         self.extra_seq_buffers, self.extra_pad_values = extra_seq_buffers, extra_pad_values
         self.shift_labels, self.what = shift_labels, what
+        self.strategy, self.mesh = strategy, mesh
 
     def shard_batch(
         self,
@@ -84,7 +101,9 @@ class BatchPlanner:
         # silently mixed.
         agree(g, what, problem, fields)
         padded_docs = pad_sequence("_packed_seq_ids", plan.documents, 1, plan.layout.padded_seq_len)
-        state = step_state(g, plan.layout, padded_docs, plan.device)
+        state = step_state(
+            g, plan.layout, padded_docs, plan.device, self.strategy, self.mesh
+        )
         sharded = plan.apply(g.rank)
         register_tokens(sharded["position_ids"], state)  # attention checks whose tokens they are
         return lambda: activated(state), sharded, plan.layout

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cpshard.comm import GroupLike, resolve_group
+from cpshard.comm import GroupLike, resolve_group, split_cp_mesh
 from cpshard.layouts import (
     ShardLayout,
     canonical_layout_name,
@@ -19,7 +19,7 @@ from cpshard.layouts import (
     resolve_num_chunks,
 )
 from cpshard.sharder.partition import Partition
-from cpshard.sharder.planning import KNOWN_KEYS, BatchPlanner
+from cpshard.sharder.planning import KNOWN_KEYS, BatchPlanner, check_strategy
 from cpshard.sharder.token_verbs import TokenVerbs
 from cpshard.validation import check_bool, check_int, is_int
 
@@ -30,7 +30,9 @@ class ContextParallelSharder:
     """Shard batches over a CP group and move token-aligned tensors in and out of the layout.
 
     Args:
-        group_or_mesh: the CP group (``ProcessGroup``, 1-D ``DeviceMesh`` or ``None``).
+        group_or_mesh: the CP group (``ProcessGroup``, 1-D ``DeviceMesh`` or ``None``), or a 2-D
+            ``DeviceMesh`` ``(inter, intra)`` whose flattening is the CP group (rank ``inter *
+            intra_size + intra``) and whose dims the ``hierarchical`` strategy uses.
         layout: ``"head_tail"`` (default; aliases ``zigzag``, ``round_robin``), ``"contiguous"``
             (``sequential``), ``"stripe"``, ``"per_document_head_tail"`` or ``"balanced"`` (see
             :mod:`cpshard.layouts`). In the direct form, the closed-form layout the caller's
@@ -54,6 +56,12 @@ class ContextParallelSharder:
         shift_labels: shift ``labels`` (and ``loss_mask``) once over the whole sequence before
             sharding (default True: labels as a causal LM takes them); False for labels that
             are already targets.
+        strategy: how CP attention exchanges (:mod:`cpshard.attention.strategy`):
+            ``"needed_rows"`` (each rank receives the K/V rows its queries reach),
+            ``"heads"`` (head parallel: an all-to-all before and after attention),
+            ``"hierarchical"`` (heads inside ``intra``, needed rows across ``inter``; a 2-D
+            mesh), or ``"auto"`` (default: per step and head shape, the one whose busiest rank
+            receives the fewest bytes). The model's code is the same under each.
 
     The built-in ``shard`` returns a :class:`~cpshard.batch.targets.ShardedBatch`: the model's inputs
     as keys (``model(**batch)``), and ``batch.targets`` with this rank's shifted labels, the
@@ -84,10 +92,13 @@ class ContextParallelSharder:
         pad_multiple: int = 1,
         extra_pad_values: Mapping[str, Any] | None = None,
         shift_labels: bool = True,
+        strategy: str = "auto",
     ) -> None:
         what = "cpshard.ContextParallelSharder"
+        group_or_mesh, mesh = split_cp_mesh(group_or_mesh, what)
         self._group = resolve_group(group_or_mesh, what)
         where = f"{what}: rank {self._group.rank}"
+        check_strategy(strategy, mesh, where)
         layout, num_chunks = _layout_arguments(
             layout, num_chunks, shard_batch, self._group.world, where
         )
@@ -108,8 +119,9 @@ class ContextParallelSharder:
         self._loss_mask = loss_mask
         self._padding_token_id = padding_token_id
         self._planner = BatchPlanner(
-            layout, num_chunks, pad_multiple, extras, pad_values, shift_labels
-        )
+            layout, num_chunks, pad_multiple, extras, pad_values, shift_labels,
+            strategy=strategy, mesh=mesh,
+        )  # fmt: skip
         self._partition = Partition(
             self._group,
             group_or_mesh,

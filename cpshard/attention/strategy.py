@@ -1,0 +1,91 @@
+"""Which exchange a step's CP attention call uses, from a cost model of the bytes each rank
+receives (host arithmetic on the step's plans and the call's head counts: alike on every rank,
+decided once per step and head shape, and kept in the step's state).
+
+* ``needed_rows``: the step's K/V exchange (each rank receives the K/V rows its queries reach;
+  the halo on contiguous shards). A training step moves them three times (forward, the
+  backward's re-exchange, the gradients' return).
+* ``heads``: one all-to-all of q/k/v before attention and one of the output after it (head
+  parallel, DeepSpeed-Ulysses), each once more in the backward: every rank moves ``(W - 1) / W``
+  of its q/k/v and output whatever the documents.
+* ``hierarchical``: ``heads`` inside each node of a 2-D ``(inter, intra)`` CP mesh, then the
+  needed-rows exchange between the nodes' ranks that hold the same heads.
+* ``auto``: the one of those the step planned whose busiest rank receives the fewest bytes over
+  a forward and backward (ties go to the first above).
+"""
+
+from __future__ import annotations
+
+from cpshard.attention.head_split import split_heads
+from cpshard.attention.state import AttentionState, HeadParallel
+
+
+def _kv_width(d_k: int, d_v: int) -> int:
+    return d_k + d_v
+
+
+def needed_rows_bytes(state: AttentionState, kv_heads: int, d_k: int, d_v: int, size: int) -> int:
+    """The busiest rank's bytes for ``state``'s own exchange (forward and backward)."""
+    return 3 * state.exchange.most_received_rows * kv_heads * _kv_width(d_k, d_v) * size
+
+
+def head_parallel_bytes(
+    plan: HeadParallel,
+    state: AttentionState,
+    window: int | None,
+    q_heads: int,
+    kv_heads: int,
+    d_k: int,
+    d_v: int,
+    size: int,
+) -> int:
+    """The busiest rank's bytes under ``plan`` for a call on ``state`` (forward and backward):
+    the all-to-alls' (a rank receives its heads of every other rank's tokens, then the others'
+    heads of its own tokens, and the gradients of both) and the inner exchange's."""
+    world = plan.group.world
+    split = split_heads(q_heads, kv_heads, world)
+    tokens = state.batch_size * state.local_len
+    width = _kv_width(d_k, d_v)
+    held = [qc * width + kc * width for (_, qc), (_, kc) in zip(split.q, split.kv, strict=True)]
+    heads = max(tokens * ((world - 1) * held[r] + sum(held) - held[r]) for r in range(world))
+    inner = plan.inner if state.causal else plan.inner.bidirectional()
+    inner = inner.windowed(window)
+    most_kv = max(kc for _, kc in split.kv)
+    return (heads + 3 * inner.exchange.most_received_rows * most_kv * width) * size
+
+
+def strategy_bytes(
+    state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
+    size: int,
+) -> dict[str, int]:  # fmt: skip
+    """Each strategy the step planned -> its busiest rank's bytes for the call."""
+    costs = {"needed_rows": needed_rows_bytes(state.windowed(window), kv_heads, d_k, d_v, size)}
+    for plan in state.head_parallel:
+        costs[plan.kind] = head_parallel_bytes(
+            plan, state, window, q_heads, kv_heads, d_k, d_v, size
+        )
+    return costs
+
+
+def chosen_strategy(
+    state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
+    size: int,
+) -> str:  # fmt: skip
+    """The strategy a call uses (``auto``: the fewest bytes, decided once per step and shape)."""
+    if state.strategy != "auto":
+        return state.strategy
+    key = ("strategy", window, q_heads, kv_heads, d_k, d_v, size)
+    found = state.derived.get(key)
+    if found is None:
+        costs = strategy_bytes(state, window, q_heads, kv_heads, d_k, d_v, size)
+        found = state.derived[key] = min(costs, key=costs.__getitem__)
+    return found
+
+
+def route(
+    state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
+    size: int,
+) -> HeadParallel | None:  # fmt: skip
+    """The head-parallel plan a call uses, or None for the state's own exchange."""
+    name = chosen_strategy(state, window, q_heads, kv_heads, d_k, d_v, size)
+    return next((plan for plan in state.head_parallel if plan.kind == name), None)
