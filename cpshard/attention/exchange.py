@@ -37,8 +37,10 @@ class KVExchange(Protocol):
         ...
 
     @property
-    def most_received_rows(self) -> int:
-        """The most K/V rows any rank receives per exchange (alike on every rank)."""
+    def most_rows_moved(self) -> int:
+        """The most K/V rows (over every batch row) any rank receives over a training step's
+        three transfers: the forward exchange, the backward's re-exchange and the gradients'
+        return (alike on every rank: the cost model's figure)."""
         ...
 
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

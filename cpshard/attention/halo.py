@@ -54,10 +54,16 @@ class HaloExchange:
         return self.halo * self.batch_size
 
     @property
-    def most_received_rows(self) -> int:
-        return max(
-            (min(h, r * self.local_len) for r, h in enumerate(self.halos)), default=0
-        ) * self.batch_size
+    def most_rows_moved(self) -> int:
+        length = self.local_len
+        spans = [(r * length - min(h, r * length), r * length) for r, h in enumerate(self.halos)]
+
+        def sent(r: int) -> int:  # rows of rank r's shard in the others' halos
+            lo, hi = r * length, (r + 1) * length
+            return sum(max(0, min(hi, e) - max(lo, b)) for b, e in spans)
+
+        moved = (2 * (e - b) + sent(r) for r, (b, e) in enumerate(spans))
+        return max(moved, default=0) * self.batch_size
 
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return kv_halo(kv, key) if self.group.world > 1 else kv

@@ -86,8 +86,11 @@ class NeededRowsExchange:
         return sum(self.recv_counts) - self.recv_counts[self.group.rank]
 
     @property
-    def most_received_rows(self) -> int:
-        return max(sum(row) - row[r] for r, row in enumerate(self.counts))
+    def most_rows_moved(self) -> int:
+        world = len(self.counts)
+        received = [sum(row) - row[r] for r, row in enumerate(self.counts)]
+        sent = [sum(self.counts[q][r] for q in range(world) if q != r) for r in range(world)]
+        return max(2 * received[r] + sent[r] for r in range(world))
 
     def tables_on(self, device: torch.device) -> Tables:
         """The exchange tables on ``device``, copied there once per device and cached."""

@@ -26,7 +26,7 @@ def _kv_width(d_k: int, d_v: int) -> int:
 
 def needed_rows_bytes(state: AttentionState, kv_heads: int, d_k: int, d_v: int, size: int) -> int:
     """The busiest rank's bytes for ``state``'s own exchange (forward and backward)."""
-    return 3 * state.exchange.most_received_rows * kv_heads * _kv_width(d_k, d_v) * size
+    return state.exchange.most_rows_moved * kv_heads * _kv_width(d_k, d_v) * size
 
 
 def head_parallel_bytes(
@@ -46,12 +46,14 @@ def head_parallel_bytes(
     split = split_heads(q_heads, kv_heads, world)
     tokens = state.batch_size * state.local_len
     width = _kv_width(d_k, d_v)
-    held = [qc * width + kc * width for (_, qc), (_, kc) in zip(split.q, split.kv, strict=True)]
-    heads = max(tokens * ((world - 1) * held[r] + sum(held) - held[r]) for r in range(world))
+    held = [(qc + kc) * width for (_, qc), (_, kc) in zip(split.q, split.kv, strict=True)]
     inner = plan.inner if state.causal else plan.inner.bidirectional()
-    inner = inner.windowed(window)
-    most_kv = max(kc for _, kc in split.kv)
-    return (heads + 3 * inner.exchange.most_received_rows * most_kv * width) * size
+    rows = inner.windowed(window).exchange.most_rows_moved
+    busiest = max(
+        tokens * ((world - 1) * held[r] + sum(held) - held[r]) + rows * kc * width
+        for r, (_, kc) in enumerate(split.kv)
+    )
+    return busiest * size
 
 
 def strategy_bytes(

@@ -1,0 +1,267 @@
+"""CP attention under each exchange strategy against a single-process dense reference.
+
+Every rank shards full q/k/v (float64) with the sharder of a layout (or the block-diagonal
+batch), attends inside the step's context with the strategy under test and back-propagates its
+share of a weighted sum; the gathered output and the summed gradients of the full q/k/v (and
+of the sinks) must equal dense per-document attention (:func:`tests.helpers.variant_attention`).
+``heads`` runs at W = 1-4; ``hierarchical`` (and ``auto`` with its choices) on a 2 x 2 mesh.
+The cost model's bytes are checked against the bytes the transport really receives, and
+``auto`` against the strategy that moves the fewest.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cpshard.layouts import LAYOUTS
+from tests.helpers import D, counting_collectives, packed_doc_ids, step_context, variant_attention
+
+LAYOUTS_AND_BATCH = [*LAYOUTS, "blockdiag"]
+# packing, B, S, query heads, KV heads: MHA, GQA, KV heads < W, heads not divisible by W
+CASES = [
+    ("random", 2, 37, 4, 2),
+    ("short_docs", 1, 24, 3, 3),
+    ("one_doc", 1, 23, 4, 1),
+    ("interior_pad", 2, 30, 6, 3),
+]
+VARIANTS = [  # (window, softcap, sinks)
+    (5, None, False),
+    (None, 30.0, False),
+    (None, None, True),
+    (4, 20.0, True),
+]
+
+
+def _full(case: tuple, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Document ids, full q/k/v, the upstream weight and the sinks of a case."""
+    name, b, s, heads, kv_heads = case
+    g = torch.Generator().manual_seed(1000 * b + s + seed)
+    q, k, v, w = (
+        torch.randn(b, h, s, D, dtype=torch.float64, generator=g)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
+    sinks = torch.randn(heads, dtype=torch.float64, generator=g)
+    return packed_doc_ids(name, b, s), q, k, v, w, sinks
+
+
+def _group(world: int, mesh: bool):
+    if not mesh:
+        return dist.group.WORLD
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("inter", "intra"))
+
+
+def _step(layout: str, doc: torch.Tensor, group, strategy: str):
+    """``(context factory, sharder)`` of a step under ``strategy``."""
+    from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
+
+    batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    if layout == "blockdiag":
+        ctx, _ = make_cp_blockdiag_batch_and_ctx(group, None, batch, strategy=strategy)
+        sharder = ContextParallelSharder(group, "contiguous", strategy=strategy)
+        sharder.shard(dict(batch))  # the test's own token verbs (they shard alike)
+        return ctx, sharder
+    sharder = ContextParallelSharder(group, layout, strategy=strategy)
+    ctx, _ = sharder.shard(batch)
+    return ctx, sharder
+
+
+def _sharded(sharder, t: torch.Tensor) -> torch.Tensor:
+    return sharder.shard_token_tensor(t.transpose(1, 2), seq_dim=1, fill=0.0).transpose(1, 2)
+
+
+def _distributed(
+    rank: int, world: int, strategy: str, mesh: bool, layouts: list[str], cases: list,
+    variants: list, causal: bool,
+) -> list[tuple]:  # fmt: skip
+    """Per (layout, case, variant): the gathered output and this rank's gradients."""
+    from cpshard import cp_attention
+    from cpshard.attention import active_state
+
+    group = _group(world, mesh)
+    results = []
+    for layout in layouts:
+        for case in cases:
+            for window, softcap, with_sinks in variants:
+                doc, *full, w, sinks = _full(case)
+                q, k, v = (t.requires_grad_() for t in full)
+                sinks.requires_grad_()
+                ctx, sharder = _step(layout, doc, group, strategy)
+                with ctx():
+                    assert active_state().strategy == strategy
+                    out = cp_attention(
+                        *(_sharded(sharder, t) for t in (q, k, v)),
+                        is_causal=causal,
+                        enable_gqa=case[3] != case[4],
+                        window=window,
+                        softcap=softcap,
+                        sinks=sinks if with_sinks else None,
+                    )
+                (out * _sharded(sharder, w)).sum().backward()
+                gathered = sharder.gather_token_tensor(out.detach().transpose(1, 2), 1, trim=True)
+                grads = (q.grad, k.grad, v.grad, sinks.grad)
+                results.append((gathered.transpose(1, 2), *grads))
+    return results
+
+
+def _check(
+    got: list[list[tuple]], world: int, layouts: list[str], cases: list, variants: list,
+    causal: bool, where: str,
+) -> None:  # fmt: skip
+    at = 0
+    for layout in layouts:
+        for case in cases:
+            for window, softcap, with_sinks in variants:
+                doc, q, k, v, w, sinks = _full(case)
+                leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+                want = variant_attention(
+                    q, k, v, doc, causal, window, softcap, sinks if with_sinks else None
+                )
+                grads = torch.autograd.grad((want * w).sum(), leaves, allow_unused=True)
+                name = f"{where} W={world} {layout} {case} {(window, softcap, with_sinks)}"
+                for r in range(world):
+                    torch.testing.assert_close(
+                        got[r][at][0], want, rtol=0, atol=1e-12, msg=f"{name} output, rank {r}"
+                    )
+                for j, label in enumerate(("q", "k", "v", "sinks")):
+                    if grads[j] is None or (label == "sinks" and not with_sinks):
+                        continue
+                    # the sinks: each rank's copy gets its own heads' (heads) or tokens' share
+                    total = sum(got[r][at][1 + j] for r in range(world))
+                    torch.testing.assert_close(
+                        total, grads[j], rtol=0, atol=1e-10, msg=f"{name} grad {label}"
+                    )
+                at += 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_heads_every_layout(pools, world: int, causal: bool) -> None:
+    """``heads``: every layout and the block-diagonal batch, MHA and GQA (KV heads < W, heads
+    not divisible by W), causal and bidirectional."""
+    args = ("heads", False, LAYOUTS_AND_BATCH, CASES, [(None, None, False)], causal)
+    got = pools(world).run(_distributed, *args, timeout=600)
+    _check(got, world, *args[2:], where="heads")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_hierarchical_every_layout(pool4, causal: bool) -> None:
+    """``hierarchical`` on a 2 x 2 mesh: every layout and the block-diagonal batch."""
+    args = ("hierarchical", True, LAYOUTS_AND_BATCH, CASES, [(None, None, False)], causal)
+    _check(pool4.run(_distributed, *args, timeout=600), 4, *args[2:], where="hierarchical")
+
+
+@pytest.mark.parametrize(("strategy", "world"), [("heads", 3), ("hierarchical", 4)])
+def test_variants(pools, strategy: str, world: int) -> None:
+    """Sliding windows, soft-capping and sinks (and all three) under the head-parallel
+    strategies: the inner attention windows its gathered tokens, each rank's sinks are its
+    heads'."""
+    args = (strategy, strategy == "hierarchical", ["head_tail", "stripe", "blockdiag"],
+            CASES[::2], VARIANTS, True)  # fmt: skip
+    _check(pools(world).run(_distributed, *args, timeout=600), world, *args[2:], where=strategy)
+
+
+# ------------------------------------------------------------------ the cost model and auto
+
+# (name, layout, packing, S, query heads, KV heads): the step whose winner the name says
+WINNERS = [
+    ("needed_rows", "contiguous", "short_docs", 48, 8, 2),
+    ("heads", "stripe", "one_doc", 48, 8, 8),
+    ("hierarchical", "stripe", "one_doc", 96, 8, 2),
+]
+
+
+def _measured(rank: int, world: int, layout: str, packing: str, s: int, heads: int, kv: int):
+    """Per strategy: the bytes this rank received over one forward and backward, the cost
+    model's figures, auto's choice and the collectives one layer issues."""
+    from cpshard import cp_attention
+    from cpshard.attention import active_state
+    from cpshard.attention.strategy import chosen_strategy, strategy_bytes
+    from cpshard.comm.torch_backend import TorchTransport
+
+    received = Counter()
+    original = TorchTransport.send_recv
+
+    def counted(self, sends, recvs, key=None):
+        received["bytes"] += sum(t.numel() * t.element_size() for _, t in recvs)
+        return original(self, sends, recvs, key)
+
+    group = _group(world, True)
+    doc = packed_doc_ids(packing, 1, s)
+    g = torch.Generator().manual_seed(3)
+    full = [torch.randn(1, h, s, D, dtype=torch.float64, generator=g) for h in (heads, kv, kv)]
+    out = {}
+    for strategy in ("needed_rows", "heads", "hierarchical", "auto"):
+        ctx, sharder = _step(layout, doc, group, strategy)
+        q, k, v = (_sharded(sharder, t).requires_grad_() for t in full)
+        received.clear()
+        TorchTransport.send_recv = counted
+        try:
+            with ctx(), counting_collectives() as calls:
+                y = cp_attention(q, k, v, enable_gqa=heads != kv)
+                forward = sum(calls.values())
+                y.sum().backward()
+        finally:
+            TorchTransport.send_recv = original
+        with ctx():
+            state = active_state()
+            costs = strategy_bytes(state, None, heads, kv, D, D, 8)
+            picked = chosen_strategy(state, None, heads, kv, D, D, 8)
+        out[strategy] = (received["bytes"], costs, picked, forward, sum(calls.values()))
+    return out
+
+
+@pytest.mark.parametrize("winner", WINNERS, ids=[w[0] for w in WINNERS])
+def test_auto_picks_the_fewest_bytes(pool4, winner: tuple) -> None:
+    """For steps built so that each strategy wins: the bytes every strategy's fwd+bwd really
+    receives (busiest rank) equal the cost model's, and ``auto`` picks the fewest."""
+    name, *step = winner
+    got = pool4.run(_measured, *step, timeout=600)
+    busiest = {s: max(r[s][0] for r in got) for s in ("needed_rows", "heads", "hierarchical")}
+    costs = got[0]["auto"][1]
+    assert busiest == costs, (busiest, costs)
+    assert min(busiest, key=busiest.__getitem__) == name, busiest
+    assert all(r["auto"][2] == name for r in got)
+    assert max(r["auto"][0] for r in got) == busiest[name]
+
+
+def test_heads_issues_one_all_to_all_each_side(pool4) -> None:
+    """``heads``: one batched transfer before attention and one after it in the forward, and
+    the same in the backward (q and k/v travel together)."""
+    got = pool4.run(_measured, "stripe", "one_doc", 48, 8, 8, timeout=600)
+    for r in got:
+        _, _, _, forward, total = r["heads"]
+        assert (forward, total) == (2, 4), (forward, total)
+
+
+def _compiled(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eager and the ``fullgraph`` compiled head-parallel layer's output and q gradient."""
+    from cpshard import cp_attention
+
+    doc = packed_doc_ids("random", 1, 40)
+    ctx, sharder = _step("head_tail", doc, dist.group.WORLD, "heads")
+    g = torch.Generator().manual_seed(9)
+    full = [torch.randn(1, h, 40, D, dtype=torch.float64, generator=g) for h in (4, 2, 2)]
+
+    def layer(q, k, v):
+        return cp_attention(q, k, v, enable_gqa=True)
+
+    outs = []
+    for fn in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+        q, k, v = (_sharded(sharder, t).requires_grad_() for t in full)
+        with ctx():
+            y = fn(q, k, v)
+        y.sum().backward()
+        outs.append((y.detach(), q.grad))
+    return outs
+
+
+def test_compile_fullgraph_traces_the_head_parallel_layer(pool2) -> None:
+    for eager, compiled in pool2.run(_compiled, timeout=600):
+        torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-12)
+        torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-12)
