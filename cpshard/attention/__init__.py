@@ -6,10 +6,14 @@ The package, in call order (each module imports only those after it):
 * :mod:`~cpshard.attention.api`: the public :func:`cp_attention` and :func:`cp_blockdiag_sdpa`;
 * :mod:`~cpshard.attention.plain`: the same variants on one device (outside a context);
 * :mod:`~cpshard.attention.tokens`: which step's context a sharded batch's tokens belong to;
+* :mod:`~cpshard.attention.strategy`: which exchange a call uses (the step's own K/V exchange,
+  or head parallel: :mod:`~cpshard.attention.head_attention`, all-to-alls before and after the
+  inner attention, its heads split by :mod:`~cpshard.attention.head_split`);
 * :mod:`~cpshard.attention.ops`: the attention custom ops (forward and backward);
 * :mod:`~cpshard.attention.engine`: one varlen launch for a step's spans, or the per-span loop;
 * :mod:`~cpshard.attention.kernels`: the kernels (torch's varlen flash, CPU flash, math);
-* :mod:`~cpshard.attention.step`: a step's states from its layout and documents;
+* :mod:`~cpshard.attention.step`: a step's states from its layout and documents (and
+  :mod:`~cpshard.attention.head_plan`: its head-parallel plans);
 * :mod:`~cpshard.attention.halo` / :mod:`~cpshard.attention.needed_rows`: the two K/V
   exchanges (the multi-hop halo of contiguous shards, the needed-rows all-to-all-v of any
   layout), behind the protocol of :mod:`~cpshard.attention.exchange`;

@@ -16,8 +16,10 @@ decided once per step and head shape, and kept in the step's state).
 
 from __future__ import annotations
 
+import torch
+
 from cpshard.attention.head_split import split_heads
-from cpshard.attention.state import AttentionState, HeadParallel
+from cpshard.attention.state import AttentionState, HeadParallel, active_state
 
 
 def _kv_width(d_k: int, d_v: int) -> int:
@@ -89,5 +91,23 @@ def route(
     size: int,
 ) -> HeadParallel | None:  # fmt: skip
     """The head-parallel plan a call uses, or None for the state's own exchange."""
-    name = chosen_strategy(state, window, q_heads, kv_heads, d_k, d_v, size)
+    if state.strategy == "auto" and torch.compiler.is_compiling():
+        name = _first_choice(state.causal, window, q_heads, kv_heads, d_k, d_v, size)
+    else:
+        name = chosen_strategy(state, window, q_heads, kv_heads, d_k, d_v, size)
     return next((plan for plan in state.head_parallel if plan.kind == name), None)
+
+
+@torch.compiler.assume_constant_result
+def _first_choice(
+    causal: bool, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int, size: int
+) -> str:
+    """``auto``'s choice as a constant of a traced graph (the active step's, at trace time): a
+    compiled layer keeps it rather than recompiling whenever a step's documents change the
+    cheapest strategy (every strategy is exact, and every step of a sharder plans the same
+    ones). Outside a context (a checkpoint recompute): the step's own exchange."""
+    state = active_state()
+    if state is None:
+        return "needed_rows"
+    state = state if causal else state.bidirectional()
+    return chosen_strategy(state, window, q_heads, kv_heads, d_k, d_v, size)

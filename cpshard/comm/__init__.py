@@ -10,7 +10,9 @@ the native NCCL communicator.
 * :mod:`~cpshard.comm.reduce`: sum reductions (a loss's token count, parameter gradients);
 * :mod:`~cpshard.comm.hugepages`: fresh CPU buffers backed by transparent huge pages;
 * :mod:`~cpshard.comm.collectives`: the verbs as ``torch.library`` custom ops keyed by group
-  name, with fake kernels and autograd, so ``torch.compile`` traces the transport.
+  name, with fake kernels and autograd, so ``torch.compile`` traces the transport;
+* :mod:`~cpshard.comm.heads`: the sequence <-> head all-to-alls of head-parallel attention, the
+  same kind of ops.
 """
 
 from cpshard.comm.group import Group, GroupLike, group_from_name, resolve_group, split_cp_mesh

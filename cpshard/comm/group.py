@@ -72,6 +72,11 @@ def split_cp_mesh(
     intra_size + intra``) and its dims' groups; any other ``group`` as is, with None."""
     if not isinstance(group, DeviceMesh) or group.ndim != 2:
         return group, None
+    if not group.mesh_dim_names:
+        raise ValueError(
+            f"{what}: a 2-D CP mesh needs mesh_dim_names (e.g. ('inter', 'intra')) to be "
+            "flattened into the CP group"
+        )
     flat = group._flatten()
     inter, intra = (resolve_group(group.get_group(d), what) for d in (0, 1))
     rank = dist.get_rank(flat.get_group())

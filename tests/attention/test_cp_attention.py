@@ -423,7 +423,7 @@ def _saved_rows(rank: int, world: int, layout: str) -> list[int]:
     from cpshard import ContextParallelSharder, cp_attention
 
     doc, q, k, v, _ = _batch("one_doc", 1, 48, 4, 2)
-    sharder = ContextParallelSharder(dist.group.WORLD, layout)
+    sharder = ContextParallelSharder(dist.group.WORLD, layout, strategy="needed_rows")
     ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
     qkv = tuple(_sharded(sharder, t).requires_grad_() for t in (q, k, v))
     saved: list[int] = []

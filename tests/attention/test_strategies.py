@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.layouts import LAYOUTS
-from tests.helpers import D, counting_collectives, packed_doc_ids, step_context, variant_attention
+from tests.helpers import D, counting_collectives, kernel_path, packed_doc_ids, variant_attention
 
 LAYOUTS_AND_BATCH = [*LAYOUTS, "blockdiag"]
 # packing, B, S, query heads, KV heads: MHA, GQA, KV heads < W, heads not divisible by W
@@ -77,9 +77,18 @@ def _sharded(sharder, t: torch.Tensor) -> torch.Tensor:
 
 def _distributed(
     rank: int, world: int, strategy: str, mesh: bool, layouts: list[str], cases: list,
-    variants: list, causal: bool,
+    variants: list, causal: bool, path: str = "per_segment",
 ) -> list[tuple]:  # fmt: skip
-    """Per (layout, case, variant): the gathered output and this rank's gradients."""
+    """Per (layout, case, variant): the gathered output and this rank's gradients (through the
+    kernel ``path``: :func:`tests.helpers.kernel_path`)."""
+    with kernel_path(path):
+        return _cases(world, strategy, mesh, layouts, cases, variants, causal)
+
+
+def _cases(
+    world: int, strategy: str, mesh: bool, layouts: list[str], cases: list, variants: list,
+    causal: bool,
+) -> list[tuple]:  # fmt: skip
     from cpshard import cp_attention
     from cpshard.attention import active_state
 
@@ -154,6 +163,15 @@ def test_hierarchical_every_layout(pool4, causal: bool) -> None:
     """``hierarchical`` on a 2 x 2 mesh: every layout and the block-diagonal batch."""
     args = ("hierarchical", True, LAYOUTS_AND_BATCH, CASES, [(None, None, False)], causal)
     _check(pool4.run(_distributed, *args, timeout=600), 4, *args[2:], where="hierarchical")
+
+
+@pytest.mark.parametrize("path", ["varlen", "math"])
+def test_heads_kernel_paths(pool3, path: str) -> None:
+    """The inner attention through the one-launch varlen path (its CPU stand-in) and the
+    explicit part kernel, W = 3."""
+    args = ("heads", False, ["head_tail", "stripe", "blockdiag"], CASES, [(None, None, False)],
+            True, path)  # fmt: skip
+    _check(pool3.run(_distributed, *args, timeout=600), 3, *args[2:-1], where=f"heads {path}")
 
 
 @pytest.mark.parametrize(("strategy", "world"), [("heads", 3), ("hierarchical", 4)])

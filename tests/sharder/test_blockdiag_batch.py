@@ -68,15 +68,19 @@ def _distributed(
     rank: int, world: int, cases: list[tuple], path: str = "per_segment"
 ) -> list[tuple[torch.Tensor, ...]]:
     """Per case: this rank's output, and the gradients of its embeds shard and the projections,
-    through the kernel ``path`` (see :func:`tests.helpers.kernel_path`)."""
+    through the kernel ``path`` (see :func:`tests.helpers.kernel_path`; the step's own halo
+    exchange there, so that every rank attends every call's heads)."""
+    strategy = "auto" if path == "per_segment" else "needed_rows"
     with kernel_path(path) as kernel:
-        results = _distributed_cases(rank, world, cases)
+        results = _distributed_cases(rank, world, cases, strategy)
     if kernel is not None:  # one forward and one backward launch per call with segments
         assert kernel.calls["forward"] == kernel.calls["backward"] >= len(cases) - 1, kernel.calls
     return results
 
 
-def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[torch.Tensor, ...]]:
+def _distributed_cases(
+    rank: int, world: int, cases: list[tuple], strategy: str = "auto"
+) -> list[tuple[torch.Tensor, ...]]:
     import torch.distributed as dist
 
     from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
@@ -88,7 +92,9 @@ def _distributed_cases(rank: int, world: int, cases: list[tuple]) -> list[tuple[
         emb.requires_grad_()
         proj = _Proj(6, heads, kv_heads)
         batch = {"inputs_embeds": emb, "_packed_seq_ids": doc, "labels": doc.clone()}
-        ctx, batch = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
+        ctx, batch = make_cp_blockdiag_batch_and_ctx(
+            dist.group.WORLD, None, batch, strategy=strategy
+        )
         local = batch["inputs_embeds"].shape[1]
         q, k, v = proj(batch["inputs_embeds"])
         with ctx():
