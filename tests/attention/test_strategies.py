@@ -283,3 +283,34 @@ def test_compile_fullgraph_traces_the_head_parallel_layer(pool2) -> None:
     for eager, compiled in pool2.run(_compiled, timeout=600):
         torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-12)
         torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-12)
+
+
+def _host_reads(rank: int, world: int, strategy: str) -> list[str]:
+    """Host reads of tensor data inside two head-parallel layers and their backward (after the
+    step's setup); the step's CPU keys (its own and the inner states') are no tensor data."""
+    from cpshard import cp_attention
+    from cpshard.attention import active_state
+    from tests.helpers import recording_host_reads
+
+    doc = packed_doc_ids("random", 2, 37)
+    ctx, sharder = _step("balanced", doc, _group(world, strategy == "hierarchical"), strategy)
+    g = torch.Generator().manual_seed(4)
+    full = [torch.randn(2, h, 37, D, dtype=torch.float64, generator=g) for h in (4, 2, 2)]
+    qkv = [_sharded(sharder, t).requires_grad_() for t in full]
+    with ctx():
+        (plan,) = active_state().head_parallel
+        keys = (active_state().key, plan.inner.key, plan.inner.bidirectional().key)
+    reads: list[str] = []
+    with recording_host_reads(reads, keys):
+        for causal in (True, False):
+            with ctx():
+                out = cp_attention(*qkv, is_causal=causal, enable_gqa=True)
+            out.sum().backward()
+    return reads
+
+
+@pytest.mark.parametrize("strategy", ["heads", "hierarchical"])
+def test_hot_path_reads_no_tensor_data_on_host(pool4, strategy: str) -> None:
+    """The all-to-alls and the inner attention, forward and backward, read no tensor data on
+    the host and rebuild no metadata (the plans were made at shard time)."""
+    assert pool4.run(_host_reads, strategy, timeout=120) == [[]] * 4
