@@ -118,3 +118,24 @@ def test_seq_heads_all_to_alls_match_the_full_tensors(pools, world: int) -> None
             )
             for g, want in zip(got[r][at][4], again):
                 torch.testing.assert_close(g, 2 * want, rtol=0, atol=1e-12, msg=f"{where} adj")
+
+
+def _opcheck(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cpshard.comm.heads import heads_to_seq, seq_to_heads
+
+    name = dist.group.WORLD.group_name
+    parts = [(3, 2), (1, 4)]
+    ranges = [_ranges(world, 3, False), _ranges(world, 1, True)]
+    flat = [v for part in ranges for rng in part for v in rng]
+    xs = [x.requires_grad_() for x in _inputs(world, parts, rank)]
+    order = _order(world, False)
+    torch.library.opcheck(seq_to_heads, (xs, name, flat, order, 3))
+    hs = [y.detach().requires_grad_() for y in seq_to_heads(xs, name, flat, order, 3)]
+    torch.library.opcheck(heads_to_seq, (hs, name, flat, order, 4))
+
+
+def test_opcheck(pool2) -> None:
+    """Schemas, fake kernels and autograd registrations of both all-to-alls."""
+    pool2.run(_opcheck, timeout=300)
