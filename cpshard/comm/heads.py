@@ -11,7 +11,8 @@ custom ops keyed by group name, each the other's backward.
   several ranks (a GQA key/value head whose query heads are split) comes back as the sum of
   their parts.
 
-All parts travel in ONE all-to-all-v, each destination's heads back to back with no padding:
+All parts travel in ONE all-to-all-v (``cpshard::all_to_all_v``), each destination's heads back
+to back with no padding:
 the ranges may be uneven (heads not divisible by W), empty, or overlap. Every rank holds the
 same ``L`` (the CP layouts' equal shards).
 """
@@ -22,11 +23,9 @@ from collections.abc import Sequence
 
 import torch
 
-from cpshard.comm import verbs
+from cpshard.comm.collectives import all_to_all_v
 from cpshard.comm.group import group_from_name
-from cpshard.comm.hugepages import new_buffer
-from cpshard.comm.nvtx import nvtx_range
-from cpshard.comm.select import transport_for
+from cpshard.comm.verbs import offsets
 
 
 def head_ranges(heads: Sequence[int], parts: int, world: int) -> list[list[tuple[int, int]]]:
@@ -38,13 +37,6 @@ def head_ranges(heads: Sequence[int], parts: int, world: int) -> list[list[tuple
         )
     it = iter(int(h) for h in heads)
     return [[(next(it), next(it)) for _ in range(world)] for _ in range(parts)]
-
-
-def _exchange(group_name: str, send: torch.Tensor, sends: list[int], recvs: list[int], key: int):
-    group = group_from_name(group_name)
-    out = new_buffer(send, sum(recvs))
-    verbs.all_to_all_v(transport_for(group, send), group.rank, out, send, sends, recvs, key)
-    return out
 
 
 def _to_global(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
@@ -90,8 +82,7 @@ def seq_to_heads(
     sizes = [[b * c * length * x.shape[3] for s, c in part] for x, part in zip(parts, ranges)]
     sends = [sum(sz[r] for sz in sizes) for r in range(world)]
     recvs = [sum(b * part[me][1] * length * x.shape[3] for x, part in zip(parts, ranges))] * world
-    with nvtx_range("cpshard.seq_to_heads", send):
-        got = _exchange(group_name, send, sends, recvs, key)
+    got = all_to_all_v(send, group_name, sends, recvs, key)
     outs = []
     at = [r * recvs[0] for r in range(world)]  # each source's offset in ``got``
     for x, part in zip(parts, ranges, strict=True):
@@ -149,9 +140,8 @@ def heads_to_seq(
         sum(b * part[r][1] * length * x.shape[3] for x, part in zip(parts, ranges))
         for r in range(world)
     ]
-    with nvtx_range("cpshard.heads_to_seq", send):
-        got = _exchange(group_name, send, sends, recvs, key)
-    outs, at = [], verbs.offsets(recvs)[:-1]
+    got = all_to_all_v(send, group_name, sends, recvs, key)
+    outs, at = [], offsets(recvs)[:-1]
     for x, part in zip(parts, ranges, strict=True):
         d = x.shape[3]
         out = x.new_zeros(b, _head_count(part), length, d)
