@@ -21,7 +21,8 @@ hand-written baselines, the planner's included), :mod:`~cpshard.bench.floor` (ba
 transfer strategies for the ragged gather), :mod:`~cpshard.bench.sections` (the sections beyond
 the transport tables: :mod:`~cpshard.bench.planner`, :mod:`~cpshard.bench.vision`,
 :mod:`~cpshard.bench.layouts`, :mod:`~cpshard.bench.blockdiag`,
-:mod:`~cpshard.bench.attention`), :mod:`~cpshard.bench.report` (tables, JSON, plot),
+:mod:`~cpshard.bench.attention` with :mod:`~cpshard.bench.attention_strategies`),
+:mod:`~cpshard.bench.report` (tables, JSON, plot),
 :mod:`~cpshard.bench.kernels` and :mod:`~cpshard.bench.nccl_world1` (the single-process
 benchmarks).
 """

@@ -1,23 +1,26 @@
-"""CP attention for every layout: :func:`cpshard.cp_attention` inside each sharder layout's
-context next to the straightforward way.
+"""CP attention for every layout and exchange strategy: :func:`cpshard.cp_attention` inside each
+sharder layout's context next to the straightforward way.
 
 The baseline all-gathers the full K and V (list all-gather + cat, backward reduce-scatter),
 builds this rank's dense per-document causal mask ``[L, S]`` over the gathered (rank-major)
-keys and calls SDPA. cpshard receives only the K/V rows its queries reach (one all-to-all-v)
-and attends per run of its tokens. One batch row of S = 16384 tokens (``--quick``: 512) in
-documents of 256-768 tokens (~512 on average; ``--quick``: 16-48), 8 query / 2 KV heads, head
-dim 64, one step forward + backward per layout, and the bytes each forward keeps for its
-backward. Per-rank compute is the number of (query, key) pairs a rank's queries attend: its
-max over ranks divided by the mean shows the layout's balance.
+keys and calls SDPA. One batch row of S = 16384 tokens (``--quick``: 512) in documents of
+256-768 tokens (~512 on average; ``--quick``: 16-48), head dim 64, one step forward + backward,
+and the bytes each forward keeps for its backward.
 
-The sliding-window rows attend with a window of 4096 keys (``--quick``: 64) over documents
-longer than it (6144-12288 tokens; ``--quick``: 96-192), the baseline with the window in its
-dense mask: a windowed layer receives at most ``window - 1`` rows before each of its runs (the
-bound column), where full attention over such documents receives nearly the whole sequence.
-Two more rows run the ``balanced`` layout on the first quarter of the first batch (S = 4096:
-the explicit baseline's autograd holds several ``[L, S]`` logits per head) with soft-capped
-logits (the explicit kernel, as on every device) and with sinks, against the all-gather
-baseline running the same explicit statement.
+The strategy grid (:mod:`cpshard.bench.attention_strategies`) runs ``needed_rows``, ``heads``
+and ``auto`` (and ``hierarchical`` on a 2 x 2 mesh of 4 ranks) for MHA (8 / 8) and GQA (8 / 2)
+heads on the layouts of :data:`~cpshard.bench.attention_strategies.GRID_LAYOUTS` and the
+block-diagonal batch.
+
+The sliding-window rows (8 query / 2 KV heads, strategy ``needed_rows``: their columns are its
+exchange's) attend with a window of 4096 keys (``--quick``: 64) over documents longer than it
+(6144-12288 tokens; ``--quick``: 96-192), the baseline with the window in its dense mask: a
+windowed layer receives at most ``window - 1`` rows before each of its runs (the bound column),
+where full attention over such documents receives nearly the whole sequence. Two more rows run
+the ``balanced`` layout on the first quarter of the first batch (S = 4096: the explicit
+baseline's autograd holds several ``[L, S]`` logits per head) with soft-capped logits (the
+explicit kernel, as on every device) and with sinks, against the all-gather baseline running
+the same explicit statement.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.distributed as dist
 from cpshard import LAYOUTS, ContextParallelSharder, cp_attention
 from cpshard.attention import active_state
 from cpshard.attention.plain import plain_attention
+from cpshard.bench import attention_strategies as grid
 from cpshard.bench.blockdiag import (
     HEAD_DIM,
     HEADS,
@@ -51,7 +55,7 @@ LONG_DOC_LENS, QUICK_LONG_DOC_LENS = (6144, 12289), (96, 193)
 
 
 def steps(rt: Runtime) -> int:
-    return 2 * len(LAYOUTS) + 2
+    return len(grid.cases()) + len(LAYOUTS) + 2
 
 
 def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
@@ -91,9 +95,10 @@ def run_case(
     sinks: bool = False,
 ) -> dict:
     """fwd+bwd time, peak extra memory, K/V rows received and per-rank compute of one layout
-    (``window``: a sliding window of that many keys; ``softcap``: soft-capped logits;
-    ``sinks``: one sink logit per head), the baseline with the same variant."""
-    sharder = ContextParallelSharder(rt.pg, layout)
+    under strategy ``needed_rows`` (``window``: a sliding window of that many keys; ``softcap``:
+    soft-capped logits; ``sinks``: one sink logit per head), the baseline with the same
+    variant."""
+    sharder = ContextParallelSharder(rt.pg, layout, strategy="needed_rows")
     ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
     lay = sharder.shard_layout
     mine = lay.indices(rt.rank)
@@ -151,17 +156,20 @@ def run_case(
     return {**out, **fwd_bwd_figures(rt, {"ours": ours, "base": base}, (q, k, v), grad)}
 
 
-def run(rt: Runtime) -> list[dict]:
-    """Every layout on the whole group, one batch."""
+def run(rt: Runtime) -> dict:
+    """The strategy grid, then every layout with a sliding window, then the soft-capped and
+    sinks rows, on the whole group, one batch each."""
     quick = rt.cfg.quick
     seq_len = QUICK_SEQ_LEN if quick else SEQ_LEN
     doc = documents(seq_len, QUICK_DOC_LENS if quick else DOC_LENS)
     long_doc = documents(seq_len, QUICK_LONG_DOC_LENS if quick else LONG_DOC_LENS)
     window = QUICK_WINDOW if quick else WINDOW
+    mesh = grid.cp_mesh(rt)
+    strategies = []
+    for layout, heads in grid.cases():
+        rt.progress(f"attention {layout} {heads} S={seq_len} strategies")
+        strategies += grid.run_case(rt, layout, heads, doc, mesh)
     rows = []
-    for layout in LAYOUTS:
-        rt.progress(f"attention {layout} S={seq_len}")
-        rows.append(run_case(rt, layout, doc))
     for layout in LAYOUTS:
         rt.progress(f"attention {layout} S={seq_len} window={window}")
         rows.append(run_case(rt, layout, long_doc, window))
@@ -170,13 +178,46 @@ def run(rt: Runtime) -> list[dict]:
     rows.append(run_case(rt, "balanced", short, softcap=SOFTCAP))
     rt.progress(f"attention balanced S={short.shape[1]} sinks")
     rows.append(run_case(rt, "balanced", short, sinks=True))
-    return rows
+    return {"strategies": strategies, "rows": rows}
 
 
-def render(rows: list[dict]) -> str:
+def render_strategies(rows: list[dict]) -> list[str]:
+    """The strategy grid's table: one line per configuration."""
     head = rows[0] if rows else {"world": 0, "seq_len": 0, "documents": 0}
     out = [
-        "# attention: cp_attention fwd+bwd in each layout's context (needed-only K/V rows, one",
+        "# attention: cp_attention fwd+bwd per exchange strategy (cpshard.attention.strategy)  vs",
+        "#   full K/V all-gather + dense per-document causal mask + SDPA;",
+        f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, head dim "
+        f"{HEAD_DIM}; MHA {'/'.join(map(str, grid.HEAD_SHAPES['MHA']))}, GQA "
+        f"{'/'.join(map(str, grid.HEAD_SHAPES['GQA']))} query/KV heads",
+        f"#   layouts {', '.join(grid.GRID_LAYOUTS)}; blockdiag: make_cp_blockdiag_batch_and_ctx",
+        "#   on the same batch (contiguous shards); (mesh): on a 2 x 2 (inter, intra) mesh",
+        "#   moved MiB: the cost model's bytes of the busiest rank over fwd+bwd (auto: of the one",
+        "#   it picked, shown as auto>picked); kv rows: K/V rows received (needed_rows, max over",
+        "#   ranks); median ms (max over ranks), peak extra MiB of fwd+bwd, MiB kept for backward",
+        f"#{'layout':>13} {'heads':>5} {'strategy':>24} {'moved MiB':>10} {'kv rows':>8} "
+        f"{'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'cpshard MiB':>12} {'base MiB':>9} "
+        f"{'kept MiB':>9} {'base kept':>9}",
+    ]
+    for r in rows:
+        name = r["strategy"] + (f">{r['picked']}" if r["strategy"] == "auto" else "")
+        name += " (mesh)" if r["mesh"] else ""
+        rows_received = "-" if r["kv_rows_received_max"] is None else r["kv_rows_received_max"]
+        out.append(
+            f" {r['layout']:>13} {r['heads']:>5} {name:>24} {mib(r['bytes_moved_max']):>10} "
+            f"{rows_received:>8} {r['fwd_bwd_s'] * 1e3:>11.1f} {r['base_fwd_bwd_s'] * 1e3:>9.1f} "
+            f"{r['speedup']:>8.2f} {mib(r['fwd_bwd_peak_bytes']):>12} "
+            f"{mib(r['base_fwd_bwd_peak_bytes']):>9} {mib(r['saved_bytes']):>9} "
+            f"{mib(r['base_saved_bytes']):>9}"
+        )
+    return out
+
+
+def render_rows(rows: list[dict]) -> list[str]:
+    """The windowed, soft-capped and sinks rows' table."""
+    head = rows[0] if rows else {"world": 0, "seq_len": 0, "documents": 0}
+    out = [
+        "# attention: cp_attention fwd+bwd, strategy needed_rows (needed-only K/V rows, one",
         "#   all-to-all-v)  vs  full K/V all-gather + dense per-document causal mask + SDPA;",
         f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, {HEADS} "
         f"query / {KV_HEADS} KV heads, head dim {HEAD_DIM}; median ms (max over ranks), peak",
@@ -214,4 +255,8 @@ def render(rows: list[dict]) -> str:
             f"{mib(r['base_saved_bytes']):>9} {r['ours_kv_rows_received_max']:>8} "
             f"{r['base_kv_rows_received']:>9} {balance}"
         )
-    return "\n".join(out)
+    return out
+
+
+def render(result: dict) -> str:
+    return "\n".join([*render_strategies(result["strategies"]), "", *render_rows(result["rows"])])

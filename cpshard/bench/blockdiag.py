@@ -71,15 +71,18 @@ def all_gather_baseline(rt: Runtime, mask: torch.Tensor, attention=None):
     return attend
 
 
-def random_qkv(rt: Runtime, local: int) -> tuple[torch.Tensor, ...]:
-    """This rank's q, k, v ``[1, heads, local, HEAD_DIM]`` (leaves) and an upstream gradient."""
+def random_qkv(
+    rt: Runtime, local: int, heads: int = HEADS, kv_heads: int = KV_HEADS
+) -> tuple[torch.Tensor, ...]:
+    """This rank's q ``[1, heads, local, HEAD_DIM]``, k and v ``[1, kv_heads, local, HEAD_DIM]``
+    (leaves) and an upstream gradient."""
     gen = torch.Generator().manual_seed(99 + rt.rank)
 
-    def make(heads: int, grad: bool = True) -> torch.Tensor:
-        t = torch.randn(1, heads, local, HEAD_DIM, generator=gen)
+    def make(n: int, grad: bool = True) -> torch.Tensor:
+        t = torch.randn(1, n, local, HEAD_DIM, generator=gen)
         return t.to(device=rt.device, dtype=rt.dtype).requires_grad_(grad)
 
-    return make(HEADS), make(KV_HEADS), make(KV_HEADS), make(HEADS, grad=False)
+    return make(heads), make(kv_heads), make(kv_heads), make(heads, grad=False)
 
 
 def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
@@ -111,11 +114,11 @@ def run_case(rt: Runtime, seq_len: int, doc_len: int) -> dict:
     return {**out, **fwd_bwd_figures(rt, {"ours": ours, "base": base}, (q, k, v), grad)}
 
 
-def fwd_bwd_figures(
+def fwd_bwd_timings(
     rt: Runtime, impls: dict, leaves: tuple[torch.Tensor, ...], grad: torch.Tensor
-) -> dict:
-    """Median fwd+bwd time (max over ranks), its repeats, CPU time and peak extra memory of each
-    ``impls[who](*leaves)`` back-propagating ``grad``, and the base/ours speedup."""
+) -> dict[str, dict]:
+    """``who`` -> median fwd+bwd time (max over ranks), its repeats, CPU time and peak extra
+    memory of ``impls[who](*leaves)`` back-propagating ``grad`` (all timed side by side)."""
 
     def step(impl):
         def run() -> None:
@@ -130,12 +133,24 @@ def fwd_bwd_figures(
     timings = time_steps(
         rt, runs, warmup=cfg.warmup, repeats=cfg.repeats, iters=cfg.iters, target_s=cfg.target_s
     )
-    out = {}
-    for who, fn in runs.items():
-        out[f"{who}_fwd_bwd_s"] = timings[who].median_s
-        out[f"{who}_fwd_bwd_repeats_s"] = list(timings[who].repeats_s)
-        out[f"{who}_fwd_bwd_cpu_s"] = timings[who].cpu_s
-        out[f"{who}_fwd_bwd_peak_bytes"] = peak_extra_bytes(rt, fn) if cfg.memory else None
+    return {
+        who: {
+            "fwd_bwd_s": timings[who].median_s,
+            "fwd_bwd_repeats_s": list(timings[who].repeats_s),
+            "fwd_bwd_cpu_s": timings[who].cpu_s,
+            "fwd_bwd_peak_bytes": peak_extra_bytes(rt, fn) if cfg.memory else None,
+        }
+        for who, fn in runs.items()
+    }
+
+
+def fwd_bwd_figures(
+    rt: Runtime, impls: dict, leaves: tuple[torch.Tensor, ...], grad: torch.Tensor
+) -> dict:
+    """:func:`fwd_bwd_timings` of ``impls`` ``ours`` and ``base`` as ``{who}_{figure}`` keys,
+    and the base/ours speedup."""
+    figures = fwd_bwd_timings(rt, impls, leaves, grad)
+    out = {f"{who}_{k}": v for who, fig in figures.items() for k, v in fig.items()}
     out["speedup"] = out["base_fwd_bwd_s"] / out["ours_fwd_bwd_s"]
     return out
 

@@ -1,0 +1,42 @@
+"""The ``attention`` section of ``cpshard bench``: a quick run on two spawned ranks (JSON and the
+rendered block), its strategy grid checked against the cost model's own rule."""
+
+from __future__ import annotations
+
+from cpshard import LAYOUTS
+from cpshard.bench.attention_strategies import (
+    BLOCKDIAG,
+    FLAT_STRATEGIES,
+    GRID_LAYOUTS,
+    HEAD_SHAPES,
+)
+
+
+def test_quick_run_reports_every_strategy(run_bench):
+    proc, data = run_bench(
+        *"--world 2 --ops attention --quick --repeats 1 --warmup 0 --iters 1 --no-memory".split()
+    )
+    assert "# attention: cp_attention fwd+bwd per exchange strategy" in proc.stdout
+    result = data["attention"]
+    grid = result["strategies"]
+    cell = {(r["layout"], r["heads"], r["strategy"]): r for r in grid}
+    entries = (*GRID_LAYOUTS, BLOCKDIAG)
+    assert set(cell) == {(e, h, s) for e in entries for h in HEAD_SHAPES for s in FLAT_STRATEGIES}
+    assert not any(r["mesh"] for r in grid)  # the 2 x 2 mesh needs 4 ranks
+    for r in grid:
+        assert r["world"] == 2 and r["fwd_bwd_s"] > 0 and r["speedup"] > 0
+        assert (r["picked"] == r["strategy"]) == (r["strategy"] != "auto")
+        assert r["bytes_moved_max"] == r["strategy_bytes"][r["picked"]] > 0
+        assert (r["kv_rows_received_max"] is None) == (r["picked"] != "needed_rows")
+    for heads in HEAD_SHAPES:
+        for e in entries:
+            auto = cell[e, heads, "auto"]
+            moved = {s: cell[e, heads, s]["bytes_moved_max"] for s in ("needed_rows", "heads")}
+            assert auto["strategy_bytes"] == moved
+            assert moved[auto["picked"]] == min(moved.values())
+        # head parallel moves every rank's q/k/v and output, whatever the layout
+        assert len({cell[e, heads, "heads"]["bytes_moved_max"] for e in entries}) == 1
+    # the windowed rows (every layout) and the soft-capped and sinks rows are kept
+    cases = [r["case"] for r in result["rows"]]
+    assert cases[: len(LAYOUTS)] == [f"{layout} window 64" for layout in LAYOUTS]
+    assert cases[len(LAYOUTS) :] == ["balanced softcap 50", "balanced sinks"]
