@@ -86,6 +86,10 @@ def route(
     state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
     size: int,
 ) -> HeadParallel | None:  # fmt: skip
-    """The head-parallel plan a call uses, or None for the state's own exchange."""
+    """The head-parallel plan a call uses, or None for the state's own exchange. ``heads`` and
+    ``hierarchical`` plan only their own (``hierarchical`` on a one-node mesh: the all-to-all
+    over the node, whose ``kind`` is ``heads``)."""
+    if state.strategy != "auto":
+        return next(iter(state.head_parallel), None)
     name = chosen_strategy(state, window, q_heads, kv_heads, d_k, d_v, size)
     return next((plan for plan in state.head_parallel if plan.kind == name), None)
