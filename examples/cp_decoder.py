@@ -124,14 +124,20 @@ def cp_loss(
     batch: dict[str, torch.Tensor],
     forward: Callable[[dict[str, torch.Tensor]], torch.Tensor],
     layout: str = "blockdiag",
+    strategy: str = "auto",
+    mesh: Any = None,
 ) -> torch.Tensor:
     """Shard ``batch`` (``layout``: ``"blockdiag"`` for the block-diagonal batch, else a
     :class:`cpshard.ContextParallelSharder` layout), run ``forward(local batch) -> logits`` under
-    the CP attention and back-propagate this rank's share of the token-mean loss; returns it."""
+    the CP attention and back-propagate this rank's share of the token-mean loss; returns it.
+    ``strategy``: how CP attention exchanges; ``mesh``: a 2-D ``(inter, intra)`` DeviceMesh whose
+    flattening is ``group``, sharded over instead of ``group`` (``"hierarchical"`` needs one)."""
+    cp = group if mesh is None else mesh
     if layout == "blockdiag":
-        train_ctx, local = cpshard.make_cp_blockdiag_batch_and_ctx(group, None, batch)
+        ctx_and_batch = cpshard.make_cp_blockdiag_batch_and_ctx(cp, None, batch, strategy=strategy)
     else:
-        train_ctx, local = cpshard.ContextParallelSharder(group, layout).shard(batch)
+        ctx_and_batch = cpshard.ContextParallelSharder(cp, layout, strategy=strategy).shard(batch)
+    train_ctx, local = ctx_and_batch
     with train_ctx():
         loss = cpshard.cp_cross_entropy(forward(local), local.targets.labels, group)
         loss.backward()

@@ -10,7 +10,8 @@ another. Worker-side functions here pickle by reference, like those of the test 
   per-document attention reference), :class:`StandInVarlen` and :func:`kernel_path` (routing
   cp_blockdiag_sdpa's kernels on CPU), :func:`masked_attention` (attention over any mask with
   soft-capping and sinks, head by head), :func:`compare_compiled`, :func:`recording_host_reads` and
-  :func:`record_host_reads` (the hot path's host reads of tensor data);
+  :func:`record_host_reads` (the hot path's host reads of tensor data), :func:`cp_mesh` (a 2-D CP
+  mesh) and :func:`recording_routes` (the head-parallel plans a step's attention calls take);
 * transport: :data:`GATHER_ERROR_CASES` and :func:`call_gather_case` (one rank's bad input to a
   gather, and the words its error must contain), :func:`counting_collectives` (the
   torch.distributed calls made inside a block);
@@ -703,6 +704,38 @@ def step_context(layout: str, doc: torch.Tensor, group=None) -> tuple:
     sharder = ContextParallelSharder(group, layout)
     ctx, _ = sharder.shard(batch)
     return ctx, sharder
+
+
+_meshes: dict[tuple[int, int], object] = {}
+
+
+def cp_mesh(inter: int, intra: int):
+    """This worker's 2-D CP DeviceMesh ``(inter, intra)`` over the default group, made once per
+    process (every rank asks for the same shapes in the same order: they make its groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (inter, intra) not in _meshes:
+        _meshes[inter, intra] = init_device_mesh(
+            "cpu", (inter, intra), mesh_dim_names=("inter", "intra")
+        )
+    return _meshes[inter, intra]
+
+
+@contextmanager
+def recording_routes() -> Iterator[list[str]]:
+    """The kind (``"heads"`` or ``"hierarchical"``) of every CP attention call inside the block
+    that goes through a head-parallel plan, in call order (backward recomputes included)."""
+    from cpshard.attention import api
+
+    kinds: list[str] = []
+    attend = api.head_parallel_attention
+
+    def recorded(plan, *args, **kwargs):
+        kinds.append(plan.kind)
+        return attend(plan, *args, **kwargs)
+
+    with swapped("cpshard.attention.api", "head_parallel_attention", recorded):
+        yield kinds
 
 
 def relative_step_errors(

@@ -90,8 +90,12 @@ def route(
     state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
     size: int,
 ) -> HeadParallel | None:  # fmt: skip
-    """The head-parallel plan a call uses, or None for the state's own exchange."""
-    if state.strategy == "auto" and torch.compiler.is_compiling():
+    """The head-parallel plan a call uses, or None for the state's own exchange. ``heads`` and
+    ``hierarchical`` plan only their own (``hierarchical`` on a one-node mesh: the all-to-all
+    over the node, whose ``kind`` is ``heads``)."""
+    if state.strategy != "auto":
+        return next(iter(state.head_parallel), None)
+    if torch.compiler.is_compiling():
         name = _first_choice(state.causal, window, q_heads, kv_heads, d_k, d_v, size)
     else:
         name = chosen_strategy(state, window, q_heads, kv_heads, d_k, d_v, size)

@@ -1,8 +1,9 @@
 """Hybrid models through transformers under CP: Qwen3.5 and Qwen3-Next (Gated DeltaNet linear
 attention with its short causal convolution, mixed with full attention), tiny random configs,
 float64, one packed row of documents longer than the convolution with interior padding, every
-layout that keeps documents in few pieces per rank and the block-diagonal batch, W = 1..4;
-``stripe`` refused on every rank before the model computes anything.
+layout that keeps documents in few pieces per rank and the block-diagonal batch, W = 1..4, and
+their attention under the head-parallel strategies (``heads`` at W = 2 and 4, ``hierarchical`` on
+a 2 x 2 mesh); ``stripe`` refused on every rank before the model computes anything.
 
 The reference runs each document alone through a copy of the model with plain SDPA attention
 and, for the recurrence, the token-by-token gated delta rule of :mod:`tests.helpers` (transformers'
@@ -23,7 +24,9 @@ import torch.nn.functional as F
 from tests.helpers import (
     EXAMPLES,
     check_relative_errors,
+    cp_mesh,
     delta_rule_reference,
+    recording_routes,
     relative_step_errors,
     swapped,
 )
@@ -105,9 +108,12 @@ def _reference_rule(query, key, value, g, beta, initial_state=None, output_final
     return delta_rule_reference(q, k, value, g, beta, doc), None
 
 
-def _step(family: str, layout: str, group) -> tuple[float, float, float]:
-    """One CP step and the per-document reference: (CP loss averaged over ranks, reference
-    loss, worst gradient difference relative to the largest gradient)."""
+def _step(
+    family: str, layout: str, group, strategy: str = "auto", mesh=None
+) -> tuple[float, float, float]:
+    """One CP step (over ``mesh`` when given, a 2-D mesh whose flattening is ``group``) with CP
+    attention's ``strategy``, and the per-document reference: (CP loss averaged over ranks,
+    reference loss, worst gradient difference relative to the largest gradient)."""
     model = _model(family)
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("sdpa")
@@ -118,7 +124,7 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
         out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
         return out.logits
 
-    cp = cp_decoder.cp_loss(group, batch, forward, layout)
+    cp = cp_decoder.cp_loss(group, batch, forward, layout, strategy, mesh)
     with swapped(MODELS[family], "torch_chunk_gated_delta_rule", _reference_rule):
         ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
@@ -137,6 +143,34 @@ def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, 
 def test_hybrids_match_each_document_alone(pools, world: int) -> None:
     layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
     check_relative_errors(pools(world).run(_cases, layouts, timeout=900), world)
+
+
+# world -> (strategy, 2-D mesh shape or None): the full-attention layers' head-parallel paths.
+STRATEGY_CASES = {2: [("heads", None)], 4: [("heads", None), ("hierarchical", (2, 2))]}
+
+
+def _strategy_cases(
+    rank: int, world: int
+) -> dict[str, tuple[tuple[float, float, float], str, list[str]]]:
+    """Each case's errors, the strategy and the plan kinds its attention calls took."""
+    out = {}
+    for strategy, shape in STRATEGY_CASES[world]:
+        mesh = None if shape is None else cp_mesh(*shape)
+        for family in MODELS:
+            for layout in ("head_tail", "blockdiag"):
+                with recording_routes() as kinds:
+                    errors = _step(family, layout, dist.group.WORLD, strategy, mesh)
+                out[f"{family} {layout} {strategy}"] = errors, strategy, sorted(set(kinds))
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(STRATEGY_CASES))
+def test_hybrids_under_head_parallel_strategies(pools, world: int) -> None:
+    results = pools(world).run(_strategy_cases, timeout=600)
+    for rank, cases in enumerate(results):
+        for name, (_, strategy, kinds) in cases.items():
+            assert kinds == [strategy], f"rank {rank} W={world} {name}: attention took {kinds}"
+    check_relative_errors([{n: c[0] for n, c in cases.items()} for cases in results], world)
 
 
 def _tiny_vlm() -> torch.nn.Module:

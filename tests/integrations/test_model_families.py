@@ -1,6 +1,8 @@
 """The attention variants of today's model families under CP, through transformers: tiny random
 configs, float64, one packed row of documents (some longer than every sliding window, interior
-padding), every ContextParallelSharder layout and the block-diagonal batch, W = 1..4.
+padding), every ContextParallelSharder layout and the block-diagonal batch, W = 1..4; and under the
+head-parallel strategies (``heads`` at W = 2..4, ``hierarchical`` on 2-D meshes at W = 4), with
+head counts that split unevenly over the ranks or leave a rank none.
 
 The reference runs each document alone through a copy of the model whose attention is this
 file's own float64 statement of the module's attention (causal, its sliding window, logit
@@ -18,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import EXAMPLES
+from tests.helpers import EXAMPLES, cp_mesh, recording_routes
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES))
@@ -57,13 +59,15 @@ def _reference_attention(module, query, key, value, attention_mask, dropout=0.0,
     return (probs @ v).transpose(1, 2).contiguous(), None
 
 
-def _config(family: str):
+def _config(family: str, heads: tuple[int, int] = (4, 2)):
+    """``family``'s tiny config with ``heads`` = (query heads, key/value heads) of 8 dims (the
+    hidden size too: 8 per query head)."""
     import transformers as T
 
     common = dict(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
-        tie_word_embeddings=False,
+        vocab_size=64, hidden_size=8 * heads[0], intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=heads[0], num_key_value_heads=heads[1], head_dim=8,
+        max_position_embeddings=256, tie_word_embeddings=False,
     )
     mixed = ["sliding_attention", "full_attention"]
     if family == "llama":  # the baseline: causal over the whole document, no variant
@@ -87,11 +91,11 @@ def _config(family: str):
             **common, sliding_window=4, layer_types=mixed, num_local_experts=4,
             num_experts_per_tok=2, experts_implementation="eager",
         )
-    if family == "deepseek_v3":  # query/key head dim 12, value head dim 16
+    if family == "deepseek_v3":  # query/key head dim 12, value head dim 16, MHA
         for name in ("head_dim", "num_key_value_heads"):
             common.pop(name)
         return T.DeepseekV3Config(
-            **common, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None,
+            **common, num_key_value_heads=heads[0], kv_lora_rank=16, q_lora_rank=None,
             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=16, n_routed_experts=4,
             num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=16,
             first_k_dense_replace=1, n_group=1, topk_group=1, experts_implementation="eager",
@@ -118,13 +122,14 @@ def _cohere_norm(self, x: torch.Tensor) -> torch.Tensor:
 _FLOAT32_NORMS = {"Gemma2RMSNorm": _gemma_norm, "Gemma3RMSNorm": _gemma_norm, "Cohere2LayerNorm": _cohere_norm}
 
 
-def _model(family: str) -> torch.nn.Module:
+def _model(family: str, heads: tuple[int, int] = (4, 2)) -> torch.nn.Module:
     import transformers
 
     cp_transformers.register()
     transformers.AttentionInterface.register(REFERENCE, _reference_attention)
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
+    config = _config(family, heads)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float64)
     with torch.no_grad():  # gpt-oss initialises its sinks to zero: make them matter
         for name, p in model.named_parameters():
             if name.endswith("sinks"):
@@ -137,10 +142,15 @@ def _model(family: str) -> torch.nn.Module:
     return model
 
 
-def _step(family: str, layout: str, group) -> tuple[float, float, float]:
-    """One CP step sharded as ``layout`` and the per-document reference: (CP loss averaged over
-    ranks, reference loss, worst gradient difference relative to the largest gradient)."""
-    model = _model(family)
+def _step(
+    family: str, layout: str, group, strategy: str = "auto", mesh=None,
+    heads: tuple[int, int] = (4, 2),
+) -> tuple[float, float, float]:  # fmt: skip
+    """One CP step sharded as ``layout`` (over ``mesh`` when given, a 2-D mesh whose flattening
+    is ``group``) with CP attention's ``strategy``, and the per-document reference: (CP loss
+    averaged over ranks, reference loss, worst gradient difference relative to the largest
+    gradient)."""
+    model = _model(family, heads)
     reference = copy.deepcopy(model)
     reference.set_attn_implementation(REFERENCE)
     batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
@@ -148,7 +158,7 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
     def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
         return model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
 
-    cp = cp_decoder.cp_loss(group, batch, forward, layout)
+    cp = cp_decoder.cp_loss(group, batch, forward, layout, strategy, mesh)
     ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
     import cpshard
@@ -229,6 +239,60 @@ def test_qwen3_vl_through_the_sharder_without_naming_its_buffers(pools, world: i
     results = pools(world).run(_vlm_cases, timeout=600)
     assert all(sorted(cases) == sorted(_layouts(world)) for cases in results), results
     _check(results, world, 1e-9)
+
+
+# name -> (family, (query heads, key/value heads)) under the head-parallel strategies; the
+# uneven ones split over W = 4 ranks as: 4/1 one KV head replicated on every rank (its gradients
+# summed back), 6/2 query heads 1, 2, 1, 2 (gpt-oss: its sinks sliced alike), 3/3 none on rank 2.
+HEAD_MODELS = {
+    "llama": ("llama", (4, 2)),
+    "llama 4/1": ("llama", (4, 1)),
+    "llama 3/3": ("llama", (3, 3)),
+    "mistral": ("mistral", (4, 2)),
+    "qwen2": ("qwen2", (4, 2)),
+    "gemma2": ("gemma2", (4, 2)),
+    "gpt_oss": ("gpt_oss", (4, 2)),
+    "gpt_oss 6/2": ("gpt_oss", (6, 2)),
+    "deepseek_v3": ("deepseek_v3", (4, 2)),
+}
+STRATEGY_LAYOUTS = ["head_tail", "stripe", "blockdiag"]
+NODE_MODELS = ["llama 4/1", "llama 3/3", "gemma2", "gpt_oss 6/2", "deepseek_v3"]
+# world -> (strategy, 2-D mesh shape or None, the plan kind its calls take, models); a one-node
+# mesh's hierarchical strategy is its all-to-all alone.
+STRATEGY_CASES = {
+    2: [("heads", None, "heads", ["llama", "mistral", "gemma2", "gpt_oss", "deepseek_v3"])],
+    3: [("heads", None, "heads", ["llama", "gpt_oss"])],
+    4: [
+        ("heads", None, "heads", [m for m in HEAD_MODELS if m != "gpt_oss"]),
+        ("hierarchical", (2, 2), "hierarchical", NODE_MODELS),
+        ("hierarchical", (1, 4), "heads", ["llama"]),
+    ],
+}
+
+
+def _strategy_cases(
+    rank: int, world: int
+) -> dict[str, tuple[tuple[float, float, float], str, list[str]]]:
+    """Each case's errors, the plan kind it should take and the kinds its calls took."""
+    out = {}
+    for strategy, shape, kind, names in STRATEGY_CASES[world]:
+        mesh = None if shape is None else cp_mesh(*shape)
+        for name in names:
+            family, heads = HEAD_MODELS[name]
+            for layout in STRATEGY_LAYOUTS:
+                with recording_routes() as kinds:
+                    errors = _step(family, layout, dist.group.WORLD, strategy, mesh, heads)
+                out[f"{name} {layout} {strategy} mesh {shape}"] = errors, kind, sorted(set(kinds))
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(STRATEGY_CASES))
+def test_families_under_head_parallel_strategies(pools, world: int) -> None:
+    results = pools(world).run(_strategy_cases, timeout=600)
+    for rank, cases in enumerate(results):
+        for name, (_, kind, kinds) in cases.items():
+            assert kinds == [kind], f"rank {rank} W={world} {name}: attention took {kinds}"
+    _check([{n: c[0] for n, c in cases.items()} for cases in results], world, GRAD_TOL)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
