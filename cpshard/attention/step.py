@@ -20,7 +20,7 @@ import torch
 from cpshard.attention.halo import HaloExchange, halo_spans
 from cpshard.attention.head_plan import head_parallel_plans
 from cpshard.attention.needed_rows import plan_needed_rows
-from cpshard.attention.state import AttentionState, seen_windows
+from cpshard.attention.state import AttentionState, HeadParallel, seen_windows
 from cpshard.batch.runs import document_starts, rank_runs
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
@@ -33,7 +33,8 @@ def _state(
     twin: AttentionState | None,
     window: int | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
-    **routes: object,
+    strategy: str = "needed_rows",
+    head_parallel: tuple[HeadParallel, ...] = (),
 ) -> AttentionState:
     """The needed-rows state (causal when it is given the bidirectional ``twin``)."""
     plan = plan_needed_rows(group, layout, doc, twin is not None, window)
@@ -52,7 +53,8 @@ def _state(
         plan_window=plan_window,
         documents=doc,
         shard_layout=layout,
-        **routes,
+        strategy=strategy,
+        head_parallel=head_parallel,
     )
 
 
@@ -63,7 +65,8 @@ def _halo_state(
     twin: AttentionState,
     window: int | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
-    **routes: object,
+    strategy: str = "needed_rows",
+    head_parallel: tuple[HeadParallel, ...] = (),
 ) -> AttentionState:
     """The causal state of a layout whose ranks hold contiguous runs (``contiguous``): each
     rank's runs see their document from its start (or their ``window``), over its K/V with the
@@ -96,7 +99,8 @@ def _halo_state(
         plan_window=plan_window,
         documents=doc,
         shard_layout=layout,
-        **routes,
+        strategy=strategy,
+        head_parallel=head_parallel,
     )
 
 
@@ -117,7 +121,7 @@ def step_state(
     ``(inter, intra)`` groups of a 2-D CP mesh whose flattening is ``group`` (hierarchical)."""
     doc = doc_ids.to("cpu", torch.int64)
     plans = head_parallel_plans(group, layout, doc, device, strategy, mesh, step_state)
-    routes = {"strategy": strategy, "head_parallel": plans}
+    routes = {"strategy": strategy, "head_parallel": plans}  # the step's, not its windows'
     both = _state(group, layout, doc, None, **routes)
     causal = _halo_state if layout.contiguous_shards else _state
 

@@ -95,6 +95,11 @@ class BatchPlanner:
             "padded length": [plan.layout.padded_seq_len if plan else 0],
             "partition": digest(plan.layout.local_token_global_indices if plan else None),
             "document ids": digest(plan.documents if plan else None),
+            # ranks on other strategies (or meshes) would issue other collectives and hang
+            "attention strategy": [
+                STRATEGIES.index(self.strategy),
+                *((m.world for m in self.mesh) if self.mesh else (0, 0)),
+            ],
         }
         # One small all-gather: every rank raises if any rank's batch is bad, and ranks whose
         # batches (hence data-dependent partitions, or documents) differ are named instead of

@@ -314,3 +314,34 @@ def test_hot_path_reads_no_tensor_data_on_host(pool4, strategy: str) -> None:
     """The all-to-alls and the inner attention, forward and backward, read no tensor data on
     the host and rebuild no metadata (the plans were made at shard time)."""
     assert pool4.run(_host_reads, strategy, timeout=120) == [[]] * 4
+
+
+def test_bad_strategy_raises() -> None:
+    from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
+
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        ContextParallelSharder(None, "head_tail", strategy="ulysses")
+    with pytest.raises(ValueError, match="needs a 2-D CP DeviceMesh"):
+        ContextParallelSharder(None, "head_tail", strategy="hierarchical")
+    doc = packed_doc_ids("random", 1, 8)
+    with pytest.raises(ValueError, match="rank 0: strategy must be one of"):
+        make_cp_blockdiag_batch_and_ctx(None, None, {"input_ids": doc}, strategy="rings")
+
+
+def _disagreeing(rank: int, world: int) -> str:
+    from cpshard import ContextParallelSharder
+
+    doc = packed_doc_ids("random", 1, 16)
+    sharder = ContextParallelSharder(dist.group.WORLD, "stripe", strategy=("heads", "auto")[rank])
+    try:
+        sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_ranks_on_other_strategies_raise(pool2) -> None:
+    """A step whose ranks were given different strategies raises on every rank (they would
+    issue different collectives)."""
+    for message in pool2.run(_disagreeing, timeout=120):
+        assert "attention strategy" in message, message
