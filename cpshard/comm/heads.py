@@ -189,12 +189,14 @@ def _upstream(ctx, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
 
 def _seq_to_heads_backward(ctx, grads):
     (order,) = ctx.saved_tensors
-    return heads_to_seq(_upstream(ctx, grads), ctx.group_name, ctx.heads, order, ctx.key), *[None] * 4
+    back = heads_to_seq(_upstream(ctx, grads), ctx.group_name, ctx.heads, order, ctx.key)
+    return back, None, None, None, None
 
 
 def _heads_to_seq_backward(ctx, grads):
     (order,) = ctx.saved_tensors
-    return seq_to_heads(_upstream(ctx, grads), ctx.group_name, ctx.heads, order, ctx.key), *[None] * 4
+    back = seq_to_heads(_upstream(ctx, grads), ctx.group_name, ctx.heads, order, ctx.key)
+    return back, None, None, None, None
 
 
 seq_to_heads.register_autograd(_seq_to_heads_backward, setup_context=_keep_args)

@@ -65,7 +65,8 @@ def _distributed(
             for name, b, s, heads, kv_heads in CASES:
                 doc, *full = _batch(name, b, s, heads, kv_heads)
                 q, k, v = (t.requires_grad_() for t in full[:3])
-                sharder = ContextParallelSharder(dist.group.WORLD, layout)
+                # the step's own exchange (the head-parallel strategies: test_strategies.py)
+                sharder = ContextParallelSharder(dist.group.WORLD, layout, strategy="needed_rows")
                 ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
                 with ctx():
                     out = cp_attention(

@@ -10,7 +10,9 @@ from cpshard.attention.head_split import split_heads
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
-@pytest.mark.parametrize(("q_heads", "kv_heads"), [(1, 1), (3, 3), (4, 2), (6, 3), (8, 1), (12, 4), (32, 8), (5, 5), (4, 4)])
+@pytest.mark.parametrize(
+    ("q_heads", "kv_heads"), [(1, 1), (3, 3), (4, 2), (6, 3), (8, 1), (12, 4), (32, 8), (5, 5)]
+)
 def test_every_rank_attends_plain_gqa(q_heads: int, kv_heads: int, world: int) -> None:
     split = split_heads(q_heads, kv_heads, world)
     group = q_heads // kv_heads

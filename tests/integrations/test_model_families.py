@@ -251,19 +251,23 @@ HEAD_MODELS = {
     "mistral": ("mistral", (4, 2)),
     "qwen2": ("qwen2", (4, 2)),
     "gemma2": ("gemma2", (4, 2)),
+    "gemma3": ("gemma3", (4, 2)),
+    "cohere2": ("cohere2", (4, 2)),
     "gpt_oss": ("gpt_oss", (4, 2)),
     "gpt_oss 6/2": ("gpt_oss", (6, 2)),
     "deepseek_v3": ("deepseek_v3", (4, 2)),
 }
 STRATEGY_LAYOUTS = ["head_tail", "stripe", "blockdiag"]
+W2_ONLY = ("gpt_oss", "gemma3", "cohere2")  # (gpt-oss's sinks run split 1, 2, 1, 2 at W = 4)
 NODE_MODELS = ["llama 4/1", "llama 3/3", "gemma2", "gpt_oss 6/2", "deepseek_v3"]
 # world -> (strategy, 2-D mesh shape or None, the plan kind its calls take, models); a one-node
 # mesh's hierarchical strategy is its all-to-all alone.
 STRATEGY_CASES = {
-    2: [("heads", None, "heads", ["llama", "mistral", "gemma2", "gpt_oss", "deepseek_v3"])],
+    2: [("heads", None, "heads", ["llama", "mistral", "gemma2", "gemma3", "cohere2", "gpt_oss",
+                                  "deepseek_v3"])],  # fmt: skip
     3: [("heads", None, "heads", ["llama", "gpt_oss"])],
     4: [
-        ("heads", None, "heads", [m for m in HEAD_MODELS if m != "gpt_oss"]),
+        ("heads", None, "heads", [m for m in HEAD_MODELS if m not in W2_ONLY]),
         ("hierarchical", (2, 2), "hierarchical", NODE_MODELS),
         ("hierarchical", (1, 4), "heads", ["llama"]),
     ],
