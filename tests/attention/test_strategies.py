@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 
 from cpshard.layouts import LAYOUTS
-from tests.helpers import D, counting_collectives, kernel_path, packed_doc_ids, variant_attention
+from tests.helpers import (
+    D,
+    counting_collectives,
+    cp_mesh,
+    kernel_path,
+    packed_doc_ids,
+    variant_attention,
+)
 
 LAYOUTS_AND_BATCH = [*LAYOUTS, "blockdiag"]
 # packing, B, S, query heads, KV heads: MHA, GQA, KV heads < W, heads not divisible by W
@@ -49,11 +56,7 @@ def _full(case: tuple, seed: int = 0) -> tuple[torch.Tensor, ...]:
 
 
 def _group(world: int, mesh: bool):
-    if not mesh:
-        return dist.group.WORLD
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("inter", "intra"))
+    return cp_mesh(2, world // 2) if mesh else dist.group.WORLD
 
 
 def _step(layout: str, doc: torch.Tensor, group, strategy: str):
