@@ -166,10 +166,9 @@ def run(rt: Runtime) -> dict:
     window = QUICK_WINDOW if quick else WINDOW
     mesh = grid.cp_mesh(rt)
     strategies = []
-    for layout, heads, batch in grid.cases():
-        rt.progress(f"attention {layout} {heads} {batch} documents S={seq_len} strategies")
-        ids = doc if batch == "short" else long_doc
-        strategies += grid.run_case(rt, layout, heads, batch, ids, mesh)
+    for layout, heads in grid.cases():
+        rt.progress(f"attention {layout} {heads} S={seq_len} strategies")
+        strategies += grid.run_case(rt, layout, heads, doc, mesh)
     rows = []
     for layout in LAYOUTS:
         rt.progress(f"attention {layout} S={seq_len} window={window}")
@@ -188,17 +187,16 @@ def render_strategies(rows: list[dict]) -> list[str]:
     out = [
         "# attention: cp_attention fwd+bwd per exchange strategy (cpshard.attention.strategy)  vs",
         "#   full K/V all-gather + dense per-document causal mask + SDPA;",
-        f"#   W = {head['world']}, S = {head['seq_len']}, docs: the batch's documents (many short",
-        f"#   ones, or a few long ones), head dim {HEAD_DIM}; MHA "
-        f"{'/'.join(map(str, grid.HEAD_SHAPES['MHA']))}, GQA "
+        f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, head dim "
+        f"{HEAD_DIM}; MHA {'/'.join(map(str, grid.HEAD_SHAPES['MHA']))}, GQA "
         f"{'/'.join(map(str, grid.HEAD_SHAPES['GQA']))} query/KV heads",
         f"#   layouts {', '.join(grid.GRID_LAYOUTS)}; blockdiag: make_cp_blockdiag_batch_and_ctx",
         "#   on the same batch (contiguous shards); (mesh): on a 2 x 2 (inter, intra) mesh",
         "#   moved MiB: the cost model's bytes of the busiest rank over fwd+bwd (auto: of the one",
         "#   it picked, shown as auto>picked); kv rows: K/V rows received (needed_rows, max over",
         "#   ranks); median ms (max over ranks), peak extra MiB of fwd+bwd, MiB kept for backward",
-        f"#{'layout':>13} {'docs':>4} {'heads':>5} {'strategy':>24} {'moved MiB':>10} "
-        f"{'kv rows':>8} {'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'cpshard MiB':>12} {'base MiB':>9} "
+        f"#{'layout':>13} {'heads':>5} {'strategy':>24} {'moved MiB':>10} {'kv rows':>8} "
+        f"{'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'cpshard MiB':>12} {'base MiB':>9} "
         f"{'kept MiB':>9} {'base kept':>9}",
     ]
     for r in rows:
@@ -206,8 +204,7 @@ def render_strategies(rows: list[dict]) -> list[str]:
         name += " (mesh)" if r["mesh"] else ""
         rows_received = "-" if r["kv_rows_received_max"] is None else r["kv_rows_received_max"]
         out.append(
-            f" {r['layout']:>13} {r['documents']:>4} {r['heads']:>5} {name:>24} "
-            f"{mib(r['bytes_moved_max']):>10} "
+            f" {r['layout']:>13} {r['heads']:>5} {name:>24} {mib(r['bytes_moved_max']):>10} "
             f"{rows_received:>8} {r['fwd_bwd_s'] * 1e3:>11.1f} {r['base_fwd_bwd_s'] * 1e3:>9.1f} "
             f"{r['speedup']:>8.2f} {mib(r['fwd_bwd_peak_bytes']):>12} "
             f"{mib(r['base_fwd_bwd_peak_bytes']):>9} {mib(r['saved_bytes']):>9} "

@@ -62,15 +62,9 @@ class Config:
         return f"{self.entry}/{self.strategy}{'/mesh' if self.mesh else ''}"
 
 
-# Cases on the batch of a few long documents, where the needed rows approach a K/V all-gather.
-LONG_CASES = (("contiguous", "MHA"), ("stripe", "MHA"))
-
-
-def cases() -> list[tuple[str, str, str]]:
-    """(layout, head shape, batch: ``short`` or ``long`` documents) of every case, in run
-    order."""
-    short = [(layout, heads, "short") for heads in HEAD_SHAPES for layout in GRID_LAYOUTS]
-    return short + [(layout, heads, "long") for layout, heads in LONG_CASES]
+def cases() -> list[tuple[str, str]]:
+    """(layout, head shape) of every case, in run order."""
+    return [(layout, heads) for heads in HEAD_SHAPES for layout in GRID_LAYOUTS]
 
 
 def cp_mesh(rt: Runtime) -> DeviceMesh | None:
@@ -120,11 +114,10 @@ def _cost(rt: Runtime, q_heads: int, kv_heads: int) -> tuple[str, dict[str, int]
 
 
 def run_case(
-    rt: Runtime, layout: str, heads: str, batch: str, doc: torch.Tensor, mesh: DeviceMesh | None
+    rt: Runtime, layout: str, heads: str, doc: torch.Tensor, mesh: DeviceMesh | None
 ) -> list[dict]:
     """One row per configuration of the case (``layout``'s shards, ``heads`` of
-    :data:`HEAD_SHAPES`, the ``batch`` of document ids ``doc``), each checked against and timed
-    beside the all-gather baseline."""
+    :data:`HEAD_SHAPES`), each checked against and timed beside the all-gather baseline."""
     q_heads, kv_heads = HEAD_SHAPES[heads]
     sharder = ContextParallelSharder(rt.pg, layout, strategy="needed_rows")
     sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
@@ -153,7 +146,6 @@ def run_case(
             {
                 "layout": cfg.entry,
                 "heads": heads,
-                "batch": batch,
                 "q_heads": q_heads,
                 "kv_heads": kv_heads,
                 "head_dim": HEAD_DIM,
