@@ -42,7 +42,7 @@ from cpshard.bench.blockdiag import (
     fwd_bwd_figures,
     random_qkv,
 )
-from cpshard.bench.memory import saved_bytes
+from cpshard.bench.memory import release_freed_memory, saved_bytes
 from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 
@@ -169,10 +169,12 @@ def run(rt: Runtime) -> dict:
     for layout, heads in grid.cases():
         rt.progress(f"attention {layout} {heads} S={seq_len} strategies")
         strategies += grid.run_case(rt, layout, heads, doc, mesh)
+        release_freed_memory()
     rows = []
     for layout in LAYOUTS:
         rt.progress(f"attention {layout} S={seq_len} window={window}")
         rows.append(run_case(rt, layout, long_doc, window))
+        release_freed_memory()
     short = doc[:, : seq_len // VARIANT_SHRINK]  # the explicit baseline holds [L, S] logits
     rt.progress(f"attention balanced S={short.shape[1]} softcap")
     rows.append(run_case(rt, "balanced", short, softcap=SOFTCAP))

@@ -116,3 +116,18 @@ def saved_bytes(
     t = torch.tensor([sum(kept.values())], dtype=torch.int64, device=rt.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.pg)
     return int(t.item())
+
+
+def release_freed_memory() -> None:
+    """Collect garbage and hand the C heap's free pages back to the system (glibc's
+    ``malloc_trim``), so that a long section's later cases on a CPU machine do not run out of
+    memory on what earlier cases freed but the heap kept."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
