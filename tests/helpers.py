@@ -706,19 +706,21 @@ def step_context(layout: str, doc: torch.Tensor, group=None) -> tuple:
     return ctx, sharder
 
 
-_meshes: dict[tuple[int, int], object] = {}
+_meshes: dict[tuple[int, int], tuple[object, object]] = {}
 
 
 def cp_mesh(inter: int, intra: int):
     """This worker's 2-D CP DeviceMesh ``(inter, intra)`` over the default group, made once per
-    process (every rank asks for the same shapes in the same order: they make its groups)."""
+    default group (every rank asks for the same shapes in the same order: they make its groups;
+    a rank pool that re-creates its default group drops the old mesh's groups with it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    if (inter, intra) not in _meshes:
-        _meshes[inter, intra] = init_device_mesh(
-            "cpu", (inter, intra), mesh_dim_names=("inter", "intra")
-        )
-    return _meshes[inter, intra]
+    world = dist.group.WORLD
+    found = _meshes.get((inter, intra))
+    if found is None or found[0] is not world:
+        mesh = init_device_mesh("cpu", (inter, intra), mesh_dim_names=("inter", "intra"))
+        found = _meshes[inter, intra] = (world, mesh)
+    return found[1]
 
 
 @contextmanager

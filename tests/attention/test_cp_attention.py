@@ -375,26 +375,6 @@ def test_all_to_all_v_and_its_reverse(pools) -> None:
         assert torch.equal(grad, torch.cat(parts))
 
 
-def test_attention_bench_section_quick_run(run_bench) -> None:
-    """``cpshard bench --ops attention``: every layout, both implementations, W = 2."""
-    args = "--world 2 --ops attention --quick --repeats 1 --warmup 0 --iters 1"
-    proc, data = run_bench(*args.split())
-    assert "# attention:" in proc.stdout
-    rows = data["attention"]
-    assert [r["layout"] for r in rows] == list(LAYOUTS) * 2 + ["balanced"] * 2
-    assert [r["window"] for r in rows] == [None] * len(LAYOUTS) + [64] * len(LAYOUTS) + [None] * 2
-    assert [r["case"] for r in rows[-2:]] == ["balanced softcap 50", "balanced sinks"]
-    for r in rows:
-        assert r["ours_fwd_bwd_s"] > 0 and r["base_fwd_bwd_s"] > 0
-        assert r["ours_fwd_bwd_peak_bytes"] > 0 and r["base_fwd_bwd_peak_bytes"] > 0
-        # the forward keeps this rank's K/V (not the exchanged buffer), the baseline all of it
-        assert 0 < r["ours_saved_bytes"] < r["base_saved_bytes"]
-        assert 0 <= r["ours_kv_rows_received_max"] <= r["base_kv_rows_received"]
-        assert len(r["pairs_per_rank"]) == 2 and r["pairs_max_over_mean"] >= 1
-        if r["window"] is not None:  # at most window - 1 rows before each run
-            assert r["ours_kv_rows_received_max"] <= r["window_rows_bound_max"]
-
-
 def _host_reads(rank: int, world: int, path: str) -> list[str]:
     """Host reads of tensor data inside cp_attention and its backward (after the step's setup)
     under a per-row layout, and whether the kernel was handed the packing built at setup."""

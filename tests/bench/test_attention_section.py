@@ -37,6 +37,14 @@ def test_quick_run_reports_every_strategy(run_bench):
         # head parallel moves every rank's q/k/v and output, whatever the layout
         assert len({cell[e, heads, "heads"]["bytes_moved_max"] for e in entries}) == 1
     # the windowed rows (every layout) and the soft-capped and sinks rows are kept
-    cases = [r["case"] for r in result["rows"]]
-    assert cases[: len(LAYOUTS)] == [f"{layout} window 64" for layout in LAYOUTS]
-    assert cases[len(LAYOUTS) :] == ["balanced softcap 50", "balanced sinks"]
+    rows = result["rows"]
+    assert [r["case"] for r in rows] == [f"{layout} window 64" for layout in LAYOUTS] + [
+        "balanced softcap 50",
+        "balanced sinks",
+    ]
+    for r in rows:
+        assert r["ours_fwd_bwd_s"] > 0 and r["base_fwd_bwd_s"] > 0
+        assert 0 <= r["ours_kv_rows_received_max"] <= r["base_kv_rows_received"]
+        assert len(r["pairs_per_rank"]) == 2 and r["pairs_max_over_mean"] >= 1
+        if r["window"] is not None:  # at most window - 1 rows before each run
+            assert r["ours_kv_rows_received_max"] <= r["window_rows_bound_max"]
