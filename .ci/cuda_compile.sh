@@ -156,7 +156,7 @@ print("   NCCL communicator built; NCCL", ".".join(map(str, nccl.version())), "(
 # A communicator on a device this machine does not have is refused, naming the device, before
 # anything reaches NCCL.
 try:
-    torch.classes.cpshard.NcclCommunicator(0, uid, 0, 1, 0, 60.0)
+    torch.classes.cpshard.NcclCommunicator(0, 0, uid, 0, 1, 0, 60.0)
 except RuntimeError as e:
     assert "device 0 is not a visible CUDA device" in str(e), e
 else:
@@ -169,6 +169,8 @@ stamp "import checks passed"
 bash -n "$src/scripts/gpu/check.sh" || fail "scripts/gpu/check.sh does not parse"
 "$venv/bin/python" "$src/scripts/gpu/steady_state.py" | tee "$work/steady.txt"
 grep -q "^skipped: " "$work/steady.txt" || fail "steady_state.py did not skip without a GPU"
+"$venv/bin/python" -m cpshard.bench.nccl_world1 | tee "$work/world1.txt"
+grep -q "^skipped: " "$work/world1.txt" || fail "cpshard.bench.nccl_world1 did not skip without a GPU"
 OMP_NUM_THREADS=1 "$venv/bin/python" "$src/scripts/gpu/numerics.py" --device cpu \
   || fail "scripts/gpu/numerics.py --device cpu failed"
 stamp "GPU check scripts: parse, skip, CPU numerics passed"

@@ -7,17 +7,48 @@
 
 #include <algorithm>
 #include <chrono>
+#include <mutex>
+#include <optional>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
 #include "comm/settle.h"
+#include "comm/within.h"
 #include "index/index_ops.h"
 #include "ragged/ragged_ops.h"
 #include "segment/segment_ops.h"
 #ifdef CPSHARD_WITH_NCCL
 #include "comm/nccl_communicator.h"
 #endif
+
+namespace {
+
+// The values of stand-in calls that _run_within gave up on, recorded when they came (by the
+// threads that ran them).
+class LateResults {
+ public:
+  void push(int64_t value) {
+    std::lock_guard<std::mutex> lock(mu_);
+    values_.push_back(value);
+  }
+  std::vector<int64_t> all() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return values_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<int64_t> values_;
+};
+
+LateResults& late_results() {
+  static auto* results = new LateResults();  // never destroyed: late threads may outlive exit
+  return *results;
+}
+
+}  // namespace
 
 TORCH_LIBRARY(cpshard, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
@@ -33,9 +64,10 @@ TORCH_LIBRARY(cpshard, m) {
 #ifdef CPSHARD_WITH_NCCL
   using cpshard::NcclCommunicator;
   m.class_<NcclCommunicator>("NcclCommunicator")
-      .def(torch::init<int64_t, at::Tensor, int64_t, int64_t, int64_t, double>())
+      .def(torch::init<int64_t, int64_t, at::Tensor, int64_t, int64_t, int64_t, double>())
       .def_static("unique_id", &NcclCommunicator::unique_id)
       .def_static("version", &NcclCommunicator::version)
+      .def_static("split_config", &NcclCommunicator::split_config)
       .def_static("parent_matches", &NcclCommunicator::parent_matches)
       .def("rank", &NcclCommunicator::rank)
       .def("world", &NcclCommunicator::world)
@@ -105,5 +137,24 @@ PYBIND11_MODULE(_C, module) {
         return std::make_tuple(std::string(name), last, static_cast<int64_t>(polls));
       },
       pybind11::arg("states"), pybind11::arg("timeout_ms"));
+  // The bounded wait for a call that may block for ever (a split from a blocking parent),
+  // driven by a stand-in call that sleeps block_ms and returns `value`: the value, or None when
+  // it has not come within timeout_ms. A call given up on hands its value, when it comes, to the
+  // late handler, which here records it for _late_results() (the communicator's releases the
+  // late child). For the tests: the communicator itself needs a GPU.
+  module.def(
+      "_run_within",
+      [](int64_t block_ms, int64_t timeout_ms, int64_t value) {
+        TORCH_CHECK(block_ms >= 0 && timeout_ms >= 0, "_run_within: negative time");
+        return cpshard::run_within<int64_t>(
+            [block_ms, value] {
+              std::this_thread::sleep_for(std::chrono::milliseconds(block_ms));
+              return value;
+            },
+            std::chrono::milliseconds(timeout_ms),
+            [](int64_t late) { late_results().push(late); });
+      },
+      pybind11::arg("block_ms"), pybind11::arg("timeout_ms"), pybind11::arg("value"));
+  module.def("_late_results", [] { return late_results().all(); });
   module.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }

@@ -14,6 +14,9 @@ verb runs on the same group through ``cpshard.comm.transport_for`` (the native c
 * ``pipelined us``: ``--repeats`` calls back to back, then one synchronize, per call (the cost
   when calls queue up on the stream, as in a training step).
 
+Then the native ``all_gather_v`` and ``reduce_scatter_v`` of bfloat16 parts starting 16-byte
+aligned and 2 bytes past that (where the parts after an odd-sized one start), side by side.
+
 Each verb's result is checked once (at world size 1 every verb copies its input) before timing.
 Without a GPU, torch's NCCL or cpshard's NCCL build it prints ``skipped: <why>`` and exits 0.
 
@@ -167,6 +170,53 @@ def run(group: Group, args: argparse.Namespace) -> list[Row]:
     return rows
 
 
+ALIGNMENT_HEADER = (
+    f"{'bf16 verb':<17} {'size':>9} {'aligned sync us':>15} {'2-byte sync us':>14} "
+    f"{'2-byte/aligned':>14} {'aligned pipelined us':>20} {'2-byte pipelined us':>19}"
+)
+
+
+def alignment(group: Group, args: argparse.Namespace) -> list[Row]:
+    """The native ``all_gather_v`` and ``reduce_scatter_v`` of bfloat16 parts starting 16-byte
+    aligned and starting 2 bytes past that, as the parts after an odd-sized one do: whether NCCL
+    takes a slower path for them. Printed as one line per verb and size."""
+    native = transport_for(group, torch.empty(0, device="cuda"))
+    verbs = {name: VERBS[name][0] for name in ("all_gather_v", "reduce_scatter_v")}
+    rows: list[Row] = []
+    for kib in args.sizes_kib:
+        n = (kib << 10) // 2
+        src = torch.randn(n + 1, device="cuda").to(torch.bfloat16)
+        dst = torch.empty_like(src)
+        for verb, call in verbs.items():
+            pair: dict[str, Row] = {}
+            for name, start in (("aligned", 0), ("2-byte", 1)):
+                x, out = src[start : start + n], dst[start : start + n]
+                fn = partial(call, native, out, x)
+                out.zero_()
+                fn()
+                torch.cuda.synchronize()
+                if not torch.equal(out, x):
+                    raise RuntimeError(f"{verb} at a {name} offset did not copy its input")
+                times = time_calls(fn, args.repeats, args.warmup, torch.cuda.synchronize).wall_s
+                pair[name] = Row(
+                    verb=verb,
+                    transport=f"native {name}",
+                    dtype="bfloat16",
+                    bytes=n * 2,
+                    sync_us=statistics.median(times) * 1e6,
+                    min_us=min(times) * 1e6,
+                    pipelined_us=pipelined(fn, args.repeats) * 1e6,
+                )
+            a, b = pair["aligned"], pair["2-byte"]
+            print(
+                f"{verb:<17} {human_bytes(a.bytes):>9} {a.sync_us:>15.1f} {b.sync_us:>14.1f} "
+                f"{b.sync_us / a.sync_us:>14.2f} {a.pipelined_us:>20.1f} {b.pipelined_us:>19.1f}",
+                flush=True,
+            )
+            rows += pair.values()
+    return rows
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     p = argparse.ArgumentParser(
         prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -200,6 +250,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     print("-" * len(HEADER))
     with world1_group() as group:
         rows = run(group, args)
+        print()
+        print(ALIGNMENT_HEADER)
+        print("-" * len(ALIGNMENT_HEADER))
+        rows += alignment(group, args)
     if args.json:
         args.json.write_text(
             json.dumps(

@@ -10,8 +10,13 @@ aborts it when something failed.
 **Bootstrap: split from torch's communicator** (``CPSHARD_NCCL_BOOTSTRAP=split``, the default).
 Every rank asks torch for its own ``ncclComm_t`` of the group on that device
 (``ProcessGroupNCCL._comm_ptr()``, looked up first; only when no rank has one does every rank ask
-torch to create it, once, with ``eager_connect_single_device``), the ranks agree over the host-side channel that all of them have it, and each calls
-``ncclCommSplit`` on it. Why a split child rather than driving torch's communicator directly:
+torch to create it, once, with ``eager_connect_single_device``), the ranks agree over the
+host-side channel that all of them have it, and each calls ``ncclCommSplit`` on it with a copy
+of the config torch made it with (its options' ``config``: CTAs, network, traffic class...),
+made non-blocking, so that every later wait on the child (each pattern's first connect) is
+bounded by the group's timeout. The split itself follows the parent's blocking mode inside NCCL;
+it runs on a thread of its own and is given up, raising, after the timeout. Why a split child
+rather than driving torch's communicator directly:
 
 * ownership: torch's communicator belongs to ``ProcessGroupNCCL``: its watchdog may abort and
   free it at any time (we would hold a dangling pointer), it may be non-blocking, and torch
@@ -48,6 +53,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -222,6 +228,15 @@ def _torch_comm(backend: object, device: torch.device, group: Group) -> int:
         return 0
 
 
+def _torch_config(backend: object) -> object | None:
+    """The ``NCCLConfig`` torch made the group's communicator with (its options' ``config``,
+    which exposes the address of its ``ncclConfig_t``), or None when this torch does not give
+    one: the split then passes no config, and the child inherits the parent's (blocking or
+    not)."""
+    config = getattr(getattr(backend, "options", None), "config", None)
+    return config if callable(getattr(config, "unsafe_get_ptr", None)) else None
+
+
 def _create(group: Group, device: torch.device, mode: str) -> NcclTransport:
     """A communicator for ``group`` on ``device``; collective over the group's ranks."""
     assert group.pg is not None
@@ -234,13 +249,17 @@ def _create(group: Group, device: torch.device, mode: str) -> NcclTransport:
     # Splitting is collective over the parent: every rank splits, or none does.
     if mode == "split" and bool(all_gather_small(torch.tensor([int(can_split)]), group).all()):
         empty = torch.empty(0, dtype=torch.uint8)
+        config: Any = _torch_config(backend)  # held until the split has read it
+        address = int(config.unsafe_get_ptr()) if config is not None else 0
         return _agreed(
-            lambda: native(parent, empty, group.rank, group.world, index, timeout), group, "split"
+            lambda: native(parent, address, empty, group.rank, group.world, index, timeout),
+            group,
+            "split",
         )
     mine = unique_id().numpy().tobytes() if group.rank == 0 else b""
     uid = torch.frombuffer(bytearray(all_gather_bytes(mine, group)[0]), dtype=torch.uint8)
     return _agreed(
-        lambda: native(0, uid, group.rank, group.world, index, timeout), group, "unique_id"
+        lambda: native(0, 0, uid, group.rank, group.world, index, timeout), group, "unique_id"
     )
 
 

@@ -5,12 +5,15 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <exception>
 
 #include "comm/settle.h"
+#include "comm/within.h"
 #include "common/geometry.h"
 
 namespace cpshard {
@@ -68,6 +71,29 @@ int64_t total_of(const std::vector<int64_t>& sizes, const char* what) {
     TORCH_CHECK(!__builtin_add_overflow(total, s, &total), what, ": sizes overflow int64");
   }
   return total;
+}
+
+// The config a split child is made with: a copy of the one torch made its communicator with
+// (its ProcessGroupNCCL options' config, at address `torch_config`), made non-blocking. NCCL
+// resolves the fields torch left undefined from the environment, as it did for the parent, so
+// the child gets the parent's settings (CTAs, network, traffic class, ...; resource sharing is
+// taken from the parent's own config either way). 0: no config of torch's; the split then
+// passes none and the child inherits the parent's, blocking mode included.
+ncclConfig_t child_config(int64_t torch_config, const char* what) {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  if (torch_config != 0) {
+    const auto* from = reinterpret_cast<const ncclConfig_t*>(torch_config);
+    // size, magic and version lead every version of the struct.
+    TORCH_CHECK(from->magic == config.magic, what, ": torch's NCCL config at ", torch_config,
+                " is not an initialised ncclConfig_t (magic ", from->magic, ")");
+    TORCH_CHECK(from->size >= offsetof(ncclConfig_t, blocking) + sizeof(int), what,
+                ": torch's NCCL config at ", torch_config, " is too small (", from->size,
+                " bytes)");
+    std::memcpy(&config, from, std::min(from->size, sizeof(ncclConfig_t)));
+    config.size = sizeof(ncclConfig_t);  // fields beyond torch's keep the initialiser's values
+  }
+  config.blocking = 0;
+  return config;
 }
 
 }  // namespace
@@ -147,8 +173,9 @@ class NcclCommunicator::Call {
   c10::cuda::CUDAStream stream_;
 };
 
-NcclCommunicator::NcclCommunicator(int64_t parent, const at::Tensor& unique_id, int64_t rank,
-                                   int64_t world, int64_t device, double timeout_s)
+NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
+                                   const at::Tensor& unique_id, int64_t rank, int64_t world,
+                                   int64_t device, double timeout_s)
     : rank_(rank),
       world_(world),
       device_(device),
@@ -180,13 +207,38 @@ NcclCommunicator::NcclCommunicator(int64_t parent, const at::Tensor& unique_id, 
     TORCH_CHECK(parent_matches(parent, rank, world, device), what,
                 ": the parent communicator is not this group's on cuda:", device);
     const auto from = reinterpret_cast<ncclComm_t>(parent);
-    // A NULL config: the child inherits every setting of torch's communicator (CTAs, network,
-    // traffic class, resource sharing, and blocking or not); a config of our own would reset
-    // the fields it leaves undefined to NCCL's defaults rather than the parent's. A
-    // non-blocking parent (TORCH_NCCL_USE_COMM_NONBLOCKING=1) gives a non-blocking child: the
-    // split returns in progress and is waited for within the timeout, like every later call.
-    const ncclResult_t status = ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank),
-                                              &comm_, /*config=*/nullptr);
+    // The child is non-blocking with torch's settings (child_config), so its own waits are
+    // bounded. The split itself takes its blocking mode from the parent: from a blocking one it
+    // waits inside NCCL for every peer, so it runs on a thread of its own, waited for within
+    // the timeout (a non-blocking parent returns in progress at once, settled below).
+    struct Split {
+      ncclResult_t status = ncclInternalError;
+      ncclComm_t comm = nullptr;
+    };
+    const bool inherit = parent_config == 0;
+    auto split = run_within<Split>(
+        [from, rank, device, inherit, config = child_config(parent_config, what)]() mutable {
+          Split out;
+          if (cudaSetDevice(static_cast<int>(device)) != cudaSuccess) {
+            (void)cudaGetLastError();
+            out.status = ncclUnhandledCudaError;
+            return out;
+          }
+          out.status = ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank),
+                                     &out.comm, inherit ? nullptr : &config);
+          return out;
+        },
+        timeout_,
+        [](Split late) {  // a split that completed after we gave up on it: nobody will use it
+          if (late.comm == nullptr) return;
+          (void)(late.status == ncclSuccess ? ncclCommDestroy(late.comm)
+                                            : ncclCommAbort(late.comm));
+        });
+    TORCH_CHECK(split.has_value(), what, ": ncclCommSplit has not completed within the process "
+                "group's timeout of ", timeout_.count(), " ms: a rank of the group never joined "
+                "it. The group's NCCL communicators are unusable now.");
+    comm_ = split->comm;
+    const ncclResult_t status = split->status;
     if (status != ncclSuccess && status != ncclInProgress && comm_ != nullptr) {
       (void)ncclCommAbort(comm_);
       comm_ = nullptr;
@@ -234,6 +286,13 @@ at::Tensor NcclCommunicator::unique_id() {
   auto out = at::empty({static_cast<int64_t>(sizeof(id))}, at::kByte);
   std::memcpy(out.data_ptr(), &id, sizeof(id));
   return out;
+}
+
+std::tuple<std::vector<int64_t>, std::string> NcclCommunicator::split_config(
+    int64_t torch_config) {
+  const ncclConfig_t c = child_config(torch_config, "NcclCommunicator.split_config");
+  return {{c.blocking, c.cgaClusterSize, c.minCTAs, c.maxCTAs, c.splitShare},
+          c.netName == nullptr ? std::string() : std::string(c.netName)};
 }
 
 int64_t NcclCommunicator::version() {

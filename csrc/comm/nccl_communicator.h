@@ -22,11 +22,12 @@
 // group's timeout, aborts the communicator (kernels blocked on a dead peer return) and every
 // later call raises the reason.
 //
-// The host-side waits (creation, and the first ncclGroupEnd of each pattern, which connects the
-// peers) are bounded by the same timeout on a non-blocking communicator: a unique-id one is
-// always created non-blocking, and a split child inherits its parent's blocking mode with every
-// other setting (torch's communicator is non-blocking under TORCH_NCCL_USE_COMM_NONBLOCKING=1).
-// A blocking split child's creation and connects block in NCCL as torch's own do.
+// The host-side waits are bounded by the same timeout. A unique-id communicator is created
+// non-blocking. A split child is made non-blocking with torch's settings (the config torch made
+// its communicator with), so its first ncclGroupEnd of each pattern (which connects the peers)
+// returns in progress and is waited for within the timeout; the split itself follows the
+// parent's mode in NCCL (a blocking parent makes it wait for every peer), so it runs on a
+// thread of its own, given up after the timeout.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -41,6 +42,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 namespace cpshard {
@@ -51,8 +53,10 @@ class NcclCommunicator : public torch::CustomClassHolder {
   // communicator to split from (torch's for the group), or 0 to build one from unique_id (the
   // ncclUniqueId bytes made by unique_id() on rank 0; ignored when splitting). timeout_s: the
   // process group's timeout, after which an unfinished call aborts the communicator.
-  NcclCommunicator(int64_t parent, const at::Tensor& unique_id, int64_t rank, int64_t world,
-                   int64_t device, double timeout_s);
+  // parent_config: the address of the ncclConfig_t torch made the parent with (its options'
+  // config), whose settings the child takes, or 0 to inherit the parent's.
+  NcclCommunicator(int64_t parent, int64_t parent_config, const at::Tensor& unique_id,
+                   int64_t rank, int64_t world, int64_t device, double timeout_s);
   // Ends the communicator like close() if that was not called (cpshard/comm/nccl.py always
   // calls it, with the process group's end or at exit, never leaving it to garbage collection).
   ~NcclCommunicator() override;
@@ -63,6 +67,10 @@ class NcclCommunicator : public torch::CustomClassHolder {
   static at::Tensor unique_id();
   // NCCL's version code (e.g. 23007) of the library this extension runs against.
   static int64_t version();
+  // What a split from a parent made with the config at `torch_config` passes NCCL: blocking,
+  // cgaClusterSize, minCTAs, maxCTAs, splitShare and the network name ("" for none). Reads only
+  // host memory (needs no GPU).
+  static std::tuple<std::vector<int64_t>, std::string> split_config(int64_t torch_config);
   // Whether the communicator at address `parent` has `world` ranks, this process as `rank`, and
   // lives on `device`: what a split needs. (Checked on every rank before the collective split.)
   static bool parent_matches(int64_t parent, int64_t rank, int64_t world, int64_t device);

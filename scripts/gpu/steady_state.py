@@ -10,7 +10,8 @@ allowed to sync):
 * ``gather_sequence``, ``gather_ragged`` and ``gather_halo``, forward and backward (at W = 1 they
   return their input, so this checks only that their W = 1 path does not sync);
 * one ``cp_blockdiag_sdpa`` layer inside ``make_cp_blockdiag_batch_and_ctx``'s context, forward
-  and backward.
+  and backward, with each exchange strategy (``needed_rows``; ``heads``, whose all-to-alls run
+  on the native transport), the two compared.
 
 Results are checked against plain-PyTorch references after leaving the sync-debug mode. Prints one
 ``ok <what>`` line per check and exits non-zero on the first failure; prints ``skipped: <why>``
@@ -88,7 +89,11 @@ def run_rank(rank: int, world: int, store_path: str) -> None:
             rank,
             lambda: transport(pg, rank, world, device),
         )
-        check("cp_blockdiag_sdpa layer", rank, lambda: blockdiag_layer(pg, rank, world, device))
+        check(
+            "cp_blockdiag_sdpa layer, needed_rows and heads",
+            rank,
+            lambda: blockdiag_layer(pg, rank, world, device),
+        )
         assert comm.error() == "", comm.error()
     finally:
         dist.destroy_process_group()
@@ -155,28 +160,40 @@ def transport(pg: dist.ProcessGroup, rank: int, world: int, device: torch.device
 
 
 def blockdiag_layer(pg: dist.ProcessGroup, rank: int, world: int, device: torch.device) -> None:
-    bsz, seq, heads, dim = 2, 8 * world, 2, 16
+    """One layer per exchange strategy: ``needed_rows`` (key/value rows) and ``heads`` (the
+    sequence <-> head all-to-alls around an inner attention); both must give the same output and
+    gradients (the same attention, moved differently)."""
+    bsz, seq, heads, dim = 2, 8 * world, 2 * world, 16
     doc = torch.tensor([[1] * (3 * world) + [2] * (5 * world), [3] * (seq - 2) + [0, 0]])
-    batch = {
-        "input_ids": torch.ones(bsz, seq, dtype=torch.int64, device=device),
-        "_packed_seq_ids": doc,
-    }
-    # The per-step set-up may sync; the layer, every call of every step, must not.
-    train_ctx, batch = cpshard.make_cp_blockdiag_batch_and_ctx(pg, None, batch)
-    local = batch["input_ids"].shape[1]
     # float32: the per-segment path; bfloat16: the one-launch varlen path where available.
     for dtype in (torch.float32, torch.bfloat16):
-        q, k, v = (
-            torch.randn(bsz, heads, local, dim, device=device, dtype=dtype, requires_grad=True)
-            for _ in range(3)
-        )
-        with train_ctx():
-            cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)  # warm-up (kernel selection)
-            with no_sync():
-                out = cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)
-                out.sum().backward()
-        assert out.shape == q.shape and torch.isfinite(out).all(), dtype
-        assert q.grad is not None and torch.isfinite(q.grad).all(), dtype
+        gen = torch.Generator(device=device).manual_seed(rank)
+        shape = (bsz, heads, seq // world, dim)
+        qkv = [torch.randn(shape, device=device, dtype=dtype, generator=gen) for _ in range(3)]
+        results = {}
+        for strategy in ("needed_rows", "heads"):
+            batch = {
+                "input_ids": torch.ones(bsz, seq, dtype=torch.int64, device=device),
+                "_packed_seq_ids": doc,
+            }
+            # The per-step set-up may sync; the layer, every call of every step, must not.
+            train_ctx, batch = cpshard.make_cp_blockdiag_batch_and_ctx(
+                pg, None, batch, strategy=strategy
+            )
+            assert batch["input_ids"].shape[1] == seq // world
+            q, k, v = (t.clone().requires_grad_() for t in qkv)
+            with train_ctx():
+                cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)  # warm-up (kernel choice)
+                with no_sync():
+                    out = cpshard.cp_blockdiag_sdpa(q, k, v, is_causal=True)
+                    out.sum().backward()
+            assert out.shape == q.shape and torch.isfinite(out).all(), (strategy, dtype)
+            grads = [t.grad for t in (q, k, v)]
+            assert all(g is not None and torch.isfinite(g).all() for g in grads), (strategy, dtype)
+            results[strategy] = [out.detach(), *grads]
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        for a, b in zip(results["needed_rows"], results["heads"]):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -55,10 +55,32 @@ def test_nccl_communicator_checks_before_nccl() -> None:
     native = torch.classes.cpshard.NcclCommunicator
     uid = native.unique_id()
     with pytest.raises(RuntimeError, match="rank 3 out of range for world 2"):
-        native(0, uid, 3, 2, 0, 60.0)
+        native(0, 0, uid, 3, 2, 0, 60.0)
     with pytest.raises(RuntimeError, match="is not a visible CUDA device"):
-        native(0, uid, 0, 1, torch.cuda.device_count(), 60.0)
+        native(0, 0, uid, 0, 1, torch.cuda.device_count(), 60.0)
     assert not native.parent_matches(0, 0, 1, 0)
+
+
+UNDEFINED = -(2**31)  # NCCL_CONFIG_UNDEF_INT: NCCL resolves the field from the environment
+
+
+@needs_nccl_build
+def test_a_split_child_takes_torchs_config_made_non_blocking() -> None:
+    """What the split passes NCCL, read from the very ``ncclConfig_t`` torch's options hold:
+    every setting torch was given, and non-blocking whatever torch chose (so the child's waits
+    are bounded by the group's timeout)."""
+    native = torch.classes.cpshard.NcclCommunicator
+    options = dist.ProcessGroupNCCL.Options()
+    config = options.config
+    config.blocking, config.cga_cluster_size, config.min_ctas, config.max_ctas = 1, 4, 2, 16
+    config.split_share, config.net_name = 1, "Socket"
+    assert native.split_config(config.unsafe_get_ptr()) == ([0, 4, 2, 16, 1], "Socket")
+    defaults = dist.ProcessGroupNCCL.Options().config
+    fields = [0, UNDEFINED, UNDEFINED, UNDEFINED, UNDEFINED]
+    assert native.split_config(defaults.unsafe_get_ptr()) == (fields, "")
+    garbage = torch.zeros(256, dtype=torch.uint8)  # not made by NCCL_CONFIG_INITIALIZER
+    with pytest.raises(RuntimeError, match="is not an initialised ncclConfig_t"):
+        native.split_config(garbage.data_ptr())
 
 
 @needs_nccl_build

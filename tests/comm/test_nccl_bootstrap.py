@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,9 +23,17 @@ class FakeCommunicator:
     """Stands in for ``torch.classes.cpshard.NcclCommunicator``: records how it was made."""
 
     def __init__(
-        self, parent: int, uid: torch.Tensor, rank: int, world: int, device: int, timeout_s: float
+        self,
+        parent: int,
+        parent_config: int,
+        uid: torch.Tensor,
+        rank: int,
+        world: int,
+        device: int,
+        timeout_s: float,
     ) -> None:
-        self.parent, self.uid, self.rank, self.world = parent, uid.clone(), rank, world
+        self.parent, self.parent_config = parent, parent_config
+        self.uid, self.rank, self.world = uid.clone(), rank, world
         self.index, self.timeout_s, self.closed = device, timeout_s, False
 
     @staticmethod
@@ -196,6 +205,53 @@ def test_another_nccl_on_one_rank_means_no_split_and_no_eager_connect(pools) -> 
         assert "connect" not in calls and made == ["unique_id", "unique_id"]
 
 
+class TorchConfig:
+    """Stands in for torch's ``ProcessGroupNCCL.Options().config``: the ``ncclConfig_t`` torch
+    made its communicator with, whose address ``unsafe_get_ptr`` gives."""
+
+    def __init__(self, address: int) -> None:
+        self.address = address
+
+    def unsafe_get_ptr(self) -> int:
+        return self.address
+
+
+class ConfiguredBackend(RecordingBackend):
+    """torch's backend with its communicator and, when ``address`` is not 0, the config it was
+    made with (torch's options; an older torch has no ``unsafe_get_ptr`` there)."""
+
+    def __init__(self, address: int) -> None:
+        super().__init__(has_comm=True)
+        self.options = SimpleNamespace(config=TorchConfig(address) if address else object())
+
+
+def _configs_passed(rank: int, world: int, address: int, mode: str) -> tuple[str, int, int]:
+    """The bootstrap, parent and parent config address one creation passed the native class."""
+    pg = dist.new_group(list(range(world)))
+    group = resolve_group(pg, "test")
+    backend = ConfiguredBackend(address)
+    saved = nccl._native, nccl._backend_of, nccl._on_device, nccl._torch_nccl_version
+    nccl._native = lambda: FakeCommunicator
+    nccl._backend_of = lambda g, d: backend
+    nccl._on_device = lambda d: nullcontext()
+    nccl._torch_nccl_version = lambda: nccl.nccl_version_triple(SAME[0])
+    try:
+        comm = nccl.communicator(group, torch.device("cuda", rank), bootstrap=mode)
+        nccl.close(pg)
+    finally:
+        nccl._native, nccl._backend_of, nccl._on_device, nccl._torch_nccl_version = saved
+    return comm.bootstrap, comm.comm.parent, comm.comm.parent_config
+
+
+def test_the_split_passes_the_config_torch_made_its_communicator_with(pools) -> None:
+    for made in pools(2).run(_configs_passed, 0xFACADE, "split"):
+        assert made == ("split", 0xBEEF, 0xFACADE)  # the child takes torch's settings
+    for made in pools(2).run(_configs_passed, 0, "split"):
+        assert made == ("split", 0xBEEF, 0)  # none exposed: the child inherits the parent's
+    for made in pools(2).run(_configs_passed, 0xFACADE, "unique_id"):
+        assert made == ("unique_id", 0, 0)  # a communicator of its own: no parent, no config
+
+
 class WrappedBackend:
     """An older torch's backend, or one wrapped under TORCH_DISTRIBUTED_DEBUG=DETAIL: it can
     eager-connect but has no ``_comm_ptr``."""
@@ -245,10 +301,10 @@ def test_nccl_version_triple_rejects_a_short_version() -> None:
 class FailingOnRank1(FakeCommunicator):
     """A native constructor that fails on rank 1 only (a bad device, NCCL refusing)."""
 
-    def __init__(self, parent, uid, rank, world, device, timeout_s) -> None:
+    def __init__(self, parent, parent_config, uid, rank, world, device, timeout_s) -> None:
         if rank == 1:
             raise RuntimeError("NcclCommunicator: ncclCommInitRankConfig failed: internal error")
-        super().__init__(parent, uid, rank, world, device, timeout_s)
+        super().__init__(parent, parent_config, uid, rank, world, device, timeout_s)
 
 
 def _creation_fails_on_rank_1(rank: int, world: int) -> str:
