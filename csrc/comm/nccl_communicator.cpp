@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <optional>
 
 #include "comm/settle.h"
 #include "comm/within.h"
@@ -210,35 +211,45 @@ NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
     // The child is non-blocking with torch's settings (child_config), so its own waits are
     // bounded. The split itself takes its blocking mode from the parent: from a blocking one it
     // waits inside NCCL for every peer, so it runs on a thread of its own, waited for within
-    // the timeout (a non-blocking parent returns in progress at once, settled below).
-    struct Split {
-      ncclResult_t status = ncclInternalError;
-      ncclComm_t comm = nullptr;
-    };
+    // the timeout; from a non-blocking one it returns in progress at once. NCCL writes the child
+    // into `cell` when the split's work ends (after ncclCommSplit has returned, for a
+    // non-blocking parent), so the cell lives on the heap and is freed only once that write
+    // has been seen; a split given up on before then leaves it (a pointer's worth) to NCCL.
+    auto* cell = new ncclComm_t(nullptr);
+    const auto published = [cell] { return __atomic_load_n(cell, __ATOMIC_ACQUIRE); };
     const bool inherit = parent_config == 0;
-    auto split = run_within<Split>(
-        [from, rank, device, inherit, config = child_config(parent_config, what)]() mutable {
-          Split out;
+    const std::optional<ncclResult_t> split = run_within<ncclResult_t>(
+        [from, rank, device, inherit, cell, config = child_config(parent_config, what)]() mutable {
           if (cudaSetDevice(static_cast<int>(device)) != cudaSuccess) {
             (void)cudaGetLastError();
-            out.status = ncclUnhandledCudaError;
-            return out;
+            return ncclUnhandledCudaError;
           }
-          out.status = ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank),
-                                     &out.comm, inherit ? nullptr : &config);
-          return out;
+          return ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank), cell,
+                               inherit ? nullptr : &config);
         },
         timeout_,
-        [](Split late) {  // a split that completed after we gave up on it: nobody will use it
-          if (late.comm == nullptr) return;
-          (void)(late.status == ncclSuccess ? ncclCommDestroy(late.comm)
-                                            : ncclCommAbort(late.comm));
+        [cell, published](ncclResult_t late) {  // a split completed after we gave up on it
+          if (late == ncclInProgress) return;    // NCCL is still to write the cell
+          if (const ncclComm_t child = published(); child != nullptr) {
+            (void)(late == ncclSuccess ? ncclCommDestroy(child) : ncclCommAbort(child));
+          }
+          delete cell;
         });
     TORCH_CHECK(split.has_value(), what, ": ncclCommSplit has not completed within the process "
                 "group's timeout of ", timeout_.count(), " ms: a rank of the group never joined "
                 "it. The group's NCCL communicators are unusable now.");
-    comm_ = split->comm;
-    const ncclResult_t status = split->status;
+    const ncclResult_t status = *split;
+    if (status == ncclInProgress) {  // a non-blocking parent: wait for the child to appear
+      const auto deadline = Clock::now() + timeout_;
+      while (published() == nullptr && Clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+      }
+      TORCH_CHECK(published() != nullptr, what, ": ncclCommSplit has not made the communicator "
+                  "within the process group's timeout of ", timeout_.count(), " ms: a rank of "
+                  "the group never joined it. The group's NCCL communicators are unusable now.");
+    }
+    comm_ = published();
+    delete cell;
     if (status != ncclSuccess && status != ncclInProgress && comm_ != nullptr) {
       (void)ncclCommAbort(comm_);
       comm_ = nullptr;

@@ -90,7 +90,9 @@ class NcclCommunicator : public torch::CustomClassHolder {
   // out[world * n] <- every rank's local[n]; in place when local is this rank's slot of out.
   void all_gather(const at::Tensor& out, const at::Tensor& local);
   // out[sum sizes] <- every rank's local[sizes[r]], by one grouped broadcast per rank (no
-  // padding on the wire).
+  // padding on the wire: a 2-byte part after an odd-sized one starts unaligned, which NCCL
+  // handles; aligning it would cost a copy of all of out, worth it only if NCCL's unaligned
+  // path is slower by more, which cpshard.bench.nccl_world1 measures on a GPU).
   void all_gather_v(const at::Tensor& out, const at::Tensor& local, std::vector<int64_t> sizes);
   // out[n] <- sum over ranks of full[rank * n : (rank + 1) * n].
   void reduce_scatter(const at::Tensor& out, const at::Tensor& full);
