@@ -47,6 +47,7 @@ def _node_layout(layout: ShardLayout, nodes: int, per_node: int) -> tuple[ShardL
 
 
 def _plan(
+    kind: str,
     intra: Group,
     inter: Group,
     layout: ShardLayout,
@@ -57,7 +58,7 @@ def _plan(
     merged, orders = _node_layout(layout, inter.world, intra.world)
     inner = plan_step(inter, merged, doc, device)
     order = orders[inter.rank]
-    return HeadParallel(intra, inner, None if order is None else pinned(order))
+    return HeadParallel(kind, intra, inner, None if order is None else pinned(order))
 
 
 def head_parallel_plans(
@@ -81,10 +82,10 @@ def head_parallel_plans(
         )
     plans = []
     if strategy in ("heads", "auto"):
-        plans.append(_plan(group, Group(None, 0, 1), layout, doc, device, plan_step))
+        plans.append(_plan("heads", group, Group(None, 0, 1), layout, doc, device, plan_step))
     if mesh is not None and (
         strategy == "hierarchical" or (strategy == "auto" and min(m.world for m in mesh) > 1)
     ):
         inter, intra = mesh
-        plans.append(_plan(intra, inter, layout, doc, device, plan_step))
+        plans.append(_plan("hierarchical", intra, inter, layout, doc, device, plan_step))
     return tuple(plans)

@@ -56,17 +56,13 @@ class HeadParallel:
     exchange between nodes). ``order``: where each token of the gathered shards goes so that
     they ascend in global order (host ``[T]`` or ``[B, T]``; None: they already do)."""
 
+    kind: str  # the strategy it serves: "heads" or "hierarchical"
     group: Group
     inner: AttentionState
     order: torch.Tensor | None
     _order_on: dict[torch.device, torch.Tensor | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-
-    @property
-    def kind(self) -> str:
-        """``"heads"`` (the all-to-all spans the CP group) or ``"hierarchical"``."""
-        return "heads" if self.inner.group.world == 1 else "hierarchical"
 
     def order_on(self, device: torch.device) -> torch.Tensor | None:
         """:attr:`order` on ``device``, copied there once per device and cached."""

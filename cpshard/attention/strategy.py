@@ -92,7 +92,7 @@ def route(
 ) -> HeadParallel | None:  # fmt: skip
     """The head-parallel plan a call uses, or None for the state's own exchange. ``heads`` and
     ``hierarchical`` plan only their own (``hierarchical`` on a one-node mesh: the all-to-all
-    over the node, whose ``kind`` is ``heads``)."""
+    over the node, then nothing exchanged between nodes)."""
     if state.strategy != "auto":
         return next(iter(state.head_parallel), None)
     if torch.compiler.is_compiling():

@@ -261,7 +261,7 @@ STRATEGY_LAYOUTS = ["head_tail", "stripe", "blockdiag"]
 W2_ONLY = ("gpt_oss", "gemma3", "cohere2")  # (gpt-oss's sinks run split 1, 2, 1, 2 at W = 4)
 NODE_MODELS = ["llama 4/1", "llama 3/3", "gemma2", "gpt_oss 6/2", "deepseek_v3"]
 # world -> (strategy, 2-D mesh shape or None, the plan kind its calls take, models); a one-node
-# mesh's hierarchical strategy is its all-to-all alone.
+# mesh's hierarchical plan is its all-to-all alone (nothing exchanged between nodes).
 STRATEGY_CASES = {
     2: [("heads", None, "heads", ["llama", "mistral", "gemma2", "gemma3", "cohere2", "gpt_oss",
                                   "deepseek_v3"])],  # fmt: skip
@@ -269,7 +269,7 @@ STRATEGY_CASES = {
     4: [
         ("heads", None, "heads", [m for m in HEAD_MODELS if m not in W2_ONLY]),
         ("hierarchical", (2, 2), "hierarchical", NODE_MODELS),
-        ("hierarchical", (1, 4), "heads", ["llama"]),
+        ("hierarchical", (1, 4), "hierarchical", ["llama"]),
     ],
 }
 
