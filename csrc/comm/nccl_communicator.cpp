@@ -240,13 +240,13 @@ NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
                 "it. The group's NCCL communicators are unusable now.");
     const ncclResult_t status = *split;
     if (status == ncclInProgress) {  // a non-blocking parent: wait for the child to appear
-      const auto deadline = Clock::now() + timeout_;
-      while (published() == nullptr && Clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::microseconds(500));
-      }
-      TORCH_CHECK(published() != nullptr, what, ": ncclCommSplit has not made the communicator "
-                  "within the process group's timeout of ", timeout_.count(), " ms: a rank of "
-                  "the group never joined it. The group's NCCL communicators are unusable now.");
+      int appeared = 0;  // settle's states: 1 while the cell is empty, then 0
+      const auto query = [&published] { return published() == nullptr ? 1 : 0; };
+      TORCH_CHECK(settle(query, 1, 0, timeout_, std::chrono::microseconds(500), &appeared) ==
+                      Settled::kReady,
+                  what, ": ncclCommSplit has not made the communicator within the process "
+                  "group's timeout of ", timeout_.count(), " ms: a rank of the group never "
+                  "joined it. The group's NCCL communicators are unusable now.");
     }
     comm_ = published();
     delete cell;
