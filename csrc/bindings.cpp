@@ -118,25 +118,29 @@ PYBIND11_MODULE(_C, module) {
   // The communicator's bounded wait for a non-blocking NCCL call, driven by a stand-in state:
   // the i-th poll sees states[i] (the last one from then on; 1 stands for "in progress", 0
   // for "ready"). Returns the outcome ("ready", "failed", "timed_out"), the last state seen and
-  // the number of polls. For the tests: the communicator itself needs a GPU.
+  // the number of polls. spin_us / interval_us default to the communicator's. For the tests:
+  // the communicator itself needs a GPU.
   module.def(
       "_settle_with_states",
-      [](std::vector<int64_t> states, int64_t timeout_ms) {
+      [](std::vector<int64_t> states, int64_t timeout_ms, int64_t spin_us, int64_t interval_us) {
         TORCH_CHECK(!states.empty(), "_settle_with_states: states is empty");
         TORCH_CHECK(timeout_ms >= 0, "_settle_with_states: timeout_ms = ", timeout_ms,
                     " is negative");
+        TORCH_CHECK(spin_us >= 0 && interval_us >= 0, "_settle_with_states: negative interval");
         size_t polls = 0;
         int64_t last = 0;
         const auto query = [&] { return states[std::min(polls++, states.size() - 1)]; };
-        const auto outcome = cpshard::settle<int64_t>(query, 1, 0,
-                                                      std::chrono::milliseconds(timeout_ms),
-                                                      std::chrono::microseconds(500), &last);
+        const auto outcome = cpshard::settle<int64_t>(
+            query, 1, 0, std::chrono::milliseconds(timeout_ms), &last,
+            std::chrono::microseconds(spin_us), std::chrono::microseconds(interval_us));
         const char* name = outcome == cpshard::Settled::kReady    ? "ready"
                            : outcome == cpshard::Settled::kFailed ? "failed"
                                                                   : "timed_out";
         return std::make_tuple(std::string(name), last, static_cast<int64_t>(polls));
       },
-      pybind11::arg("states"), pybind11::arg("timeout_ms"));
+      pybind11::arg("states"), pybind11::arg("timeout_ms"),
+      pybind11::arg("spin_us") = cpshard::kSettleSpin.count(),
+      pybind11::arg("interval_us") = cpshard::kSettleInterval.count());
   // The bounded wait for a call that may block for ever (a split from a blocking parent),
   // driven by a stand-in call that sleeps block_ms and returns `value`: the value, or None when
   // it has not come within timeout_ms. A call given up on hands its value, when it comes, to the

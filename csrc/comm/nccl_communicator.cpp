@@ -242,7 +242,7 @@ NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
     if (status == ncclInProgress) {  // a non-blocking parent: wait for the child to appear
       int appeared = 0;  // settle's states: 1 while the cell is empty, then 0
       const auto query = [&published] { return published() == nullptr ? 1 : 0; };
-      TORCH_CHECK(settle(query, 1, 0, timeout_, std::chrono::microseconds(500), &appeared) ==
+      TORCH_CHECK(settle(query, 1, 0, timeout_, &appeared) ==
                       Settled::kReady,
                   what, ": ncclCommSplit has not made the communicator within the process "
                   "group's timeout of ", timeout_.count(), " ms: a rank of the group never "
@@ -367,8 +367,7 @@ void NcclCommunicator::settle_locked(ncclResult_t status, const char* op) {
       const ncclResult_t polled = ncclCommGetAsyncError(comm_, &state);
       return polled != ncclSuccess ? polled : state;
     };
-    const Settled outcome = settle(query, ncclInProgress, ncclSuccess, timeout_,
-                                   std::chrono::microseconds(500), &status);
+    const Settled outcome = settle(query, ncclInProgress, ncclSuccess, timeout_, &status);
     if (outcome == Settled::kTimedOut) {
       const std::string reason = std::string(op) +
                                  " has not completed within the process group's timeout of " +

@@ -1,6 +1,7 @@
 // Waiting for a non-blocking NCCL communicator to become ready, bounded by a timeout: the loop
-// the communicator runs after each call that returns ncclInProgress (creation, a split, a
-// pattern's first ncclGroupEnd). Header-only and free of NCCL types, so a CPU build can drive it
+// the communicator runs after each call that returns ncclInProgress (creation, a split, and
+// every ncclGroupEnd: a non-blocking communicator launches each group from a thread of NCCL's
+// and returns in progress). Header-only and free of NCCL types, so a CPU build can drive it
 // with a stand-in state (cpshard._C._settle_with_states, for the tests).
 #pragma once
 
@@ -11,19 +12,32 @@ namespace cpshard {
 
 enum class Settled { kReady, kFailed, kTimedOut };
 
-// Polls `query()` (returning the communicator's state) every `interval` until it returns
-// something other than `in_progress`, or `timeout` has passed since the call: kReady when it
-// returned `ready`, kFailed for any other state (stored in *last), kTimedOut when it never
-// settled (the caller then aborts the communicator).
+// How the communicator polls: yielding for the first kSettleSpin (a group's launch is done in
+// tens of microseconds: every call waits for it, so no call should sleep through it), then
+// sleeping kSettleInterval between polls (a connect, a creation: milliseconds to seconds).
+constexpr auto kSettleSpin = std::chrono::microseconds(200);
+constexpr auto kSettleInterval = std::chrono::microseconds(500);
+
+// Polls `query()` (returning the communicator's state) until it returns something other than
+// `in_progress`, or `timeout` has passed since the call: yielding between polls for the first
+// `spin`, then sleeping `interval`. kReady when it returned `ready`, kFailed for any other state
+// (stored in *last), kTimedOut when it never settled (the caller then aborts the communicator).
 template <class State, class Query>
 Settled settle(Query&& query, State in_progress, State ready, std::chrono::milliseconds timeout,
-               std::chrono::microseconds interval, State* last) {
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
+               State* last, std::chrono::microseconds spin = kSettleSpin,
+               std::chrono::microseconds interval = kSettleInterval) {
+  const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + timeout;
   while (true) {
     *last = query();
     if (*last != in_progress) return *last == ready ? Settled::kReady : Settled::kFailed;
-    if (std::chrono::steady_clock::now() >= deadline) return Settled::kTimedOut;
-    std::this_thread::sleep_for(interval);
+    const auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) return Settled::kTimedOut;
+    if (now - start < spin) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(interval);
+    }
   }
 }
 

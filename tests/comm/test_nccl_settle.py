@@ -41,3 +41,22 @@ def test_bad_arguments_are_named() -> None:
         _C._settle_with_states([], 10)
     with pytest.raises(RuntimeError, match="timeout_ms = -1 is negative"):
         _C._settle_with_states([0], -1)
+    with pytest.raises(RuntimeError, match="negative interval"):
+        _C._settle_with_states([0], 10, spin_us=-1)
+
+
+def test_a_call_that_completes_within_the_spin_never_sleeps() -> None:
+    # every ncclGroupEnd of a non-blocking communicator returns in progress: a group launched
+    # within the spin must not cost a sleep (here a sleep would be 10 s)
+    start = time.monotonic()
+    states = [1] * 5 + [0]
+    outcome, _, polls = _C._settle_with_states(
+        states, 60_000, spin_us=3_000_000, interval_us=10_000_000
+    )
+    assert (outcome, polls) == ("ready", 6) and time.monotonic() - start < 5.0
+
+
+def test_after_the_spin_it_sleeps_between_polls() -> None:
+    start = time.monotonic()
+    outcome, _, polls = _C._settle_with_states([1, 1, 0], 10_000, spin_us=0, interval_us=100_000)
+    assert (outcome, polls) == ("ready", 3) and time.monotonic() - start >= 0.2
