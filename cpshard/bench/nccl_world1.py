@@ -121,6 +121,22 @@ def pipelined(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
+def timed_row(
+    fn: Callable[[], object], args: argparse.Namespace, verb: str, transport: str, x: torch.Tensor
+) -> Row:
+    """``fn`` (one call of ``verb`` on input ``x``) timed single and pipelined."""
+    times = time_calls(fn, args.repeats, args.warmup, torch.cuda.synchronize).wall_s
+    return Row(
+        verb=verb,
+        transport=transport,
+        dtype=str(x.dtype).removeprefix("torch."),
+        bytes=x.numel() * x.element_size(),
+        sync_us=statistics.median(times) * 1e6,
+        min_us=min(times) * 1e6,
+        pipelined_us=pipelined(fn, args.repeats) * 1e6,
+    )
+
+
 HEADER = (
     f"{'verb':<17} {'size':>9} {'native sync us':>14} {'torch sync us':>13} {'torch/native':>12} "
     f"{'native pipelined us':>19} {'torch pipelined us':>18}"
@@ -149,16 +165,7 @@ def run(group: Group, args: argparse.Namespace) -> list[Row]:
                 torch.cuda.synchronize()
                 if not torch.equal(out, x):
                     raise RuntimeError(f"{verb} through {name} did not copy its input at world 1")
-                times = time_calls(fn, args.repeats, args.warmup, torch.cuda.synchronize).wall_s
-                pair[name] = Row(
-                    verb=verb,
-                    transport=name,
-                    dtype=str(args.dtype).removeprefix("torch."),
-                    bytes=x.numel() * x.element_size(),
-                    sync_us=statistics.median(times) * 1e6,
-                    min_us=min(times) * 1e6,
-                    pipelined_us=pipelined(fn, args.repeats) * 1e6,
-                )
+                pair[name] = timed_row(fn, args, verb, name, x)
             nat, tor = pair["native"], pair["torch"]
             print(
                 f"{verb:<17} {human_bytes(nat.bytes):>9} {nat.sync_us:>14.1f} {tor.sync_us:>13.1f} "
@@ -197,16 +204,7 @@ def alignment(group: Group, args: argparse.Namespace) -> list[Row]:
                 torch.cuda.synchronize()
                 if not torch.equal(out, x):
                     raise RuntimeError(f"{verb} at a {name} offset did not copy its input")
-                times = time_calls(fn, args.repeats, args.warmup, torch.cuda.synchronize).wall_s
-                pair[name] = Row(
-                    verb=verb,
-                    transport=f"native {name}",
-                    dtype="bfloat16",
-                    bytes=n * 2,
-                    sync_us=statistics.median(times) * 1e6,
-                    min_us=min(times) * 1e6,
-                    pipelined_us=pipelined(fn, args.repeats) * 1e6,
-                )
+                pair[name] = timed_row(fn, args, verb, f"native {name}", x)
             a, b = pair["aligned"], pair["2-byte"]
             print(
                 f"{verb:<17} {human_bytes(a.bytes):>9} {a.sync_us:>15.1f} {b.sync_us:>14.1f} "
