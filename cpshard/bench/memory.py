@@ -101,7 +101,10 @@ def saved_bytes(
 ) -> int:
     """Bytes ``forward``'s autograd graph keeps for the backward beyond ``inputs`` (what a model
     layer holds from its forward until its backward), max over ranks: the distinct storages of
-    the tensors it saves, counted once."""
+    the tensors it saves, counted once. The hook keeps a detached alias, never the tensor itself:
+    a saved output kept with its ``grad_fn`` would close a cycle through the graph that Python's
+    garbage collector cannot see, and every measured graph (its inputs, exchanged K/V, masks)
+    would stay alive until the process exits."""
     own = {t.untyped_storage().data_ptr() for t in inputs}
     kept: dict[int, int] = {}
 
@@ -109,7 +112,7 @@ def saved_bytes(
         storage = t.untyped_storage()
         if storage.data_ptr() not in own:
             kept[storage.data_ptr()] = storage.nbytes()
-        return t
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         forward()
