@@ -170,7 +170,8 @@ bash -n "$src/scripts/gpu/check.sh" || fail "scripts/gpu/check.sh does not parse
 "$venv/bin/python" "$src/scripts/gpu/steady_state.py" | tee "$work/steady.txt"
 grep -q "^skipped: " "$work/steady.txt" || fail "steady_state.py did not skip without a GPU"
 "$venv/bin/python" -m cpshard.bench.nccl_world1 | tee "$work/world1.txt"
-grep -q "^skipped: " "$work/world1.txt" || fail "cpshard.bench.nccl_world1 did not skip without a GPU"
+grep -q "^skipped: " "$work/world1.txt" \
+  || fail "cpshard.bench.nccl_world1 did not skip without a GPU"
 OMP_NUM_THREADS=1 "$venv/bin/python" "$src/scripts/gpu/numerics.py" --device cpu \
   || fail "scripts/gpu/numerics.py --device cpu failed"
 stamp "GPU check scripts: parse, skip, CPU numerics passed"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sanitizer job: build cpshard._C with AddressSanitizer + UBSan (CPSHARD_SANITIZE=1, CPU only) in a
 # scratch copy of the repository and run the hypothesis fuzz tests (and tests/ops/test_ops.py when
-# it exists, and the NCCL communicator's bounded waits driven by stand-ins) against that build. Exits non-zero when the build or a test fails, when the loaded
+# it exists, and the NCCL communicator's bounded waits driven by stand-ins) against that build.
+# Exits non-zero when the build or a test fails, when the loaded
 # extension is not the sanitized one, or when a sanitizer reports anything.
 #
 # Environment:

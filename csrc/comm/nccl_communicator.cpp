@@ -235,18 +235,17 @@ NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
           }
           delete cell;
         });
-    TORCH_CHECK(split.has_value(), what, ": ncclCommSplit has not completed within the process "
-                "group's timeout of ", timeout_.count(), " ms: a rank of the group never joined "
-                "it. The group's NCCL communicators are unusable now.");
+    const auto joined_in_time = [&](bool in_time) {
+      TORCH_CHECK(in_time, what, ": ncclCommSplit has not completed within the process group's "
+                  "timeout of ", timeout_.count(), " ms: a rank of the group never joined it. "
+                  "The group's NCCL communicators are unusable now.");
+    };
+    joined_in_time(split.has_value());
     const ncclResult_t status = *split;
     if (status == ncclInProgress) {  // a non-blocking parent: wait for the child to appear
       int appeared = 0;  // settle's states: 1 while the cell is empty, then 0
       const auto query = [&published] { return published() == nullptr ? 1 : 0; };
-      TORCH_CHECK(settle(query, 1, 0, timeout_, &appeared) ==
-                      Settled::kReady,
-                  what, ": ncclCommSplit has not made the communicator within the process "
-                  "group's timeout of ", timeout_.count(), " ms: a rank of the group never "
-                  "joined it. The group's NCCL communicators are unusable now.");
+      joined_in_time(settle(query, 1, 0, timeout_, &appeared) == Settled::kReady);
     }
     comm_ = published();
     delete cell;

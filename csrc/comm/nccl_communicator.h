@@ -24,9 +24,10 @@
 //
 // The host-side waits are bounded by the same timeout, which needs non-blocking communicators
 // (NCCL launches each of their groups from a thread of its own and returns in progress; every
-// call settles it, see settle.h). A unique-id communicator is created non-blocking. A split child is made non-blocking with torch's settings (the config torch made
-// its communicator with), so its first ncclGroupEnd of each pattern (which connects the peers)
-// returns in progress and is waited for within the timeout; the split itself follows the
+// call settles it, see settle.h). A unique-id communicator is created non-blocking. A split
+// child is made non-blocking with torch's settings (the config torch made its communicator
+// with), so its first ncclGroupEnd of each pattern (which connects the peers) returns in
+// progress and is waited for within the timeout; the split itself follows the
 // parent's mode in NCCL (a blocking parent makes it wait for every peer), so it runs on a
 // thread of its own, given up after the timeout.
 #pragma once
