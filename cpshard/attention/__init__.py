@@ -21,7 +21,7 @@ The package, in call order (each module imports only those after it):
   :mod:`~cpshard.attention.mixers`: models whose token mixers it does not shard refused);
 * :mod:`~cpshard.attention.state`: the step's state (and its windows' states), its registry;
 * :mod:`~cpshard.attention.packing`, :mod:`~cpshard.attention.blocks`,
-  :mod:`~cpshard.attention.spans`, :mod:`~cpshard.attention.placement`: the state's views of its
+  :mod:`~cpshard.planning.spans`, :mod:`~cpshard.attention.placement`: the state's views of its
   spans (varlen packing, the loop's blocks) and their placement on the device.
 """
 

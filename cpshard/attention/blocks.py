@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.attention.placement import pinned
-from cpshard.attention.spans import Span
+from cpshard.planning.spans import Span
 
 SHORT_SPAN = 32  # spans with fewer queries are grouped into blocks
 BLOCK_QUERIES = 256  # the most queries of one block

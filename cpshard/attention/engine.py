@@ -29,7 +29,7 @@ from cpshard.attention.kernels import (
     varlen_kernel,
 )
 from cpshard.attention.packing import Packing
-from cpshard.attention.spans import Span
+from cpshard.planning.spans import Span
 from cpshard.attention.state import AttentionState
 
 

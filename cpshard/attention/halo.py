@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.attention.exchange import register_exchange_autograd
-from cpshard.attention.spans import Span
+from cpshard.planning.spans import Span
 from cpshard.attention.state import state_for
 from cpshard.comm import Group
 from cpshard.comm.collectives import halo_exchange, halo_return

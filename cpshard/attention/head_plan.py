@@ -27,23 +27,30 @@ PlanStep = Callable[..., AttentionState]
 def _node_layout(layout: ShardLayout, nodes: int, per_node: int) -> tuple[ShardLayout, list]:
     """The layout whose rank e holds the union of the shards of flat ranks ``e * per_node`` ..
     ``e * per_node + per_node - 1`` in global order, and every node's ``order``: where each
-    token of its gathered (rank-major) shards goes in that order."""
+    token of its gathered (rank-major) shards goes in that order. A node's gathered shards are
+    one range of the rank-major order, so its union is the positions whose rank-major slot
+    lies in that range (one stable sort by node, none for one node)."""
     padded = layout.padded_seq_len
     if layout.contiguous_shards:  # the unions are contiguous and already in order
         return ShardLayout("contiguous", nodes, padded, padded), [None] * nodes
-    unions, orders = [], []
+    inv = layout.rank_major_inverse().to("cpu", torch.int64)  # [P] or [B, P]
+    size = padded // max(nodes, 1)  # tokens of a node
+    if nodes == 1:  # the union is every position, its order the rank-major slot of each
+        unions, gathered = torch.arange(padded).expand_as(inv)[None], inv[None]
+    else:
+        node = inv // size
+        perm = torch.sort(node, dim=-1, stable=True).indices  # by node, ascending positions
+        gathered = inv.gather(-1, perm)
+        unions = perm.unflatten(-1, (nodes, size)).movedim(-2, 0)
+        gathered = gathered.unflatten(-1, (nodes, size)).movedim(-2, 0)
+    orders = []
     for e in range(nodes):
-        gathered = torch.cat(
-            [layout.indices(e * per_node + i).to(torch.int64) for i in range(per_node)], dim=-1
-        )
-        ascending, order = torch.sort(gathered, dim=-1, stable=True)
-        unions.append(ascending)
-        same = bool(torch.equal(order, torch.arange(order.shape[-1]).expand_as(order)))
-        orders.append(None if same else order)
+        order = gathered[e] - e * size
+        same = bool(torch.equal(order, torch.arange(size).expand_as(order)))
+        orders.append(None if same else order.contiguous())
     if nodes == 1:  # the union is every position
         return ShardLayout("contiguous", 1, padded, padded), orders
-    unions = torch.stack(unions)
-    return ShardLayout(f"{layout.name} by node", nodes, padded, padded, unions), orders
+    return ShardLayout(f"{layout.name} by node", nodes, padded, padded, unions.contiguous()), orders
 
 
 def _plan(

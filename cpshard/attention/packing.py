@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.attention.placement import pinned
-from cpshard.attention.spans import Span
+from cpshard.planning.spans import Span
 
 # The most packed key rows per key buffer row: beyond it the varlen packing is not built (the
 # loop's blocks serve the step). Each span packs its document's whole prefix, so layouts with

@@ -32,7 +32,7 @@ from cpshard.attention.blocks import Blocks, plan_blocks
 from cpshard.attention.exchange import KVExchange
 from cpshard.attention.packing import Packing, pack
 from cpshard.attention.placement import cached_on
-from cpshard.attention.spans import Span
+from cpshard.planning.spans import Span
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
 from cpshard.scoped import ScopedValue

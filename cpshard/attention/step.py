@@ -19,17 +19,18 @@ import torch
 
 from cpshard.attention.halo import HaloExchange, halo_spans
 from cpshard.attention.head_plan import head_parallel_plans
-from cpshard.attention.needed_rows import plan_needed_rows
+from cpshard.attention.needed_rows import NeededRowsExchange
 from cpshard.attention.state import AttentionState, HeadParallel, seen_windows
-from cpshard.batch.runs import document_starts, rank_runs
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
+from cpshard.planning import LayoutRuns, layout_runs, plan_halo, plan_needed_rows
 
 
 def _state(
     group: Group,
     layout: ShardLayout,
     doc: torch.Tensor,
+    runs: LayoutRuns,
     twin: AttentionState | None,
     window: int | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
@@ -37,7 +38,7 @@ def _state(
     head_parallel: tuple[HeadParallel, ...] = (),
 ) -> AttentionState:
     """The needed-rows state (causal when it is given the bidirectional ``twin``)."""
-    plan = plan_needed_rows(group, layout, doc, twin is not None, window)
+    plan = plan_needed_rows(group.rank, runs, twin is not None, window)
     b, padded = doc.shape
     return AttentionState(
         group=group,
@@ -47,7 +48,7 @@ def _state(
         reach=plan.reach,
         causal=twin is not None,
         spans=plan.spans,
-        exchange=plan.exchange,
+        exchange=NeededRowsExchange.from_plan(group, plan),
         twin=twin,
         window=window,
         plan_window=plan_window,
@@ -62,6 +63,7 @@ def _halo_state(
     group: Group,
     layout: ShardLayout,
     doc: torch.Tensor,
+    runs: LayoutRuns,
     twin: AttentionState,
     window: int | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
@@ -72,27 +74,17 @@ def _halo_state(
     rank's runs see their document from its start (or their ``window``), over its K/V with the
     halo its first tokens' documents (windows) reach back to in front."""
     b, padded = doc.shape
-    world, local = group.world, padded // group.world
-    starts = document_starts(doc)
-    halos, reach, mine = [], 0, ()
-    for r in range(world):
-        idx = torch.arange(r * local, (r + 1) * local).expand(b, local)
-        row, q, n, ds, begin = rank_runs(idx, doc, starts)
-        first = q == 0  # runs holding the rank's first token
-        back = int((r * local - ds[first]).max()) if bool(first.any()) else 0
-        halos.append(back if window is None else min(back, window - 1))
-        reach = max(reach, int((begin + n - ds).max()) if n.numel() else 0)
-        if r == group.rank:
-            mine = tuple(zip(*(t.tolist() for t in (row, begin, n, ds)), strict=True))
-    exchange = HaloExchange(group, group.rank * local, local, b, tuple(halos))
+    local = padded // group.world
+    plan = plan_halo(group.rank, runs, window)
+    exchange = HaloExchange(group, group.rank * local, local, b, plan.halos)
     return AttentionState(
         group=group,
         layout=layout.name,
         local_len=local,
         batch_size=b,
-        reach=reach,
+        reach=plan.reach,
         causal=True,
-        spans=halo_spans(exchange, mine, window),
+        spans=halo_spans(exchange, plan.runs, window),
         exchange=exchange,
         twin=twin,
         window=window,
@@ -122,16 +114,17 @@ def step_state(
     doc = doc_ids.to("cpu", torch.int64)
     plans = head_parallel_plans(group, layout, doc, device, strategy, mesh, step_state)
     routes = {"strategy": strategy, "head_parallel": plans}  # the step's, not its windows'
-    both = _state(group, layout, doc, None, **routes)
+    runs = layout_runs(layout, doc)  # what every state and window of the step plans from
+    both = _state(group, layout, doc, runs, None, **routes)
     causal = _halo_state if layout.contiguous_shards else _state
 
     def plan_window(window: int) -> AttentionState:
-        state = causal(group, layout, doc, both, window)
+        state = causal(group, layout, doc, runs, both, window)
         if device is not None:
             state.place_on(device)
         return state
 
-    state = causal(group, layout, doc, both, plan_window=plan_window, **routes)
+    state = causal(group, layout, doc, runs, both, plan_window=plan_window, **routes)
     if device is not None:  # the attention's metadata on the batch's device, once per step
         for s in (state, both):
             s.place_on(device)

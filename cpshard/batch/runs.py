@@ -39,12 +39,40 @@ def rank_runs(
     document ids ``doc`` ``[B, P]`` (0 = pad) with their :func:`document_starts`: consecutive
     positions of one document. Returns row, first local index, length, document start and first
     global position of each (int64 vectors, row-major; pad tokens form no run)."""
-    b, length = idx.shape
-    st = starts.gather(1, idx)
+    return _runs(idx, starts.gather(1, idx), doc.gather(1, idx) != 0)
+
+
+def all_rank_runs(
+    idx: torch.Tensor, doc: torch.Tensor, starts: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """:func:`rank_runs` of every rank at once, from every rank's positions ``idx`` ``[W, B, L]``
+    (one pass over the padded sequence, whatever ``W``). Returns rank, row, first local index,
+    length, document start and first global position of each run, ordered by rank, row and
+    local index."""
+    world, b, length = idx.shape
+    if idx.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return (empty,) * 6
+    by_row = idx.permute(1, 0, 2).reshape(b, world * length)  # [B, P]: every rank's, row by row
+
+    def per_rank(values: torch.Tensor) -> torch.Tensor:
+        return values.gather(1, by_row).view(b, world, length).transpose(0, 1).reshape(-1, length)
+
+    row, q, n, ds, begin = _runs(idx.reshape(-1, length), per_rank(starts), per_rank(doc) != 0)
+    return row // max(b, 1), row % max(b, 1), q, n, ds, begin
+
+
+def _runs(
+    idx: torch.Tensor, st: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The runs of positions ``idx`` ``[R, L]`` (ascending per row) whose document starts are
+    ``st`` and which are document tokens where ``valid``: row, first local index, length,
+    document start and first global position of each (row-major)."""
+    rows, length = idx.shape
     new = torch.ones_like(idx, dtype=torch.bool)
     new[:, 1:] = (idx[:, 1:] != idx[:, :-1] + 1) | (st[:, 1:] != st[:, :-1])
     head = torch.cummax(torch.where(new, torch.arange(length), 0), dim=1).values
-    flat = (torch.arange(b)[:, None] * length + head)[doc.gather(1, idx) != 0]
+    flat = (torch.arange(rows)[:, None] * length + head)[valid]
     heads, n = torch.unique_consecutive(flat, return_counts=True)
     row, q = heads // length, heads % length
     return row, q, n, st[row, q], idx[row, q]

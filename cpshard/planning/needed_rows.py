@@ -1,0 +1,138 @@
+"""The needed-rows plan of any layout: which K/V rows each rank needs, who sends them, and the
+spans each query run attends, by interval arithmetic (no per-rank pass over the sequence).
+
+For every run of a rank's tokens (consecutive global positions inside one document, in a batch
+row) its queries attend the document's keys from the document start to the run's end (or to the
+document's end: bidirectional; from the window's start of its first query with a window). The
+rows a rank needs are the union of those ranges per batch row: a few intervals. Every rank's
+intervals come from one pass over the runs of every rank; what a rank exchanges with rank q is
+the intersection of intervals with q's positions, counted by binary search over the sorted
+positions of each rank. This rank's own tables are then listed exactly (their size is what it
+moves), everything else is counted: O(P + runs x log P) per rank, whatever ``W``.
+
+The buffer a rank attends holds its needed rows in global order per batch row; the rows arrive
+grouped by source rank (each source's in global order), and a rank's own rows are a local copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpshard.planning.runs import LayoutRuns
+from cpshard.planning.spans import Span
+
+
+@dataclass(frozen=True)
+class NeededRowsPlan:
+    """One rank's needed-rows plan for one attention mask.
+
+    ``spans``: this rank's query runs over its key buffer of ``buffer_len`` rows per batch row.
+    ``send_rows``: rows of this rank's flattened ``[B * L]`` K/V it sends, grouped by
+    destination rank (``send_counts[r]`` to rank r, its own included). ``recv_rows``: where the
+    received rows go in its flattened ``[B * buffer_len]`` buffer, grouped by source
+    (``recv_counts[q]`` from rank q). ``received[r]`` / ``sent[r]``: rows every rank receives
+    from / sends to the others (alike on every rank). ``reach``: the most keys a query of the
+    step attends without a window."""
+
+    spans: tuple[Span, ...]
+    buffer_len: int
+    send_rows: torch.Tensor
+    recv_rows: torch.Tensor
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+    received: tuple[int, ...]
+    sent: tuple[int, ...]
+    reach: int
+
+
+def _ragged_arange(first: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[first[i], first[i] + lengths[i])`` back to back."""
+    total = int(lengths.sum())
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(first - offsets, lengths, output_size=total) + torch.arange(total)
+
+
+def _merge(
+    rank: torch.Tensor, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Union of the ranges ``[lo, hi)`` per (rank, row), given sorted by rank, row and ``lo``
+    with ``hi`` non-decreasing within each: disjoint intervals (rank, row, lo, hi), sorted."""
+    if lo.numel() == 0:
+        return rank, row, lo, hi
+    new = torch.ones_like(lo, dtype=torch.bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (row[1:] != row[:-1]) | (lo[1:] > hi[:-1])
+    first = torch.nonzero(new).flatten()
+    last = torch.cat([first[1:] - 1, first.new_tensor([lo.numel() - 1])])
+    return rank[first], row[first], lo[first], hi[last]
+
+
+def _per_rank(world: int, rank: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(world, dtype=torch.int64).index_add_(0, rank, values)
+
+
+def plan_needed_rows(
+    rank: int, runs: LayoutRuns, causal: bool, window: int | None = None
+) -> NeededRowsPlan:
+    """Rank ``rank``'s plan from the step's :class:`~cpshard.planning.runs.LayoutRuns`: each
+    run reaches its document's keys from the document start to the run's end (``causal``) or
+    to the document's end; with a (causal) ``window``, from the window's start of its first
+    query, at most ``window - 1`` rows before the run."""
+    world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
+    positions, prefix = runs.positions, runs.prefix
+    end, lo = runs.ends(causal), runs.starts(window)
+    mr, mrow, mlo, mhi = _merge(runs.rank, runs.row, lo, end)  # every rank's needed intervals
+
+    # Counted for every rank: rows needed, of them its own, and how many ranks need each row.
+    needed = _per_rank(world, mr, mhi - mlo)
+    own = _per_rank(world, mr, prefix.before(mr, mrow, mhi) - prefix.before(mr, mrow, mlo))
+    delta = torch.zeros(b, padded + 1, dtype=torch.int64)
+    delta.index_put_((mrow, mlo), torch.ones_like(mlo), accumulate=True)
+    delta.index_put_((mrow, mhi), -torch.ones_like(mhi), accumulate=True)
+    needers = delta.cumsum(1)[:, :padded]
+    by_rank = needers.gather(1, positions.permute(1, 0, 2).reshape(b, padded))
+    served = by_rank.view(b, world, length).sum((0, 2))  # rows each rank's K/V are needed as
+    received, sent = needed - own, served - own
+
+    # This rank's buffer: its needed positions in global order per row.
+    mine = mr == rank
+    cover = delta.new_zeros(b, padded + 1)
+    cover.index_put_((mrow[mine], mlo[mine]), torch.ones_like(mlo[mine]), accumulate=True)
+    cover.index_put_((mrow[mine], mhi[mine]), -torch.ones_like(mhi[mine]), accumulate=True)
+    cover = cover.cumsum(1)[:, :padded]
+    at = cover.cumsum(1) - 1  # buffer row of every needed position
+    width = int(at[:, -1].max()) + 1 if b and padded else 0
+    held = cover.gather(1, positions.permute(1, 0, 2).reshape(b, padded))
+    held = held.view(b, world, length).transpose(0, 1).bool()  # [W, B, L]: sources' rows
+    src, srow, slot = torch.nonzero(held, as_tuple=True)  # by source, row, position
+    pos = positions[src, srow, slot]
+    recv_rows = srow * width + at[srow, pos]
+    recv_counts = torch.bincount(src, minlength=world)
+
+    # What it sends: its positions inside every rank's intervals, a range of its slots each.
+    me = torch.full_like(mr, rank)
+    first = prefix.before(me, mrow, mlo)
+    count = prefix.before(me, mrow, mhi) - first
+    send_rows = _ragged_arange(mrow * length + first, count)
+    send_counts = _per_rank(world, mr, count)
+
+    k = runs.rank == rank
+    cols = (runs.row, runs.q, runs.n, runs.doc_start, runs.begin, lo, end)
+    row, q, n, ds, begin, lo, end = (t[k] for t in cols)
+    split = at[row, begin] if causal else at[row, end - 1] + 1
+    spans = tuple(
+        Span(*v)
+        for v in zip(*(t.tolist() for t in (row, q, n, at[row, lo], split, ds)), strict=True)
+    )
+    return NeededRowsPlan(
+        spans,
+        width,
+        send_rows,
+        recv_rows,
+        tuple(send_counts.tolist()),
+        tuple(recv_counts.tolist()),
+        tuple(received.tolist()),
+        tuple(sent.tolist()),
+        runs.reach(causal),
+    )

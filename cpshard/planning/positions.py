@@ -1,0 +1,47 @@
+"""Every rank's positions of a layout at once, and where a position falls among a rank's: the
+inputs the step's planners share (host tensors, one pass over the padded sequence)."""
+
+from __future__ import annotations
+
+import torch
+
+from cpshard.layouts import ShardLayout
+
+
+def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
+    """``[W, B, L]`` int64: every rank's global positions of every batch row (ascending), for a
+    layout whose ranks hold equal shards (closed-form layouts: the inverse of the rank-major
+    order, one scatter; planned ones: the positions they carry)."""
+    world, padded = layout.world_size, layout.padded_seq_len
+    length = padded // world
+    idx = layout.local_token_global_indices
+    if idx is None:
+        inv = layout.rank_major_inverse().to("cpu", torch.int64)
+        flat = torch.empty_like(inv).scatter_(0, inv, torch.arange(padded))
+        return flat.view(world, 1, length).expand(world, rows, length)
+    if isinstance(idx, tuple):
+        raise ValueError(
+            f"cpshard planning: layout {layout.name!r} gives the ranks shards of different "
+            "lengths; CP attention plans equal shards"
+        )
+    idx = idx.to("cpu", torch.int64)
+    if idx.dim() == 2:
+        return idx[:, None, :].expand(world, rows, length)
+    return idx.expand(world, rows, length)
+
+
+class RankPrefix:
+    """How many of a rank's positions (of one batch row) lie before a global position: a binary
+    search over every rank's sorted positions flattened with disjoint offsets, so that one call
+    answers for any mix of ranks, rows and positions."""
+
+    def __init__(self, positions: torch.Tensor, padded: int) -> None:
+        world, rows, length = positions.shape
+        self.rows, self.length, self.span = rows, length, padded + 1
+        blocks = torch.arange(world * rows).view(world, rows, 1)
+        self.keys = (blocks * self.span + positions).reshape(-1)
+
+    def before(self, rank: torch.Tensor, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Positions of ``rank`` in ``row`` that are ``< position`` (elementwise, int64)."""
+        block = rank * self.rows + row
+        return torch.searchsorted(self.keys, block * self.span + position) - block * self.length

@@ -1,0 +1,64 @@
+"""Every rank's runs of a step's documents under one layout: what every plan of the step (the
+causal and bidirectional states, each window, the halo) is computed from, once per step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpshard.batch.runs import all_rank_runs, document_starts
+from cpshard.layouts import ShardLayout
+from cpshard.planning.positions import RankPrefix, all_positions
+
+
+@dataclass(frozen=True)
+class LayoutRuns:
+    """The runs of every rank (consecutive global positions of one document on one rank, in one
+    batch row), ordered by rank, row and position: ``rank``, ``row``, first local index ``q``,
+    length ``n``, document start ``doc_start`` and first global position ``begin`` (int64
+    vectors); ``doc_end[b, p]``: one past the last token of the document at ``p``. ``positions``
+    ``[W, B, L]`` are every rank's positions and ``prefix`` counts them below a position."""
+
+    world: int
+    rows: int
+    padded: int
+    positions: torch.Tensor
+    prefix: RankPrefix
+    doc_end: torch.Tensor
+    rank: torch.Tensor
+    row: torch.Tensor
+    q: torch.Tensor
+    n: torch.Tensor
+    doc_start: torch.Tensor
+    begin: torch.Tensor
+
+    @property
+    def local_len(self) -> int:
+        return self.padded // max(self.world, 1)
+
+    def ends(self, causal: bool) -> torch.Tensor:
+        """One past each run's last visible key: its own end (causal) or its document's."""
+        return self.begin + self.n if causal else self.doc_end[self.row, self.begin]
+
+    def starts(self, window: int | None) -> torch.Tensor:
+        """Each run's first visible key: its document's start, or its first query's window's."""
+        if window is None:
+            return self.doc_start
+        return torch.maximum(self.doc_start, self.begin - window + 1)
+
+    def reach(self, causal: bool) -> int:
+        """The most keys a query attends without a window (0: no runs)."""
+        return int((self.ends(causal) - self.doc_start).max()) if self.n.numel() else 0
+
+
+def layout_runs(layout: ShardLayout, doc: torch.Tensor) -> LayoutRuns:
+    """The :class:`LayoutRuns` of the padded document ids ``doc`` ``[B, P]`` (host int64, 0 =
+    pad) under ``layout`` (equal shards): one pass over the sequence, whatever the world size."""
+    b, padded = doc.shape
+    positions = all_positions(layout, b)
+    starts = document_starts(doc)
+    ends = padded - document_starts(doc.flip(1)).flip(1)
+    runs = all_rank_runs(positions, doc, starts)
+    prefix = RankPrefix(positions, padded)
+    return LayoutRuns(layout.world_size, b, padded, positions, prefix, ends, *runs)

@@ -1,0 +1,213 @@
+"""The step's planners (cpshard.planning) against a brute-force, per-position statement of the
+same plans: every rank's needed rows as a ``[B, P]`` mask, sorted by owner, counted one rank at a
+time. The fast planners must give the very same plans, byte for byte, on fuzzed batches (documents,
+padding, several rows, windows, every layout, small and large W)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cpshard.batch.runs import document_starts, rank_runs
+from cpshard.layouts import make_layout
+from cpshard.planning import layout_runs, plan_halo, plan_needed_rows
+from cpshard.planning.spans import Span
+
+LAYOUTS = ("contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced")
+
+
+def _cover(shape, row, lo, hi) -> torch.Tensor:
+    delta = torch.zeros(shape[0], shape[1] + 1, dtype=torch.int64)
+    ones = torch.ones_like(row)
+    delta.index_put_((row, lo), ones, accumulate=True)
+    delta.index_put_((row, hi), -ones, accumulate=True)
+    return delta.cumsum(1)[:, : shape[1]] > 0
+
+
+def reference_needed_rows(rank, layout, doc, causal, window=None) -> dict:
+    """Every rank's needed positions as a mask, one rank at a time (the plan's definition)."""
+    b, padded = doc.shape
+    world, me = layout.world_size, rank
+    length = padded // world
+    starts = document_starts(doc)
+    ends = padded - document_starts(doc.flip(1)).flip(1)
+    inv = layout.rank_major_inverse().to(torch.int64).expand(b, padded)
+    owner, slot = inv // max(length, 1), inv % max(length, 1)
+    counts, reach, sends = [], 0, []
+    recv_rows = spans = width_me = None
+    for r in range(world):
+        idx = layout.indices(r).to(torch.int64).expand(b, length)
+        row, q, n, ds, begin = rank_runs(idx, doc, starts)
+        end = begin + n if causal else ends[row, begin]
+        lo = ds if window is None else torch.maximum(ds, begin - window + 1)
+        reach = max(reach, int((end - ds).max()) if n.numel() else 0)
+        need = _cover((b, padded), row, lo, end)
+        width = int(need.sum(1).max()) if b else 0
+        pb, pp = torch.nonzero(need, as_tuple=True)
+        order = torch.sort(owner[pb, pp], stable=True).indices
+        pb, pp = pb[order], pp[order]
+        src = owner[pb, pp]
+        counts.append(torch.bincount(src, minlength=world).tolist())
+        sends.append((pb * length + slot[pb, pp])[src == me])
+        if r == me:
+            at = need.cumsum(1) - 1
+            recv_rows = pb * width + at[pb, pp]
+            split = at[row, begin] if causal else at[row, end - 1] + 1
+            cols = (row, q, n, at[row, lo], split, ds)
+            spans = tuple(Span(*v) for v in zip(*(t.tolist() for t in cols), strict=True))
+            width_me = width
+    received = [sum(row) - row[r] for r, row in enumerate(counts)]
+    sent = [sum(counts[q][r] for q in range(world) if q != r) for r in range(world)]
+    return {
+        "spans": spans,
+        "buffer_len": width_me,
+        "send_rows": torch.cat(sends),
+        "recv_rows": recv_rows,
+        "send_counts": tuple(row[me] for row in counts),
+        "recv_counts": tuple(counts[me]),
+        "received": tuple(received),
+        "sent": tuple(sent),
+        "reach": reach,
+    }
+
+
+def reference_halo(rank, world, doc, window=None) -> tuple:
+    b, padded = doc.shape
+    local = padded // world
+    starts = document_starts(doc)
+    halos, reach, mine = [], 0, ()
+    for r in range(world):
+        idx = torch.arange(r * local, (r + 1) * local).expand(b, local)
+        row, q, n, ds, begin = rank_runs(idx, doc, starts)
+        first = q == 0
+        back = int((r * local - ds[first]).max()) if bool(first.any()) else 0
+        halos.append(back if window is None else min(back, window - 1))
+        reach = max(reach, int((begin + n - ds).max()) if n.numel() else 0)
+        if r == rank:
+            mine = tuple(zip(*(t.tolist() for t in (row, begin, n, ds)), strict=True))
+    return tuple(halos), mine, reach
+
+
+def fuzzed_doc_ids(rng: random.Random, rows: int, seq_len: int) -> torch.Tensor:
+    """``[rows, seq_len]`` document ids: runs of random (often long-tailed) lengths, padding
+    runs at the start, middle or end, ids reused across rows and sometimes adjacent."""
+    out = []
+    for _ in range(rows):
+        row, next_id = [], 1
+        while len(row) < seq_len:
+            n = min(seq_len - len(row), max(1, int(rng.paretovariate(1.1)) if rng.random() < 0.7
+                                            else rng.randint(1, seq_len)))  # fmt: skip
+            pad = rng.random() < 0.15
+            row.extend([0 if pad else next_id] * n)
+            if not pad and rng.random() < 0.9:
+                next_id += 1
+        out.append(row)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _cases(seed: int, count: int, worlds: tuple[int, ...], max_len: int):
+    rng = random.Random(seed)
+    for _ in range(count):
+        world = rng.choice(worlds)
+        layout_name = rng.choice(LAYOUTS)
+        rows = rng.choice((1, 1, 2, 3))
+        seq_len = rng.randint(0 if rng.random() < 0.05 else 1, max_len)
+        doc = fuzzed_doc_ids(rng, rows, seq_len) if seq_len else torch.zeros(rows, 0, dtype=torch.int64)
+        window = rng.choice((None, None, 1, 2, rng.randint(1, max(1, seq_len))))
+        yield world, layout_name, doc, window
+
+
+def _padded(layout, doc: torch.Tensor) -> torch.Tensor:
+    extra = layout.padded_seq_len - doc.shape[1]
+    return torch.cat([doc, doc.new_zeros(doc.shape[0], extra)], dim=1)
+
+
+def _check_needed_rows(world, layout_name, doc, window) -> None:
+    layout = make_layout(layout_name, world, doc.shape[1], doc_ids=doc)
+    padded = _padded(layout, doc)
+    runs = layout_runs(layout, padded)
+    for causal in (True, False):
+        w = window if causal else None
+        for rank in sorted({0, world - 1, world // 2}):
+            got = plan_needed_rows(rank, runs, causal, w)
+            want = reference_needed_rows(rank, layout, padded, causal, w)
+            where = f"{layout_name} W={world} rank {rank} causal={causal} window={w} doc={padded.tolist()}"
+            for name, value in want.items():
+                mine = getattr(got, name)
+                if isinstance(value, torch.Tensor):
+                    assert mine.dtype == torch.int64 and torch.equal(mine, value), (name, where)
+                else:
+                    assert mine == value, (name, where)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_needed_rows_equal_the_per_position_plan(seed: int) -> None:
+    for case in _cases(seed, 40, (1, 2, 3, 4, 5, 6, 7, 8), 64):
+        _check_needed_rows(*case)
+
+
+def test_needed_rows_equal_the_per_position_plan_at_large_world() -> None:
+    for case in _cases(100, 12, (16, 32, 64, 128), 512):
+        _check_needed_rows(*case)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_halo_equals_the_per_position_plan(seed: int) -> None:
+    for world, _, doc, window in _cases(seed + 50, 60, (1, 2, 3, 4, 7, 8, 32), 96):
+        layout = make_layout("contiguous", world, doc.shape[1])
+        padded = _padded(layout, doc)
+        runs = layout_runs(layout, padded)
+        for rank in range(world):
+            got = plan_halo(rank, runs, window)
+            assert (got.halos, got.runs, got.reach) == reference_halo(rank, world, padded, window)
+
+
+def test_degenerate_batches() -> None:
+    """All padding, one-token documents, a single long document, P == W."""
+    for world in (1, 2, 4):
+        for doc in (
+            torch.zeros(2, 8, dtype=torch.int64),
+            torch.arange(1, 9)[None],
+            torch.ones(1, 16, dtype=torch.int64),
+            torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0]]),
+            torch.arange(1, world + 1)[None],
+        ):
+            for layout_name in LAYOUTS:
+                _check_needed_rows(world, layout_name, doc, None)
+                _check_needed_rows(world, layout_name, doc, 2)
+
+
+def reference_node_orders(layout, nodes: int, per_node: int) -> tuple[list, list]:
+    """Each node's shards gathered rank-major and sorted: the union in global order and the
+    sort's permutation (None where it is the identity)."""
+    unions, orders = [], []
+    for e in range(nodes):
+        gathered = torch.cat(
+            [layout.indices(e * per_node + i).to(torch.int64) for i in range(per_node)], dim=-1
+        )
+        ascending, order = torch.sort(gathered, dim=-1, stable=True)
+        unions.append(ascending)
+        same = bool(torch.equal(order, torch.arange(order.shape[-1]).expand_as(order)))
+        orders.append(None if same else order)
+    return unions, orders
+
+
+def test_head_parallel_node_layouts_equal_the_sorted_union() -> None:
+    from cpshard.attention.head_plan import _node_layout
+
+    rng = random.Random(7)
+    for _ in range(150):
+        nodes, per_node = rng.choice(((1, 1), (1, 2), (2, 1), (2, 2), (1, 4), (4, 1), (2, 3), (3, 2), (1, 8)))
+        world = nodes * per_node
+        name = rng.choice(LAYOUTS)
+        doc = fuzzed_doc_ids(rng, rng.choice((1, 2, 3)), rng.randint(1, 60))
+        layout = make_layout(name, world, doc.shape[1], doc_ids=doc)
+        merged, orders = _node_layout(layout, nodes, per_node)
+        unions, want = reference_node_orders(layout, nodes, per_node)
+        for e in range(nodes):
+            got = orders[e]
+            assert (got is None) == (want[e] is None) and (got is None or torch.equal(got, want[e]))
+            if not layout.contiguous_shards:  # one row's union may be held as [L] or [1, L]
+                assert torch.equal(*torch.broadcast_tensors(merged.indices(e), unions[e]))
