@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cpshard.attention.state import AttentionState
-from cpshard.batch.runs import document_starts, rank_runs
 from cpshard.layouts import ShardLayout
+from cpshard.planning import layout_runs
 
 # The most runs of one document a rank may hold: the carry moves one transition operator per
 # run that neither begins nor ends its document, so a layout that deals documents out token by
@@ -83,12 +83,6 @@ class RecurrenceRuns:
         return self.source[(run.row, run.begin)]
 
 
-def _document_ends(doc: torch.Tensor) -> torch.Tensor:
-    """``[B, P]``: the global end (exclusive) of each token's document."""
-    flipped = document_starts(doc.flip(1))  # in flipped coordinates: where the run starts
-    return doc.shape[1] - flipped.flip(1)
-
-
 def plan_recurrence_runs(
     rank: int, world: int, layout: ShardLayout, doc: torch.Tensor, what: str
 ) -> RecurrenceRuns:
@@ -97,38 +91,33 @@ def plan_recurrence_runs(
     and the layout) when a rank holds more than :data:`MAX_RUNS_PER_DOCUMENT` runs of one
     document."""
     b, padded = doc.shape
-    local = padded // world
-    starts, ends = document_starts(doc), _document_ends(doc)
-    runs: list[tuple[Run, ...]] = []
-    for r in range(world):
-        idx = layout.indices(r).to("cpu", torch.int64).expand(b, local)
-        row, q, n, ds, begin = (t.tolist() for t in rank_runs(idx, doc, starts))
-        mine = tuple(
-            Run(rw, qq, nn, bg, d, int(ends[rw, bg]))
-            for rw, qq, nn, d, bg in zip(row, q, n, ds, begin, strict=True)
-        )
-        per_doc: dict[tuple[int, int], int] = {}
-        for run in mine:
-            key = (run.row, run.doc_start)
-            per_doc[key] = per_doc.get(key, 0) + 1
-            if per_doc[key] > MAX_RUNS_PER_DOCUMENT:
-                raise ValueError(
-                    f"{what}: rank {rank}: the {layout.name!r} layout gives rank {r} more than "
-                    f"{MAX_RUNS_PER_DOCUMENT} separate pieces of the document at position "
-                    f"{run.doc_start} (row {run.row}); a recurrence would carry its state "
-                    "through every piece. Shard models with recurrent or convolutional token "
-                    "mixers with a layout that keeps documents in few pieces per rank "
-                    "('contiguous', 'balanced', 'head_tail', 'per_document_head_tail' or the "
-                    "block-diagonal batch)"
-                )
-        runs.append(mine)
+    every = layout_runs(layout, doc)
+    cols = (every.rank, every.row, every.q, every.n, every.begin, every.doc_start, every.doc_end)
+    runs: list[list[Run]] = [[] for _ in range(world)]
+    per_doc: dict[tuple[int, int, int], int] = {}
+    for r, *fields in zip(*(t.tolist() for t in cols), strict=True):
+        run = Run(*fields)
+        runs[r].append(run)
+        key = (r, run.row, run.doc_start)
+        per_doc[key] = per_doc.get(key, 0) + 1
+        if per_doc[key] > MAX_RUNS_PER_DOCUMENT:
+            raise ValueError(
+                f"{what}: rank {rank}: the {layout.name!r} layout gives rank {r} more than "
+                f"{MAX_RUNS_PER_DOCUMENT} separate pieces of the document at position "
+                f"{run.doc_start} (row {run.row}); a recurrence would carry its state "
+                "through every piece. Shard models with recurrent or convolutional token "
+                "mixers with a layout that keeps documents in few pieces per rank "
+                "('contiguous', 'balanced', 'head_tail', 'per_document_head_tail' or the "
+                "block-diagonal batch)"
+            )
+    runs = [tuple(rs) for rs in runs]
     exported = tuple(tuple(i for i, run in enumerate(rs) if run.exported) for rs in runs)
     source = {
         (rs[i].row, rs[i].begin + rs[i].n): (r, slot)
         for r, (rs, ex) in enumerate(zip(runs, exported, strict=True))
         for slot, i in enumerate(ex)
     }
-    return RecurrenceRuns(rank, local, b, tuple(runs), exported, source)
+    return RecurrenceRuns(rank, padded // world, b, tuple(runs), exported, source)
 
 
 def recurrence_runs(state: AttentionState, what: str) -> RecurrenceRuns:

@@ -10,15 +10,14 @@ from cpshard.layouts import ShardLayout
 
 def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
     """``[W, B, L]`` int64: every rank's global positions of every batch row (ascending), for a
-    layout whose ranks hold equal shards (closed-form layouts: the inverse of the rank-major
-    order, one scatter; planned ones: the positions they carry)."""
+    layout whose ranks hold equal shards (closed-form layouts: their formula per rank; planned
+    ones: the positions they carry)."""
     world, padded = layout.world_size, layout.padded_seq_len
     length = padded // world
     idx = layout.local_token_global_indices
-    if idx is None:
-        inv = layout.rank_major_inverse().to("cpu", torch.int64)
-        flat = torch.empty_like(inv).scatter_(0, inv, torch.arange(padded))
-        return flat.view(world, 1, length).expand(world, rows, length)
+    if idx is None:  # closed form: each rank's formula, O(L) each
+        every = torch.stack([layout.indices(r).to("cpu", torch.int64) for r in range(world)])
+        return every.view(world, 1, length).expand(world, rows, length)
     if isinstance(idx, tuple):
         raise ValueError(
             f"cpshard planning: layout {layout.name!r} gives the ranks shards of different "

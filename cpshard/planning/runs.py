@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpshard.batch.runs import all_rank_runs, document_starts
+from cpshard.batch.runs import all_rank_runs
 from cpshard.layouts import ShardLayout
 from cpshard.planning.positions import RankPrefix, all_positions
 
@@ -17,7 +17,7 @@ class LayoutRuns:
     """The runs of every rank (consecutive global positions of one document on one rank, in one
     batch row), ordered by rank, row and position: ``rank``, ``row``, first local index ``q``,
     length ``n``, document start ``doc_start`` and first global position ``begin`` (int64
-    vectors); ``doc_end[b, p]``: one past the last token of the document at ``p``. ``positions``
+    vectors) and its document's end ``doc_end`` (one past its last token). ``positions``
     ``[W, B, L]`` are every rank's positions and ``prefix`` counts them below a position."""
 
     world: int
@@ -25,13 +25,13 @@ class LayoutRuns:
     padded: int
     positions: torch.Tensor
     prefix: RankPrefix
-    doc_end: torch.Tensor
     rank: torch.Tensor
     row: torch.Tensor
     q: torch.Tensor
     n: torch.Tensor
     doc_start: torch.Tensor
     begin: torch.Tensor
+    doc_end: torch.Tensor
 
     @property
     def local_len(self) -> int:
@@ -39,7 +39,7 @@ class LayoutRuns:
 
     def ends(self, causal: bool) -> torch.Tensor:
         """One past each run's last visible key: its own end (causal) or its document's."""
-        return self.begin + self.n if causal else self.doc_end[self.row, self.begin]
+        return self.begin + self.n if causal else self.doc_end
 
     def starts(self, window: int | None) -> torch.Tensor:
         """Each run's first visible key: its document's start, or its first query's window's."""
@@ -57,8 +57,6 @@ def layout_runs(layout: ShardLayout, doc: torch.Tensor) -> LayoutRuns:
     pad) under ``layout`` (equal shards): one pass over the sequence, whatever the world size."""
     b, padded = doc.shape
     positions = all_positions(layout, b)
-    starts = document_starts(doc)
-    ends = padded - document_starts(doc.flip(1)).flip(1)
-    runs = all_rank_runs(positions, doc, starts)
+    runs = all_rank_runs(positions, doc)
     prefix = RankPrefix(positions, padded)
-    return LayoutRuns(layout.world_size, b, padded, positions, prefix, ends, *runs)
+    return LayoutRuns(layout.world_size, b, padded, positions, prefix, *runs)

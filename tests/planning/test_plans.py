@@ -10,12 +10,32 @@ import random
 import pytest
 import torch
 
-from cpshard.batch.runs import document_starts, rank_runs
+from cpshard.batch.runs import run_starts
 from cpshard.layouts import make_layout
 from cpshard.planning import layout_runs, plan_halo, plan_needed_rows
 from cpshard.planning.spans import Span
 
 LAYOUTS = ("contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced")
+
+
+def document_starts(doc: torch.Tensor) -> torch.Tensor:
+    """``[B, P]``: where each token's run of one id starts."""
+    new = run_starts(doc, torch.ones_like(doc, dtype=torch.bool))
+    pos = torch.arange(doc.shape[1]).expand_as(doc)
+    return torch.cummax(torch.where(new, pos, 0), dim=1).values
+
+
+def rank_runs(idx: torch.Tensor, doc: torch.Tensor, starts: torch.Tensor) -> tuple:
+    """One rank's runs (row, first local index, length, document start, first position)."""
+    b, length = idx.shape
+    st = starts.gather(1, idx)
+    new = torch.ones_like(idx, dtype=torch.bool)
+    new[:, 1:] = (idx[:, 1:] != idx[:, :-1] + 1) | (st[:, 1:] != st[:, :-1])
+    head = torch.cummax(torch.where(new, torch.arange(length), 0), dim=1).values
+    flat = (torch.arange(b)[:, None] * length + head)[doc.gather(1, idx) != 0]
+    heads, n = torch.unique_consecutive(flat, return_counts=True)
+    row, q = heads // length, heads % length
+    return row, q, n, st[row, q], idx[row, q]
 
 
 def _cover(shape, row, lo, hi) -> torch.Tensor:
