@@ -95,20 +95,32 @@ def plan_needed_rows(
     served = by_rank.view(b, world, length).sum((0, 2))  # rows each rank's K/V are needed as
     received, sent = needed - own, served - own
 
-    # This rank's buffer: its needed positions in global order per row.
+    # This rank's buffer: its intervals back to back per row, in global order.
     mine = mr == rank
-    cover = delta.new_zeros(b, padded + 1)
-    cover.index_put_((mrow[mine], mlo[mine]), torch.ones_like(mlo[mine]), accumulate=True)
-    cover.index_put_((mrow[mine], mhi[mine]), -torch.ones_like(mhi[mine]), accumulate=True)
-    cover = cover.cumsum(1)[:, :padded]
-    at = cover.cumsum(1) - 1  # buffer row of every needed position
-    width = int(at[:, -1].max()) + 1 if b and padded else 0
-    held = cover.gather(1, positions.permute(1, 0, 2).reshape(b, padded))
-    held = held.view(b, world, length).transpose(0, 1).bool()  # [W, B, L]: sources' rows
-    src, srow, slot = torch.nonzero(held, as_tuple=True)  # by source, row, position
+    irow, ilo, ihi = mrow[mine], mlo[mine], mhi[mine]
+    size = ihi - ilo
+    per_row = _per_rank(b, irow, size)
+    width = int(per_row.max()) if b else 0
+    # buffer row of each interval's first position: the rows of the row's earlier intervals
+    offset = torch.cumsum(size, 0) - size - (torch.cumsum(per_row, 0) - per_row)[irow]
+
+    def buffer_row(row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Buffer row of needed ``position``\ s of batch ``row``."""
+        keys = irow * (padded + 1) + ilo
+        j = torch.searchsorted(keys, row * (padded + 1) + position, right=True) - 1
+        return offset[j] + position - ilo[j]
+
+    # Received: every source's positions inside its intervals, by source, row and position.
+    sources = torch.arange(world).repeat_interleave(irow.numel())
+    prow, plo, phi = (t.repeat(world) for t in (irow, ilo, ihi))
+    first = prefix.before(sources, prow, plo)
+    count = prefix.before(sources, prow, phi) - first
+    slot = _ragged_arange(first, count)
+    src, srow = (torch.repeat_interleave(t, count) for t in (sources, prow))
     pos = positions[src, srow, slot]
-    recv_rows = srow * width + at[srow, pos]
-    recv_counts = torch.bincount(src, minlength=world)
+    base = torch.repeat_interleave((offset - ilo).repeat(world), count)
+    recv_rows = srow * width + base + pos
+    recv_counts = _per_rank(world, sources, count)
 
     # What it sends: its positions inside every rank's intervals, a range of its slots each.
     me = torch.full_like(mr, rank)
@@ -120,11 +132,9 @@ def plan_needed_rows(
     k = runs.rank == rank
     cols = (runs.row, runs.q, runs.n, runs.doc_start, runs.begin, lo, end)
     row, q, n, ds, begin, lo, end = (t[k] for t in cols)
-    split = at[row, begin] if causal else at[row, end - 1] + 1
-    spans = tuple(
-        Span(*v)
-        for v in zip(*(t.tolist() for t in (row, q, n, at[row, lo], split, ds)), strict=True)
-    )
+    split = buffer_row(row, begin) if causal else buffer_row(row, end - 1) + 1
+    cols = (row, q, n, buffer_row(row, lo), split, ds)
+    spans = tuple(Span(*v) for v in zip(*(t.tolist() for t in cols), strict=True))
     return NeededRowsPlan(
         spans,
         width,
