@@ -105,7 +105,7 @@ def plan_needed_rows(
     offset = torch.cumsum(size, 0) - size - (torch.cumsum(per_row, 0) - per_row)[irow]
 
     def buffer_row(row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Buffer row of needed ``position``\ s of batch ``row``."""
+        """Buffer rows of the needed positions ``position`` of batch rows ``row``."""
         keys = irow * (padded + 1) + ilo
         j = torch.searchsorted(keys, row * (padded + 1) + position, right=True) - 1
         return offset[j] + position - ilo[j]

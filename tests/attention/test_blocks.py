@@ -10,7 +10,7 @@ import torch
 
 from cpshard.attention.blocks import BLOCK_QUERIES, SHORT_SPAN, Block, plan_blocks
 from cpshard.attention.packing import overlap as _overlap
-from cpshard.attention.spans import Span
+from cpshard.planning.spans import Span
 
 
 def _visible(spans: list[Span], causal: bool) -> set[tuple[int, int, int]]:
