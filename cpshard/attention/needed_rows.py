@@ -1,5 +1,6 @@
 """The needed-rows K/V exchange of any layout: which K/V rows each rank needs, who sends them,
-and the spans each query run attends (host work, once per step).
+and the spans each query run attends (planned once per step by
+:mod:`cpshard.planning.needed_rows`).
 
 For every run of a rank's tokens (consecutive global positions inside one document, in a batch
 row) its queries attend the document's keys from the document start to the run's end (or to the
