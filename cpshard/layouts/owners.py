@@ -33,16 +33,21 @@ def check_doc_ids(doc_ids: torch.Tensor, world: int, what: str) -> None:
         )
 
 
-def owner_row(pieces: list[Piece], length: int) -> torch.Tensor:
-    """The owner rank of every position of a row of ``length`` tiled by ``pieces``."""
-    pieces = sorted(pieces)
-    assert sum(p[1] for p in pieces) == length, "internal error: pieces do not tile the row"
+def owner_row(
+    starts: torch.Tensor, lengths: torch.Tensor, ranks: torch.Tensor, length: int
+) -> torch.Tensor:
+    """The owner rank of every position of a row of ``length`` tiled by the pieces
+    ``(starts, lengths, ranks)`` (int64 vectors, any order; empty pieces are ignored)."""
+    keep = lengths > 0
+    starts, lengths, ranks = starts[keep], lengths[keep], ranks[keep]
+    assert int(lengths.sum()) == length, "internal error: pieces do not tile the row"
     owner = torch.zeros(length, dtype=torch.int64)
-    if pieces:
+    if starts.numel():
+        if not bool((starts[1:] > starts[:-1]).all()):
+            order = torch.argsort(starts)
+            starts, ranks = starts[order], ranks[order]
         # Rank deltas at piece starts, then a running sum (repeat_interleave, but cheap on a
         # busy machine: it is multi-threaded even for tiny inputs).
-        starts = torch.tensor([p[0] for p in pieces], dtype=torch.int64)
-        ranks = torch.tensor([p[2] for p in pieces], dtype=torch.int64)
         delta = ranks.clone()
         delta[1:] -= ranks[:-1]
         owner[starts] = delta

@@ -1,5 +1,6 @@
 """The ``per_document_head_tail`` layout: the serpentine zig-zag inside every run of a packed
-row (documents and padding runs alike), planned from the batch's document ids.
+row (documents and padding runs alike), planned from the batch's document ids with whole-tensor
+work over the runs of a row (:func:`~cpshard.layouts.serpentine.zigzag_pieces`).
 
 A run of ``n`` tokens is cut into ``C`` chunks (default ``2W``) of ``n // C`` tokens, chunk
 ``k`` owned by rank ``k`` on even passes of ``W`` chunks and by ``W - 1 - k % W`` on odd ones
@@ -18,7 +19,7 @@ import torch
 from cpshard.batch.runs import document_runs
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.owners import check_doc_ids, owner_row, stack_rows
-from cpshard.layouts.serpentine import default_num_chunks, zigzag_run
+from cpshard.layouts.serpentine import default_num_chunks, zigzag_pieces
 from cpshard.validation import is_int
 
 __all__ = ["PER_DOCUMENT_HEAD_TAIL", "plan_per_document_head_tail"]
@@ -37,13 +38,11 @@ def plan_per_document_head_tail(
         )
     rows = []
     for row in doc_ids:
-        counter, pieces = 0, []
-        for start, n, _ in document_runs(row):
-            ps, counter = zigzag_run(start, n, world, chunks, counter)
-            pieces.extend(ps)
-        rows.append(owner_row(pieces, row.numel()))
+        runs = torch.tensor([(s, n) for s, n, _ in document_runs(row)], dtype=torch.int64)
+        starts, lengths = runs.reshape(-1, 2).unbind(1)
+        run, offsets, sizes, ranks, _ = zigzag_pieces(lengths, world, chunks)
+        rows.append(owner_row(starts[run] + offsets, sizes, ranks, row.numel()))
     return stack_rows(rows, doc_ids.shape)
-
 
 PER_DOCUMENT_HEAD_TAIL = LayoutStrategy(
     "per_document_head_tail",

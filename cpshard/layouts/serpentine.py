@@ -6,15 +6,22 @@ Chunk ``k`` of pass ``t = k // W`` goes to rank ``k % W`` on even passes and to
 ``W - 1 - k % W`` on odd ones; with the default ``C = 2W`` chunks rank ``r`` holds chunks ``r``
 and ``2W - 1 - r``, a cheap head and a costly tail of causal attention, which balances the
 per-rank cost.
+
+Zig-zagging a run of ``n`` tokens cuts it into ``C`` chunks of ``n // C`` tokens; its
+``n % C`` extra tokens go one each to ranks ``c, c + 1, ...`` (mod ``W``), ``c`` a counter
+running along the runs, each widening that rank's next chunk of the run (its ``t``-th extra
+token widens its chunk of pass ``t``). A counter running along a row deals every rank the same
+number of extras.
 """
 
 from __future__ import annotations
 
-from cpshard.layouts.owners import Piece
+import torch
 
-__all__ = ["chunk_rank", "default_num_chunks", "zigzag_run"]
+__all__ = ["chunk_ranks", "default_num_chunks", "zigzag_pieces"]
 
 CHUNKS_PER_RANK = 2  # the default chunk count is 2W: one head and one tail chunk per rank
+BLOCK_ELEMENTS = 1 << 21  # runs x chunks handled at once by zigzag_pieces (bounds its memory)
 
 
 def default_num_chunks(world: int) -> int:
@@ -22,30 +29,40 @@ def default_num_chunks(world: int) -> int:
     return CHUNKS_PER_RANK * world
 
 
-def chunk_rank(k: int, world: int) -> int:
-    """Owner of chunk ``k`` in a serpentine deal of chunks over ``world`` ranks."""
-    p, i = divmod(k, world)
-    return i if p % 2 == 0 else world - 1 - i
+def chunk_ranks(world: int, chunks: int) -> torch.Tensor:
+    """``[C]`` int64: the owner of every chunk in a serpentine deal over ``world`` ranks."""
+    k = torch.arange(chunks)
+    i = k % world
+    return torch.where((k // world) % 2 == 0, i, world - 1 - i)
 
 
-def zigzag_run(
-    start: int, n: int, world: int, chunks: int, counter: int
-) -> tuple[list[Piece], int]:
-    """Pieces of a run of ``n`` tokens at ``start``, zig-zagged over ``chunks`` chunks, and the
-    counter after dealing the run's ``n % chunks`` extra tokens.
+def zigzag_pieces(
+    lengths: torch.Tensor, world: int, chunks: int, counter: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The non-empty pieces of runs of ``lengths`` (int64 ``[R]``, in position order) zig-zagged
+    over ``chunks`` chunks (module doc), the extras dealt from ``counter`` on.
 
-    The run is cut into ``chunks`` chunks of ``n // chunks`` tokens; the extras go one each to
-    ranks ``counter, counter + 1, ...`` (mod ``world``), each widening that rank's next chunk of
-    the run. A counter running along a row deals every rank the same number of extras."""
-    q, m = divmod(n, chunks)
-    sizes = [q] * chunks
-    for i in range(m):
-        rank = (counter + i) % world
-        t = i // world  # this rank's t-th extra token in the run -> its t-th chunk
-        sizes[t * world + (rank if t % 2 == 0 else world - 1 - rank)] += 1
-    pieces, pos = [], start
-    for k, size in enumerate(sizes):
-        if size:
-            pieces.append((pos, size, chunk_rank(k, world)))
-            pos += size
-    return pieces, counter + m
+    Returns the run index, offset in its run, length and rank of every piece (int64 vectors,
+    in position order) and the counter after the runs. Whole-tensor work over runs x chunks,
+    a block of runs at a time."""
+    ranks = chunk_ranks(world, chunks)
+    # Chunk k of pass t owned by rank r is widened by the run's extra token t * W + (r - c) % W
+    # (c: the counter at the run), if the run has that many extras.
+    first_extra = (torch.arange(chunks) // world * world)[None, :]
+    q, m = lengths // chunks, lengths % chunks
+    at_run = counter + torch.cumsum(m, 0) - m
+    block = max(1, BLOCK_ELEMENTS // chunks)
+    out: list[tuple[torch.Tensor, ...]] = []
+    for b in range(0, lengths.numel(), block):
+        mb = m[b : b + block, None]
+        extra = first_extra + (ranks[None, :] - at_run[b : b + block, None]) % world < mb
+        sizes = q[b : b + block, None] + extra
+        offsets = torch.cumsum(sizes, 1) - sizes
+        keep = sizes > 0
+        run, k = keep.nonzero(as_tuple=True)
+        out.append((run + b, offsets[keep], sizes[keep], ranks[k]))
+    if not out:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return empty, empty, empty, empty, counter
+    run, offsets, sizes, owner = (torch.cat(parts) for parts in zip(*out, strict=True))
+    return run, offsets, sizes, owner, counter + int(m.sum())
