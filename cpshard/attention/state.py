@@ -43,6 +43,9 @@ _keys = itertools.count()
 # The sliding windows layers have asked for (any step): a step plans their states at its setup,
 # so that from a model's second step on no layer plans in its forward.
 seen_windows: set[int] = set()
+# Whether a layer has attended bidirectionally (any step): a step then plans its bidirectional
+# state at its setup, else on first use (most models attend only causally).
+seen_bidirectional = False
 _registry: weakref.WeakValueDictionary[int, AttentionState] = weakref.WeakValueDictionary()
 
 
@@ -80,7 +83,8 @@ class AttentionState:
     builds), their varlen packing, the loop's blocks of short runs, and a registry key.
 
     ``causal``: spans see their document's prefix, else the whole document. ``twin``: the
-    step's bidirectional state (of a causal one; a bidirectional state has none). ``window``:
+    step's bidirectional state (of a causal one; a bidirectional state has none), or
+    ``plan_twin``: how a causal state plans it once, when first asked for. ``window``:
     each query sees only that many keys of its prefix, itself included (a windowed state
     exchanges only the rows its windows reach). ``plan_window``: how the step's causal state
     plans the state of a window (once per window and step, on first use: see
@@ -95,6 +99,9 @@ class AttentionState:
     spans: tuple[Span, ...]
     exchange: KVExchange
     twin: AttentionState | None = None
+    plan_twin: Callable[[], AttentionState] | None = field(
+        default=None, repr=False, compare=False
+    )
     window: int | None = None
     plan_window: Callable[[int], AttentionState] | None = field(
         default=None, repr=False, compare=False
@@ -126,7 +133,7 @@ class AttentionState:
     )
 
     def __post_init__(self) -> None:
-        if self.causal == (self.twin is None):
+        if self.causal == (self.twin is None and self.plan_twin is None):
             raise ValueError("a causal attention state needs its bidirectional twin, only it")
         key = next(_keys)
         if self.window is not None and not self.causal:
@@ -173,7 +180,11 @@ class AttentionState:
 
     def bidirectional(self) -> AttentionState:
         """The step's state for bidirectional attention within documents."""
-        return self if not self.causal else self.twin
+        global seen_bidirectional
+        if not self.causal:
+            return self
+        seen_bidirectional = True
+        return self.twin if self.twin is not None else self.plan_twin()
 
     def windowed(self, window: int | None) -> AttentionState:
         """The step's causal state for a sliding ``window`` (keys a query sees, itself

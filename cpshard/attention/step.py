@@ -1,7 +1,8 @@
 """A step's CP attention states, from its layout and documents (host work, once per step).
 
 Every rank derives the same plan from the same padded document ids and layout. A step has a
-causal state (what causal layers attend) and its bidirectional twin (``is_causal=False``): the
+causal state (what causal layers attend) and its bidirectional twin (``is_causal=False``,
+planned at the step's setup once some layer has attended bidirectionally, else on first use): the
 contiguous layout's causal state builds its key buffer with the multi-hop halo
 (:mod:`cpshard.attention.halo`: a few rows from the preceding ranks), every other state with the
 needed-rows all-to-all-v (:mod:`cpshard.attention.needed_rows`; the rows after a run that
@@ -20,7 +21,8 @@ import torch
 from cpshard.attention.halo import HaloExchange, halo_spans
 from cpshard.attention.head_plan import head_parallel_plans
 from cpshard.attention.needed_rows import NeededRowsExchange
-from cpshard.attention.state import AttentionState, HeadParallel, seen_windows
+from cpshard.attention import state as states
+from cpshard.attention.state import AttentionState, HeadParallel
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
 from cpshard.planning import LayoutRuns, layout_runs, plan_halo, plan_needed_rows
@@ -36,9 +38,11 @@ def _state(
     plan_window: Callable[[int], AttentionState] | None = None,
     strategy: str = "needed_rows",
     head_parallel: tuple[HeadParallel, ...] = (),
+    plan_twin: Callable[[], AttentionState] | None = None,
 ) -> AttentionState:
-    """The needed-rows state (causal when it is given the bidirectional ``twin``)."""
-    plan = plan_needed_rows(group.rank, runs, twin is not None, window)
+    """The needed-rows state (causal when it is given the bidirectional ``twin`` or how to
+    plan it, ``plan_twin``)."""
+    plan = plan_needed_rows(group.rank, runs, twin is not None or plan_twin is not None, window)
     b, padded = doc.shape
     return AttentionState(
         group=group,
@@ -46,10 +50,11 @@ def _state(
         local_len=padded // group.world,
         batch_size=b,
         reach=plan.reach,
-        causal=twin is not None,
+        causal=twin is not None or plan_twin is not None,
         spans=plan.spans,
         exchange=NeededRowsExchange.from_plan(group, plan),
         twin=twin,
+        plan_twin=plan_twin,
         window=window,
         plan_window=plan_window,
         documents=doc,
@@ -64,11 +69,12 @@ def _halo_state(
     layout: ShardLayout,
     doc: torch.Tensor,
     runs: LayoutRuns,
-    twin: AttentionState,
+    twin: AttentionState | None,
     window: int | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
     strategy: str = "needed_rows",
     head_parallel: tuple[HeadParallel, ...] = (),
+    plan_twin: Callable[[], AttentionState] | None = None,
 ) -> AttentionState:
     """The causal state of a layout whose ranks hold contiguous runs (``contiguous``): each
     rank's runs see their document from its start (or their ``window``), over its K/V with the
@@ -87,6 +93,7 @@ def _halo_state(
         spans=halo_spans(exchange, plan.runs, window),
         exchange=exchange,
         twin=twin,
+        plan_twin=plan_twin,
         window=window,
         plan_window=plan_window,
         documents=doc,
@@ -104,8 +111,9 @@ def step_state(
     strategy: str = "needed_rows",
     mesh: tuple[Group, Group] | None = None,
 ) -> AttentionState:
-    """The step's causal :class:`AttentionState` for this rank (its bidirectional twin in
-    ``.twin``), from the batch's document ids ``[B, P]`` (padded length, host, 0 = padding; a
+    """The step's causal :class:`AttentionState` for this rank (its bidirectional twin from
+    ``.bidirectional()``, planned at the setup once a layer has attended bidirectionally, else
+    on first use), from the batch's document ids ``[B, P]`` (padded length, host, 0 = padding; a
     document = a maximal run of one non-zero id). Every rank passes the same ids and layout (the
     entry point agreed on them). ``device``: where the step's metadata goes once (the batch's
     device). ``strategy``: how the step's calls exchange (``"needed_rows"``, ``"heads"``,
@@ -115,19 +123,30 @@ def step_state(
     plans = head_parallel_plans(group, layout, doc, device, strategy, mesh, step_state)
     routes = {"strategy": strategy, "head_parallel": plans}  # the step's, not its windows'
     runs = layout_runs(layout, doc)  # what every state and window of the step plans from
-    both = _state(group, layout, doc, runs, None, **routes)
+    planned: list[AttentionState] = []
+
+    def plan_twin() -> AttentionState:  # the bidirectional state, planned once per step
+        if not planned:
+            planned.append(_state(group, layout, doc, runs, None, **routes))
+            if device is not None:
+                planned[0].place_on(device)
+        return planned[0]
+
     causal = _halo_state if layout.contiguous_shards else _state
 
     def plan_window(window: int) -> AttentionState:
-        state = causal(group, layout, doc, runs, both, window)
+        state = causal(group, layout, doc, runs, None, window, plan_twin=plan_twin)
         if device is not None:
             state.place_on(device)
         return state
 
-    state = causal(group, layout, doc, runs, both, plan_window=plan_window, **routes)
+    state = causal(
+        group, layout, doc, runs, None, plan_window=plan_window, plan_twin=plan_twin, **routes
+    )
     if device is not None:  # the attention's metadata on the batch's device, once per step
-        for s in (state, both):
-            s.place_on(device)
-    for window in sorted(seen_windows):  # the windows earlier steps' layers used
+        state.place_on(device)
+    if states.seen_bidirectional:  # layers of earlier steps attended bidirectionally
+        state.bidirectional()
+    for window in sorted(states.seen_windows):  # the windows earlier steps' layers used
         state.windowed(window)
     return state
