@@ -46,6 +46,7 @@ SINGLE_PROCESS = {
         "native NCCL communicator vs torch.distributed at world size 1 (GPU)",
     ),
     "parity": ("cpshard.parity.cli", "check a model's CP training step against one process"),
+    "plan": ("cpshard.simulation.cli", "simulate every rank's step planning in one process"),
 }
 COMMANDS = ("bench", *SINGLE_PROCESS)
 
