@@ -17,6 +17,7 @@ from cpshard.bench.config import (
     BACKENDS,
     DEFAULT_HIDDEN,
     DEFAULT_SIZES,
+    DEFAULT_OPS,
     DEFAULT_WORLD_CPU,
     DTYPES,
     OPS,
@@ -46,6 +47,7 @@ SINGLE_PROCESS = {
         "native NCCL communicator vs torch.distributed at world size 1 (GPU)",
     ),
     "parity": ("cpshard.parity.cli", "check a model's CP training step against one process"),
+    "plan": ("cpshard.simulation.cli", "simulate every rank's step planning in one process"),
 }
 COMMANDS = ("bench", *SINGLE_PROCESS)
 
@@ -69,7 +71,7 @@ def _ops(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError("--ops: empty list")
     if "all" in names:
-        return OPS
+        return DEFAULT_OPS
     bad = [n for n in names if n not in OPS]
     if bad:
         raise argparse.ArgumentTypeError(
@@ -122,8 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--ops",
         type=_ops,
-        default=OPS,
-        help=f"comma-separated subset of {','.join(OPS)} (default: all)",
+        default=DEFAULT_OPS,
+        help=f"comma-separated subset of {','.join(OPS)} (default and all: every one but "
+        "planning, which runs only when named)",
     )
     bench.add_argument(
         "--sizes",

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 from cpshard.validation import is_int
 
 GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
-SECTION_OPS = ("planner", "vision", "layouts", "blockdiag", "attention", "mixers")
+SECTION_OPS = ("planner", "vision", "layouts", "blockdiag", "attention", "mixers", "planning")
 OPS = (*GATHER_OPS, "strategies", *SECTION_OPS)
+# ``--ops all`` and the default: every op but those that run only when named (long grids)
+DEFAULT_OPS = tuple(op for op in OPS if op != "planning")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -25,7 +27,7 @@ class BenchConfig:
     """What to run. ``world=None``: the launcher's world size, else a default (see launch)."""
 
     world: int | None = None
-    ops: tuple[str, ...] = OPS
+    ops: tuple[str, ...] = DEFAULT_OPS
     sizes: tuple[int, ...] = DEFAULT_SIZES
     hidden: int = DEFAULT_HIDDEN
     dtype: str = "float32"

@@ -23,6 +23,7 @@ SECTION_MODULES = {
     "blockdiag": "cpshard.bench.blockdiag",
     "attention": "cpshard.bench.attention",
     "mixers": "cpshard.bench.mixers",
+    "planning": "cpshard.bench.planning",
 }
 
 

@@ -1,0 +1,274 @@
+"""``cpshard plan``: simulate the per-step planning of a W-rank CP job in this one process.
+
+Exit status 0 on success, 2 for bad arguments."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+
+from cpshard.attention.state import STRATEGIES
+from cpshard.bench.report import human_bytes
+from cpshard.layouts import LAYOUTS
+from cpshard.simulation.documents import document_ids, document_lengths
+from cpshard.simulation.head_shape import HeadShape, shape_from_model
+from cpshard.simulation.rank_plan import RankPlan, simulate_rank
+from cpshard.simulation.ranks import ALL_UP_TO, parse_ranks
+
+MAX_WORLD = 1024
+_SUFFIX = {"k": 1024, "K": 1024, "m": 1024**2, "M": 1024**2}
+
+_DESCRIPTION = f"""\
+Simulate what every rank of a W-rank context-parallel job plans for one packed batch, in this
+one process: each simulated rank joins torch's fake backend as rank r of W and runs the
+sharder's shard() on the same batch a real rank would. Per rank: tokens, causal attention cost
+over the mean, K/V rows received and sent (the needed-rows exchange; the halo on contiguous
+shards), bytes per strategy for a forward and backward of one layer (this rank's and the
+busiest rank's), the strategy the step uses, the key buffer's K/V memory and shard()'s time.
+
+Ranks: all of a job of up to {ALL_UP_TO}, else 0, 1, W/2, W-1 and a few sampled (--ranks all
+for every one). --docs: one, equal:N, uniform:N, pareto:N (N long-tailed documents) or a comma
+list of lengths (the rest is padding).
+"""
+
+
+def _size(text: str, what: str, high: int | None = None) -> int:
+    t = text.strip()
+    mult = _SUFFIX.get(t[-1:], 1)
+    try:
+        value = int(t[:-1] if mult > 1 else t) * mult
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what}: {text!r} is not an integer") from None
+    if value < 1 or (high is not None and value > high):
+        raise argparse.ArgumentTypeError(f"{what}: {text!r} must be in 1..{high or 'inf'}")
+    return value
+
+
+def _count(what: str, high: int | None = None):
+    return lambda text: _size(text, what, high)
+
+
+def _mesh(text: str) -> tuple[int, int]:
+    try:
+        inter, intra = (int(s) for s in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--mesh: expected AxB such as 4x8, got {text!r}") from None
+    if inter < 1 or intra < 1:
+        raise argparse.ArgumentTypeError("--mesh: sizes must be >= 1")
+    return inter, intra
+
+
+def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog, description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--world", type=_count("--world", MAX_WORLD), help=f"ranks (1..{MAX_WORLD})")
+    p.add_argument(
+        "--mesh", type=_mesh, help="a 2-D (inter, intra) CP mesh AxB instead of --world (A*B ranks)"
+    )
+    p.add_argument(
+        "--seq-len", type=_count("--seq-len"), required=True, help="tokens (k, M suffixes: x1024)"
+    )
+    p.add_argument("--docs", default="pareto:64", help="document lengths (default: pareto:64)")
+    p.add_argument("--seed", type=int, default=0, help="seed of --docs and the sampled ranks")
+    p.add_argument("--layout", choices=LAYOUTS, default="head_tail")
+    p.add_argument("--strategy", choices=STRATEGIES, default="auto")
+    p.add_argument(
+        "--model", help="transformers config or model class name, or a config.json path"
+    )
+    for flag, what in (
+        ("--heads", "query heads"),
+        ("--kv-heads", "K/V heads"),
+        ("--head-dim", "head size"),
+        ("--layers", "attention layers (key-buffer memory over all of them)"),
+        ("--window", "sliding window (keys a query sees)"),
+    ):
+        p.add_argument(flag, type=_count(flag), help=f"{what}; overrides --model's")
+    p.add_argument("--dtype-bytes", type=_count("--dtype-bytes"), default=2, help="default: 2")
+    p.add_argument("--ranks", default="default", help="default, all, or a comma list of ranks")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write every figure to PATH")
+    p.add_argument("--plot", dest="plot_path", metavar="PNG", help="per-rank figures (matplotlib)")
+    return p
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """A validated ``cpshard plan`` run."""
+
+    world: int
+    mesh: tuple[int, int] | None
+    seq_len: int
+    docs: str
+    lengths: list[int]
+    layout: str
+    strategy: str
+    shape: HeadShape
+    ranks: list[int]
+    json_path: str | None
+    plot_path: str | None
+
+
+def _shape(args: argparse.Namespace) -> HeadShape:
+    given = {
+        "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+        "layers": args.layers, "window": args.window,
+    }  # fmt: skip
+    if args.model is not None:
+        return shape_from_model(args.model, args.dtype_bytes, **given)
+    missing = [f"--{k.replace('_', '-')}" for k in ("heads", "head_dim") if given[k] is None]
+    if missing:
+        raise ValueError(f"{' and '.join(missing)}: needed without --model")
+    given["kv_heads"] = given["kv_heads"] or given["heads"]
+    return HeadShape(dtype_bytes=args.dtype_bytes, **given)
+
+
+def setup(argv: Sequence[str], prog: str = "cpshard plan") -> Setup:
+    """``argv`` as a :class:`Setup`; exits with status 2 on bad values."""
+    p = parser(prog)
+    args = p.parse_args(list(argv))
+    try:
+        if args.mesh is not None:
+            world = args.mesh[0] * args.mesh[1]
+            if args.world is not None and args.world != world:
+                raise ValueError(f"--world: {args.world} but --mesh has {world} ranks")
+            if world > MAX_WORLD:
+                raise ValueError(f"--mesh: {world} ranks, more than {MAX_WORLD}")
+        elif args.world is None:
+            raise ValueError("--world: needed (or --mesh)")
+        else:
+            world = args.world
+        if args.strategy == "hierarchical" and args.mesh is None:
+            raise ValueError("--strategy: hierarchical needs a 2-D --mesh")
+        for flag, path in (("--json", args.json_path), ("--plot", args.plot_path)):
+            if path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+                raise ValueError(f"{flag}: the folder of {path} does not exist")
+        if args.plot_path is not None and importlib.util.find_spec("matplotlib") is None:
+            raise ValueError("--plot: needs matplotlib, which is not installed; --json writes "
+                             "the same figures")  # fmt: skip
+        return Setup(
+            world=world,
+            mesh=args.mesh,
+            seq_len=args.seq_len,
+            docs=args.docs,
+            lengths=document_lengths(args.docs, args.seq_len, args.seed),
+            layout=args.layout,
+            strategy=args.strategy,
+            shape=_shape(args),
+            ranks=parse_ranks(args.ranks, world, args.seed),
+            json_path=args.json_path,
+            plot_path=args.plot_path,
+        )
+    except ValueError as exc:
+        p.error(str(exc))
+
+
+def summary(plans: list[RankPlan]) -> dict:
+    """Max and mean over the simulated ranks, the busiest-rank bytes and the planning times."""
+    def over(field: str) -> dict:
+        values = [getattr(p, field) for p in plans]
+        return {"max": max(values), "mean": statistics.fmean(values)}
+
+    times = [p.plan_ms for p in plans]
+    return {
+        "ranks": len(plans),
+        **{f: over(f) for f in ("cost_over_mean", "rows_received", "rows_sent", "key_buffer_bytes")},
+        "busiest_bytes": plans[0].busiest_bytes,
+        "strategy": plans[0].strategy,
+        "plan_ms": {"median": statistics.median(times), "max": max(times)},
+    }
+
+
+def render(cfg: Setup, plans: list[RankPlan], summ: dict) -> str:
+    s = cfg.shape
+    where = f"mesh {cfg.mesh[0]}x{cfg.mesh[1]}" if cfg.mesh else f"W={cfg.world}"
+    kinds = list(plans[0].strategy_bytes)
+    out = [
+        f"# cpshard plan: {where}, S={cfg.seq_len}, {len(cfg.lengths)} document(s) "
+        f"({cfg.docs}), layout {cfg.layout}, strategy {cfg.strategy}",
+        f"#   heads {s.heads}, kv heads {s.kv_heads}, head dim {s.head_dim}, layers {s.layers}, "
+        f"window {s.window}, {s.dtype_bytes} B/element; bytes: one layer, forward + backward",
+        f"#{'rank':>5} {'tokens':>8} {'cost/mean':>9} {'recv rows':>10} {'sent rows':>10} "
+        f"{'key rows':>9} {'key buf':>10} "
+        + " ".join(f"{k:>12}" for k in kinds)
+        + f" {'uses':>11} {'plan ms':>9}",
+    ]
+    for p in plans:
+        out.append(
+            f" {p.rank:>5} {p.tokens:>8} {p.cost_over_mean:>9.3f} {p.rows_received:>10} "
+            f"{p.rows_sent:>10} {p.key_rows:>9} {human_bytes(p.key_buffer_bytes):>10} "
+            + " ".join(f"{human_bytes(p.strategy_bytes[k]):>12}" for k in kinds)
+            + f" {p.strategy:>11} {p.plan_ms:>9.1f}"
+        )
+    busiest = ", ".join(f"{k} {human_bytes(v)}" for k, v in summ["busiest_bytes"].items())
+    out += [
+        f"# over {summ['ranks']} simulated rank(s) of {cfg.world}: cost/mean max "
+        f"{summ['cost_over_mean']['max']:.3f}; received rows max "
+        f"{summ['rows_received']['max']} mean {summ['rows_received']['mean']:.0f}; key buffer max "
+        f"{human_bytes(summ['key_buffer_bytes']['max'])}",
+        f"# busiest rank of the job: {busiest}; the step uses {summ['strategy']}",
+        f"# shard() planning: median {summ['plan_ms']['median']:.1f} ms, worst "
+        f"{summ['plan_ms']['max']:.1f} ms",
+    ]
+    return "\n".join(out)
+
+
+def plot(path: str, plans: list[RankPlan]) -> None:
+    """Per simulated rank: cost over the mean, received K/V rows, shard() time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [p.rank for p in plans]
+    panels = (
+        ("cost / mean", [p.cost_over_mean for p in plans]),
+        ("K/V rows received", [p.rows_received for p in plans]),
+        ("shard() ms", [p.plan_ms for p in plans]),
+    )
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 7), sharex=True)
+    for ax, (label, values) in zip(axes, panels, strict=True):
+        ax.plot(ranks, values, "o-", markersize=3)
+        ax.set_ylabel(label)
+    axes[-1].set_xlabel("rank")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None, prog: str = "cpshard plan") -> int:
+    """Run ``cpshard plan``; the exit status."""
+    cfg = setup(sys.argv[1:] if argv is None else argv, prog)
+    ids = document_ids(cfg.lengths, cfg.seq_len)
+    plans, started = [], time.perf_counter()
+    for i, rank in enumerate(cfg.ranks):
+        plans.append(
+            simulate_rank(rank, cfg.world, cfg.layout, cfg.strategy, ids, cfg.shape, cfg.mesh)
+        )
+        print(
+            f"[{i + 1}/{len(cfg.ranks)}] {time.perf_counter() - started:4.0f} s  rank {rank}: "
+            f"shard() {plans[-1].plan_ms:.1f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
+    summ = summary(plans)
+    print(render(cfg, plans, summ))
+    if cfg.json_path is not None:
+        setup_fields = dataclasses.asdict(cfg)
+        for key in ("json_path", "plot_path", "lengths"):
+            setup_fields.pop(key)
+        setup_fields["documents"] = len(cfg.lengths)
+        with open(cfg.json_path, "w") as f:
+            json.dump(
+                {"setup": setup_fields, "ranks": [dataclasses.asdict(p) for p in plans],
+                 "summary": summ}, f, indent=1,
+            )  # fmt: skip
+    if cfg.plot_path is not None:
+        plot(cfg.plot_path, plans)
+    return 0
