@@ -39,24 +39,71 @@ def head_ranges(heads: Sequence[int], parts: int, world: int) -> list[list[tuple
     return [[(next(it), next(it)) for _ in range(world)] for _ in range(parts)]
 
 
-def _to_global(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Rank-major tokens (dim 2) -> the order ``order`` names."""
-    if order is None:
-        return x
-    if order.dim() == 1:
-        return x.index_select(2, order)
-    index = order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
-    return x.gather(2, index)
+def _even(ranges: list[list[tuple[int, int]]]) -> bool:
+    """Whether every part sends each rank the same number of heads (then each destination's
+    chunk of the send buffer, and each source's of the receive buffer, has one size and every
+    part is one strided view ``[W, B, c, L, D]`` of the buffer)."""
+    return all(len({c for _, c in part}) <= 1 for part in ranges)
 
 
-def _to_rank_major(x: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Adjoint of :func:`_to_global` (``order`` is a permutation)."""
+def _rank_views(
+    buf: torch.Tensor, parts: Sequence[tuple[int, int, int]], world: int, length: int
+) -> list[torch.Tensor]:
+    """``buf`` of ``world`` equal chunks, each holding part i's ``[B, c_i, L, D_i]`` back to back
+    (``parts`` as ``(B, c_i, D_i)``) -> per part its view ``[W, B, c_i, L, D_i]``."""
+    chunks = buf.view(world, -1)
+    views, at = [], 0
+    for b, c, d in parts:
+        n = b * c * length * d
+        views.append(chunks[:, at : at + n].view(world, b, c, length, d))
+        at += n
+    return views
+
+
+def _heads_into(dest: torch.Tensor, x: torch.Tensor, starts: Sequence[int]) -> None:
+    """``dest[r] = x[:, starts[r] : starts[r] + c]`` for the ``[W, B, c, L, D]`` view ``dest``:
+    one strided copy when the ranges tile the heads in rank order, else one gather."""
+    world, c = dest.shape[0], dest.shape[2]
+    if list(starts) == [r * c for r in range(world)]:
+        dest.copy_(x[:, : world * c].unflatten(1, (world, c)).transpose(0, 1))
+        return
+    index = torch.tensor(starts, device=x.device)[:, None] + torch.arange(c, device=x.device)
+    source = x.unsqueeze(0).expand(world, *x.shape)
+    torch.gather(source, 2, index[:, None, :, None, None].expand(dest.shape), out=dest)
+
+
+def _tokens_from(got: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
+    """Received ``[W, B, c, L, D]`` (each source's tokens) -> ``[B, c, W * L, D]`` with token p
+    the rank-major token ``order[p]`` (``[W * L]`` or ``[B, W * L]``): one copy (none when
+    the buffer already is that tensor)."""
+    world, b, c, length, d = got.shape
+    ranks_first = got.permute(1, 2, 0, 3, 4)
     if order is None:
-        return x
+        return ranks_first.reshape(b, c, world * length, d)
+    src, row = order // length, order % length
     if order.dim() == 1:
-        return torch.empty_like(x).index_copy_(2, order, x)
-    index = order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
-    return torch.empty_like(x).scatter_(2, index, x)
+        return ranks_first[:, :, src, row]
+    batch = torch.arange(b, device=got.device)[:, None, None]
+    head = torch.arange(c, device=got.device)[None, :, None]
+    return ranks_first[batch, head, src[:, None], row[:, None]]
+
+
+def _tokens_into(dest: torch.Tensor, x: torch.Tensor, order: torch.Tensor | None) -> None:
+    """Adjoint of :func:`_tokens_from`: ``x`` ``[B, c, W * L, D]`` (tokens in ``order``) ->
+    the ``[W, B, c, L, D]`` view ``dest`` (each destination's rank-major tokens), one pass."""
+    world, b, c, length, d = dest.shape
+    if order is None:
+        dest.copy_(x.view(b, c, world, length, d).permute(2, 0, 1, 3, 4))
+        return
+    inverse = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    )  # rank-major token q is token inverse[q] of ``x``
+    if order.dim() == 1:
+        index = inverse.view(world, 1, 1, length, 1)
+    else:
+        index = inverse.view(b, world, length).transpose(0, 1)[:, :, None, :, None]
+    source = x.unsqueeze(0).expand(world, *x.shape)
+    torch.gather(source, 3, index.expand(dest.shape), out=dest)
 
 
 @torch.library.custom_op("cpshard::seq_to_heads", mutates_args=())
@@ -72,28 +119,25 @@ def seq_to_heads(
     world, me = group.world, group.rank
     ranges = head_ranges(heads, len(parts), world)
     b, length = parts[0].shape[0], parts[0].shape[2]
-    blocks = [  # per destination, each part's heads of this rank's tokens
-        x[:, s : s + c].reshape(-1)
-        for r in range(world)
-        for x, part in zip(parts, ranges, strict=True)
-        for s, c in (part[r],)
-    ]
-    send = torch.cat(blocks) if blocks else parts[0].new_empty(0)
-    sizes = [[b * c * length * x.shape[3] for s, c in part] for x, part in zip(parts, ranges)]
+    sizes = [[b * c * length * x.shape[3] for _, c in part] for x, part in zip(parts, ranges)]
     sends = [sum(sz[r] for sz in sizes) for r in range(world)]
+    send = parts[0].new_empty(sum(sends))
+    if _even(ranges):  # one strided write per part
+        shapes = [(b, part[0][1], x.shape[3]) for x, part in zip(parts, ranges)]
+        for dest, x, part in zip(_rank_views(send, shapes, world, length), parts, ranges):
+            _heads_into(dest, x, [s for s, _ in part])
+    else:  # per destination, each part's heads of this rank's tokens
+        at = 0
+        for r in range(world):
+            for x, (s, c) in zip(parts, (part[r] for part in ranges)):
+                n = b * c * length * x.shape[3]
+                send[at : at + n].view(b, c, length, x.shape[3]).copy_(x[:, s : s + c])
+                at += n
     recvs = [sum(b * part[me][1] * length * x.shape[3] for x, part in zip(parts, ranges))] * world
     got = all_to_all_v(send, group_name, sends, recvs, key)
-    outs = []
-    at = [r * recvs[0] for r in range(world)]  # each source's offset in ``got``
-    for x, part in zip(parts, ranges, strict=True):
-        c, d = part[me][1], x.shape[3]
-        out = x.new_empty(b, c, world * length, d)
-        for r in range(world):
-            n = b * c * length * d
-            out[:, :, r * length : (r + 1) * length] = got[at[r] : at[r] + n].view(b, c, length, d)
-            at[r] += n
-        outs.append(_to_global(out, order))
-    return outs
+    del send
+    shapes = [(b, part[me][1], x.shape[3]) for x, part in zip(parts, ranges)]
+    return _unaliased([_tokens_from(g, order) for g in _rank_views(got, shapes, world, length)], got)
 
 
 @seq_to_heads.register_fake
@@ -128,29 +172,65 @@ def heads_to_seq(
     ranges = head_ranges(heads, len(parts), world)
     b = parts[0].shape[0]
     length = parts[0].shape[2] // world
-    rank_major = [_to_rank_major(x, order) for x in parts]
-    blocks = [  # per destination, this rank's heads of its tokens
-        x[:, :, r * length : (r + 1) * length].reshape(-1)
-        for r in range(world)
-        for x in rank_major
-    ]
-    send = torch.cat(blocks) if blocks else parts[0].new_empty(0)
     sends = [sum(x[:, :, :length].numel() for x in parts)] * world
+    send = parts[0].new_empty(sum(sends))
+    shapes = [(b, x.shape[1], x.shape[3]) for x in parts]
+    for dest, x in zip(_rank_views(send, shapes, world, length), parts):
+        _tokens_into(dest, x, order)
     recvs = [
         sum(b * part[r][1] * length * x.shape[3] for x, part in zip(parts, ranges))
         for r in range(world)
     ]
     got = all_to_all_v(send, group_name, sends, recvs, key)
+    del send
+    if _even(ranges):
+        shapes = [(b, part[0][1], x.shape[3]) for x, part in zip(parts, ranges)]
+        views = _rank_views(got, shapes, world, length)
+        return _unaliased([_heads_from(g, part) for g, part in zip(views, ranges, strict=True)], got)
     outs, at = [], offsets(recvs)[:-1]
     for x, part in zip(parts, ranges, strict=True):
         d = x.shape[3]
-        out = x.new_zeros(b, _head_count(part), length, d)
+        tiled = _tiled(part)
+        out = x.new_empty if tiled else x.new_zeros
+        out = out(b, _head_count(part), length, d)
         for r, (s, c) in enumerate(part):
             n = b * c * length * d
-            out[:, s : s + c] += got[at[r] : at[r] + n].view(b, c, length, d)
+            block = got[at[r] : at[r] + n].view(b, c, length, d)
+            if tiled:
+                out[:, s : s + c] = block
+            else:
+                out[:, s : s + c] += block
             at[r] += n
         outs.append(out)
     return outs
+
+
+def _unaliased(outs: list[torch.Tensor], got: torch.Tensor) -> list[torch.Tensor]:
+    """``outs``, of which a view of the receive buffer ``got`` is kept only when it is the one
+    output (a custom op's outputs must not alias each other)."""
+    if len(outs) == 1:
+        return outs
+    ptr = got.untyped_storage().data_ptr()
+    return [o.clone() if o.untyped_storage().data_ptr() == ptr else o for o in outs]
+
+
+def _tiled(part: Sequence[tuple[int, int]]) -> bool:
+    """Whether the ranks' ranges tile the heads in rank order (each head held by one rank)."""
+    return all(s == sum(c for _, c in part[:r]) for r, (s, _) in enumerate(part))
+
+
+def _heads_from(got: torch.Tensor, part: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Received ``[W, B, c, L, D]`` (source r's heads ``[s_r, s_r + c)``) -> ``[B, H, L, D]``,
+    a head held by several ranks summed (in rank order) and one held by none zero: one copy
+    when the ranges tile the heads, else ``c`` index-adds."""
+    world, b, c, length, d = got.shape
+    if _tiled(part):
+        return got.transpose(0, 1).reshape(b, world * c, length, d)
+    out = got.new_zeros(b, _head_count(part), length, d)
+    starts = torch.tensor([s for s, _ in part], device=got.device)
+    for j in range(c):
+        out.index_add_(1, starts + j, got[:, :, j].transpose(0, 1))
+    return out
 
 
 def _head_count(part: Sequence[tuple[int, int]]) -> int:
