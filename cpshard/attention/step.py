@@ -1,4 +1,5 @@
-"""A step's CP attention states, from its layout and documents (host work, once per step).
+"""A step's CP attention states, from this rank's plan of the step (:mod:`cpshard.planning`):
+host work, once per step, or none when the plan was made ahead (in a DataLoader worker).
 
 Every rank derives the same plan from the same padded document ids and layout. A step has a
 causal state (what causal layers attend) and its bidirectional twin (``is_causal=False``,
@@ -18,89 +19,98 @@ from collections.abc import Callable
 
 import torch
 
-from cpshard.attention.halo import HaloExchange, halo_spans
-from cpshard.attention.head_plan import head_parallel_plans
-from cpshard.attention.needed_rows import NeededRowsExchange
 from cpshard.attention import state as states
+from cpshard.attention.halo import HaloExchange, halo_spans
+from cpshard.attention.head_plan import head_parallel_states
+from cpshard.attention.needed_rows import NeededRowsExchange
 from cpshard.attention.state import AttentionState, HeadParallel
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
-from cpshard.planning import LayoutRuns, layout_runs, plan_halo, plan_needed_rows
+from cpshard.planning import (
+    HaloPlan,
+    NeededRowsPlan,
+    StepPlan,
+    plan_halo,
+    plan_needed_rows,
+    plan_step,
+)
 
 
 def _state(
     group: Group,
-    layout: ShardLayout,
-    doc: torch.Tensor,
-    runs: LayoutRuns,
-    twin: AttentionState | None,
+    plan: StepPlan,
+    exchange: NeededRowsPlan | HaloPlan,
     window: int | None = None,
-    plan_window: Callable[[int], AttentionState] | None = None,
-    strategy: str = "needed_rows",
-    head_parallel: tuple[HeadParallel, ...] = (),
     plan_twin: Callable[[], AttentionState] | None = None,
-) -> AttentionState:
-    """The needed-rows state (causal when it is given the bidirectional ``twin`` or how to
-    plan it, ``plan_twin``)."""
-    plan = plan_needed_rows(group.rank, runs, twin is not None or plan_twin is not None, window)
-    b, padded = doc.shape
-    return AttentionState(
-        group=group,
-        layout=layout.name,
-        local_len=padded // group.world,
-        batch_size=b,
-        reach=plan.reach,
-        causal=twin is not None or plan_twin is not None,
-        spans=plan.spans,
-        exchange=NeededRowsExchange.from_plan(group, plan),
-        twin=twin,
-        plan_twin=plan_twin,
-        window=window,
-        plan_window=plan_window,
-        documents=doc,
-        shard_layout=layout,
-        strategy=strategy,
-        head_parallel=head_parallel,
-    )
-
-
-def _halo_state(
-    group: Group,
-    layout: ShardLayout,
-    doc: torch.Tensor,
-    runs: LayoutRuns,
-    twin: AttentionState | None,
-    window: int | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
-    strategy: str = "needed_rows",
     head_parallel: tuple[HeadParallel, ...] = (),
-    plan_twin: Callable[[], AttentionState] | None = None,
 ) -> AttentionState:
-    """The causal state of a layout whose ranks hold contiguous runs (``contiguous``): each
-    rank's runs see their document from its start (or their ``window``), over its K/V with the
-    halo its first tokens' documents (windows) reach back to in front."""
-    b, padded = doc.shape
+    """The state of one exchange plan of the step: causal when it is given how to plan its
+    bidirectional twin (``plan_twin``); the halo's spans over the halo-extended buffer."""
+    b, padded = plan.documents.shape
     local = padded // group.world
-    plan = plan_halo(group.rank, runs, window)
-    exchange = HaloExchange(group, group.rank * local, local, b, plan.halos)
+    if isinstance(exchange, HaloPlan):
+        kv = HaloExchange(group, group.rank * local, local, b, exchange.halos)
+        spans = halo_spans(kv, exchange.runs, window)
+    else:
+        kv, spans = NeededRowsExchange.from_plan(group, exchange), exchange.spans
     return AttentionState(
         group=group,
-        layout=layout.name,
+        layout=plan.layout.name,
         local_len=local,
         batch_size=b,
-        reach=plan.reach,
-        causal=True,
-        spans=halo_spans(exchange, plan.runs, window),
-        exchange=exchange,
-        twin=twin,
+        reach=exchange.reach,
+        causal=plan_twin is not None,
+        spans=spans,
+        exchange=kv,
         plan_twin=plan_twin,
         window=window,
         plan_window=plan_window,
-        documents=doc,
-        shard_layout=layout,
-        strategy=strategy,
+        documents=plan.documents,
+        shard_layout=plan.layout,
+        strategy=plan.strategy,
         head_parallel=head_parallel,
     )
+
+
+def state_from_plan(
+    group: Group,
+    plan: StepPlan,
+    device: torch.device | None = None,
+    mesh: tuple[Group, Group] | None = None,
+) -> AttentionState:
+    """The step's causal :class:`AttentionState` for this rank from its ``plan`` (made for this
+    rank, group size and strategy); its twin and windows are planned from the plan's runs when
+    first used. ``device``: where the step's metadata goes once; ``mesh``: the ``(inter,
+    intra)`` groups of a 2-D CP mesh whose flattening is ``group``."""
+    plans = head_parallel_states(group, plan, device, mesh, state_from_plan)
+    runs, rank = plan.runs, group.rank
+    routes = {"head_parallel": plans}  # the step's, not its windows'
+    twins: list[AttentionState] = []
+
+    def place(state: AttentionState) -> AttentionState:
+        if device is not None:
+            state.place_on(device)
+        return state
+
+    def plan_twin() -> AttentionState:  # the bidirectional state, planned once per step
+        if not twins:
+            twins.append(place(_state(group, plan, plan_needed_rows(rank, runs, False), **routes)))
+        return twins[0]
+
+    def plan_window(window: int) -> AttentionState:
+        if plan.layout.contiguous_shards:
+            exchange = plan_halo(rank, runs, window)
+        else:
+            exchange = plan_needed_rows(rank, runs, True, window)
+        return place(_state(group, plan, exchange, window, plan_twin))
+
+    state = place(_state(group, plan, plan.causal, None, plan_twin, plan_window, **routes))
+    if states.seen_bidirectional:  # layers of earlier steps attended bidirectionally
+        state.bidirectional()
+    for window in sorted(states.seen_windows):  # the windows earlier steps' layers used
+        state.windowed(window)
+    return state
 
 
 def step_state(
@@ -112,41 +122,12 @@ def step_state(
     mesh: tuple[Group, Group] | None = None,
 ) -> AttentionState:
     """The step's causal :class:`AttentionState` for this rank (its bidirectional twin from
-    ``.bidirectional()``, planned at the setup once a layer has attended bidirectionally, else
-    on first use), from the batch's document ids ``[B, P]`` (padded length, host, 0 = padding; a
-    document = a maximal run of one non-zero id). Every rank passes the same ids and layout (the
-    entry point agreed on them). ``device``: where the step's metadata goes once (the batch's
-    device). ``strategy``: how the step's calls exchange (``"needed_rows"``, ``"heads"``,
-    ``"hierarchical"`` or ``"auto"``: :mod:`cpshard.attention.strategy`); ``mesh``: the
-    ``(inter, intra)`` groups of a 2-D CP mesh whose flattening is ``group`` (hierarchical)."""
-    doc = doc_ids.to("cpu", torch.int64)
-    plans = head_parallel_plans(group, layout, doc, device, strategy, mesh, step_state)
-    routes = {"strategy": strategy, "head_parallel": plans}  # the step's, not its windows'
-    runs = layout_runs(layout, doc)  # what every state and window of the step plans from
-    planned: list[AttentionState] = []
-
-    def plan_twin() -> AttentionState:  # the bidirectional state, planned once per step
-        if not planned:
-            planned.append(_state(group, layout, doc, runs, None, **routes))
-            if device is not None:
-                planned[0].place_on(device)
-        return planned[0]
-
-    causal = _halo_state if layout.contiguous_shards else _state
-
-    def plan_window(window: int) -> AttentionState:
-        state = causal(group, layout, doc, runs, None, window, plan_twin=plan_twin)
-        if device is not None:
-            state.place_on(device)
-        return state
-
-    state = causal(
-        group, layout, doc, runs, None, plan_window=plan_window, plan_twin=plan_twin, **routes
-    )
-    if device is not None:  # the attention's metadata on the batch's device, once per step
-        state.place_on(device)
-    if states.seen_bidirectional:  # layers of earlier steps attended bidirectionally
-        state.bidirectional()
-    for window in sorted(states.seen_windows):  # the windows earlier steps' layers used
-        state.windowed(window)
-    return state
+    ``.bidirectional()``), planned here from the batch's document ids ``[B, P]`` (padded
+    length, host, 0 = padding; a document = a maximal run of one non-zero id). Every rank
+    passes the same ids and layout (the entry point agreed on them). ``strategy``: how the
+    step's calls exchange (``"needed_rows"``, ``"heads"``, ``"hierarchical"`` or ``"auto"``:
+    :mod:`cpshard.attention.strategy`); ``mesh``: the ``(inter, intra)`` groups of a 2-D CP
+    mesh whose flattening is ``group`` (hierarchical)."""
+    dims = None if mesh is None else (mesh[0].world, mesh[1].world)
+    plan = plan_step(group.rank, layout, doc_ids, strategy, dims)
+    return state_from_plan(group, plan, device, mesh)

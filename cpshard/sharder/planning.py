@@ -19,7 +19,7 @@ import torch
 
 from cpshard.attention.activation import activated
 from cpshard.attention.state import STRATEGIES
-from cpshard.attention.step import step_state
+from cpshard.attention.step import state_from_plan
 from cpshard.attention.tokens import register_tokens
 from cpshard.batch.documents import DocumentError, document_positions, read_documents
 from cpshard.batch.padding import IGNORE_INDEX, pad_sequence, pad_value, sequence_dim
@@ -27,7 +27,8 @@ from cpshard.batch.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shi
 from cpshard.comm import Group, GroupLike, resolve_group
 from cpshard.consensus import agree
 from cpshard.fingerprints import digest
-from cpshard.layouts import ShardLayout, is_closed_form, make_layout
+from cpshard.layouts import ShardLayout, is_closed_form, make_layout, padded_seq_len
+from cpshard.planning import StepPlan, plan_step
 from cpshard.sharder.partition import gather_rows
 from cpshard.validation import Problem, dim_arg, tensor_arg
 
@@ -79,14 +80,19 @@ class BatchPlanner:
         *,
         loss_mask: torch.Tensor | None = None,
         padding_token_id: int = 0,
+        step_plan: StepPlan | None = None,
     ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any], ShardLayout]:
         """Shard ``batch`` for this rank of ``cp_mesh`` (NeMo's ``shard_batch`` signature; ``tp_mesh``
-        is unused): ``(ctx_factory, sharded batch, layout)``; every rank raises on a bad batch."""
+        is unused): ``(ctx_factory, sharded batch, layout)``; every rank raises on a bad batch.
+        ``step_plan``: this rank's plan of the step made ahead by :meth:`plan` (a plan made for
+        another batch, layout, rank, world size or strategy raises on every rank)."""
         what = self.what
         g = resolve_group(cp_mesh, what)
         problem, plan = None, None
         try:
-            plan = self._plan_batch(batch, loss_mask, padding_token_id, g.world)
+            plan = self._plan_batch(batch, loss_mask, padding_token_id, g.world, step_plan)
+            if step_plan is not None:
+                self._check_step_plan(step_plan, plan, g)
         except Problem as p:
             problem = str(p)
         fields = {
@@ -105,16 +111,62 @@ class BatchPlanner:
         # batches (hence data-dependent partitions, or documents) differ are named instead of
         # silently mixed.
         agree(g, what, problem, fields)
-        padded_docs = pad_sequence("_packed_seq_ids", plan.documents, 1, plan.layout.padded_seq_len)
-        state = step_state(
-            g, plan.layout, padded_docs, plan.device, self.strategy, self.mesh
-        )
+        if step_plan is None:
+            step_plan = plan_step(g.rank, plan.layout, plan.padded_documents(), self.strategy,
+                                  self._mesh_dims())  # fmt: skip
+        state = state_from_plan(g, step_plan, plan.device, self.mesh)
         sharded = plan.apply(g.rank)
         register_tokens(sharded["position_ids"], state)  # attention checks whose tokens they are
         return lambda: activated(state), sharded, plan.layout
 
+    def plan(self, batch: object, rank: int, world: int) -> StepPlan:
+        """This rank's plan of the step for ``batch`` (host work only, no communication): its
+        layout and every table its attention uses. Raises ``ValueError`` / ``TypeError`` on a bad
+        batch (here, on this rank alone; :meth:`shard_batch` checks it again on every rank)."""
+        try:
+            planned = self._plan_batch(batch, None, 0, world)
+        except Problem as p:
+            raise p.kind(f"{self.what}: rank {rank}: {p}") from None
+        return plan_step(
+            rank, planned.layout, planned.padded_documents(), self.strategy, self._mesh_dims()
+        )
+
+    def _mesh_dims(self) -> tuple[int, int] | None:
+        return None if self.mesh is None else (self.mesh[0].world, self.mesh[1].world)
+
+    def _check_step_plan(self, step_plan: object, planned: _BatchPlan, g: Group) -> None:
+        """``step_plan`` must be this rank's plan of this batch, layout and strategy."""
+        if not isinstance(step_plan, StepPlan):
+            raise Problem(
+                f"plan must be a StepPlan (from sharder.plan(batch)), got "
+                f"{type(step_plan).__name__}", TypeError
+            )  # fmt: skip
+        made = (step_plan.rank, step_plan.world, step_plan.strategy, step_plan.mesh)
+        here = (g.rank, g.world, self.strategy, self._mesh_dims())
+        if made != here:
+            raise Problem(
+                f"the plan was made for (rank, world, strategy, mesh) = {made}, this step is "
+                f"{here}"
+            )
+        lay, n = step_plan.layout, planned.seq_len
+        padded = padded_seq_len(n, self.layout, g.world, self.num_chunks, self.pad_multiple)
+        made = (lay.name, lay.num_chunks, lay.original_seq_len, lay.padded_seq_len)
+        here = (self.layout, self.num_chunks, n, padded)
+        if made != here:
+            raise Problem(
+                f"the plan was made for (layout, num_chunks, seq_len, padded_seq_len) = {made}, "
+                f"this step is {here}"
+            )
+        if not torch.equal(step_plan.documents, planned.padded_documents()):
+            raise Problem("the plan was made for another batch (its documents differ)")
+
     def _plan_batch(
-        self, batch: object, loss_mask, padding_token_id: int, world: int
+        self,
+        batch: object,
+        loss_mask,
+        padding_token_id: int,
+        world: int,
+        step_plan: object | None = None,
     ) -> _BatchPlan:
         if not isinstance(batch, Mapping):
             raise Problem(
@@ -210,6 +262,9 @@ class BatchPlanner:
         plan.documents = doc_ids
         if labels is not None:
             plan.num_labelled = (labels != IGNORE_INDEX).sum()
+        if isinstance(step_plan, StepPlan) and step_plan.layout.original_seq_len == seq_len:
+            plan.layout = step_plan.layout  # planned ahead: checked against the batch after
+            return plan
         try:
             plan.layout = make_layout(
                 self.layout, world, seq_len,
@@ -232,6 +287,10 @@ class _BatchPlan:
         self.documents: torch.Tensor | None = None  # on the host
         self.num_labelled: torch.Tensor | None = None
         self.layout: ShardLayout | None = None
+
+    def padded_documents(self) -> torch.Tensor:
+        """The document ids padded to the layout's length (host int64, 0 = padding)."""
+        return pad_sequence("_packed_seq_ids", self.documents, 1, self.layout.padded_seq_len)
 
     def apply(self, rank: int) -> ShardedBatch:
         lay = self.layout

@@ -18,6 +18,7 @@ from cpshard.layouts import (
     is_closed_form,
     resolve_num_chunks,
 )
+from cpshard.planning import StepPlan
 from cpshard.sharder.partition import Partition
 from cpshard.sharder.planning import KNOWN_KEYS, BatchPlanner, check_strategy
 from cpshard.sharder.token_verbs import TokenVerbs
@@ -213,20 +214,42 @@ class ContextParallelSharder:
 
     # ------------------------------------------------------------------ shard
 
+    def plan(self, batch: dict[str, Any]) -> StepPlan:
+        """This rank's plan of the step for ``batch``: its layout and every table its CP
+        attention uses, host work only (no communication, no device), picklable. Make it where
+        the batch is made (in a ``DataLoader`` worker's collate function) and pass it to
+        :meth:`shard`, which then does only the step's consensus round and the sharding. A bad
+        batch raises here on this rank alone (and again in :meth:`shard`, on every rank)."""
+        if self.shard_batch != self._planner.shard_batch:
+            raise TypeError(
+                f"{self._where('plan')}: a sharder in the direct form (its own shard_batch) has "
+                "no built-in planning"
+            )
+        return self._planner.plan(batch, self.rank, self.world_size)
+
     def shard(
-        self, batch: dict[str, Any]
+        self, batch: dict[str, Any], plan: StepPlan | None = None
     ) -> tuple[Callable[[], contextlib.AbstractContextManager], dict[str, Any]]:
         """Shard ``batch`` (pad, shard every sequence-aligned tensor) and keep its layout in
         :attr:`shard_layout` for the token verbs. Returns ``(ctx_factory, sharded_batch)``; the
         input batch is not modified. The built-in ``shard_batch`` registers the sharded
         ``position_ids`` as this step's tokens: CP attention given them
-        (:mod:`cpshard.attention.tokens`) raises under another context or outside any."""
+        (:mod:`cpshard.attention.tokens`) raises under another context or outside any.
+        ``plan``: the step's plan made ahead by :meth:`plan` for this batch (a plan made for
+        another batch, layout, rank, world size or strategy raises on every rank)."""
+        if plan is not None and self.shard_batch != self._planner.shard_batch:
+            raise TypeError(
+                f"{self._where('shard')}: plan= needs the built-in shard_batch (this sharder is "
+                "in the direct form)"
+            )
+        extra = {} if plan is None else {"step_plan": plan}
         result = self.shard_batch(
             self._cp_mesh,
             self._tp_mesh,
             batch,
             loss_mask=self._loss_mask,
             padding_token_id=self._padding_token_id,
+            **extra,
         )
         if not isinstance(result, tuple) or len(result) != 3:
             raise TypeError(

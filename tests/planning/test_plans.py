@@ -215,7 +215,7 @@ def reference_node_orders(layout, nodes: int, per_node: int) -> tuple[list, list
 
 
 def test_head_parallel_node_layouts_equal_the_sorted_union() -> None:
-    from cpshard.attention.head_plan import _node_layout
+    from cpshard.planning import node_layout
 
     rng = random.Random(7)
     for _ in range(150):
@@ -224,7 +224,7 @@ def test_head_parallel_node_layouts_equal_the_sorted_union() -> None:
         name = rng.choice(LAYOUTS)
         doc = fuzzed_doc_ids(rng, rng.choice((1, 2, 3)), rng.randint(1, 60))
         layout = make_layout(name, world, doc.shape[1], doc_ids=doc)
-        merged, orders = _node_layout(layout, nodes, per_node)
+        merged, orders = node_layout(layout, nodes, per_node)
         unions, want = reference_node_orders(layout, nodes, per_node)
         for e in range(nodes):
             got = orders[e]
