@@ -9,9 +9,9 @@ per-rank cost.
 
 Zig-zagging a run of ``n`` tokens cuts it into ``C`` chunks of ``n // C`` tokens; its
 ``n % C`` extra tokens go one each to ranks ``c, c + 1, ...`` (mod ``W``), ``c`` a counter
-running along the runs, each widening that rank's next chunk of the run (its ``t``-th extra
-token widens its chunk of pass ``t``). A counter running along a row deals every rank the same
-number of extras.
+running along the runs from 0, each widening that rank's next chunk of the run (its ``t``-th
+extra token of the run widens its chunk of pass ``t``). A counter running along a row deals
+every rank the same number of extras.
 """
 
 from __future__ import annotations
@@ -37,32 +37,38 @@ def chunk_ranks(world: int, chunks: int) -> torch.Tensor:
 
 
 def zigzag_pieces(
-    lengths: torch.Tensor, world: int, chunks: int, counter: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The non-empty pieces of runs of ``lengths`` (int64 ``[R]``, in position order) zig-zagged
-    over ``chunks`` chunks (module doc), the extras dealt from ``counter`` on.
+    starts: torch.Tensor, lengths: torch.Tensor, world: int, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pieces of runs at ``starts`` of ``lengths`` (int64 ``[R]``, in position order)
+    zig-zagged over ``chunks`` chunks (module doc): start, offset in its run, length and rank of
+    each (int64 vectors, in position order).
 
-    Returns the run index, offset in its run, length and rank of every piece (int64 vectors,
-    in position order) and the counter after the runs. Whole-tensor work over runs x chunks,
-    a block of runs at a time."""
+    Whole-tensor work over runs x chunks, a block of runs at a time. Empty chunks are pieces
+    too (of length 0) unless they are most of a block (runs shorter than ``chunks``), which
+    keeps the output within twice the tokens plus one block."""
     ranks = chunk_ranks(world, chunks)
-    # Chunk k of pass t owned by rank r is widened by the run's extra token t * W + (r - c) % W
-    # (c: the counter at the run), if the run has that many extras.
-    first_extra = (torch.arange(chunks) // world * world)[None, :]
+    # Chunk k of pass t owned by rank r is widened by the run's extra token
+    # t * W + (r - c) % W (c: the counter at the run) if the run has that many extras: that
+    # index for every counter c mod W, [W, C].
+    c = torch.arange(world)[:, None]
+    extra_index = torch.arange(chunks) // world * world + (ranks - c) % world
     q, m = lengths // chunks, lengths % chunks
-    at_run = counter + torch.cumsum(m, 0) - m
+    counter = (torch.cumsum(m, 0) - m) % world
     block = max(1, BLOCK_ELEMENTS // chunks)
-    out: list[tuple[torch.Tensor, ...]] = []
+    out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for b in range(0, lengths.numel(), block):
-        mb = m[b : b + block, None]
-        extra = first_extra + (ranks[None, :] - at_run[b : b + block, None]) % world < mb
-        sizes = q[b : b + block, None] + extra
+        e = slice(b, b + block)
+        sizes = q[e, None] + (extra_index[counter[e]] < m[e, None])
         offsets = torch.cumsum(sizes, 1) - sizes
-        keep = sizes > 0
-        run, k = keep.nonzero(as_tuple=True)
-        out.append((run + b, offsets[keep], sizes[keep], ranks[k]))
+        at, owner = starts[e, None] + offsets, ranks.expand_as(sizes)
+        if sizes.numel() > 2 * int(lengths[e].sum()):
+            keep = sizes > 0
+            out.append((at[keep], offsets[keep], sizes[keep], owner[keep]))
+        else:
+            out.append((at.flatten(), offsets.flatten(), sizes.flatten(), owner.flatten()))
     if not out:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty, empty, empty, counter
-    run, offsets, sizes, owner = (torch.cat(parts) for parts in zip(*out, strict=True))
-    return run, offsets, sizes, owner, counter + int(m.sum())
+        out.append((torch.zeros(0, dtype=torch.int64),) * 4)
+    if len(out) == 1:
+        return out[0]  # no copy
+    at, offsets, sizes, owner = (torch.cat(parts) for parts in zip(*out, strict=True))
+    return at, offsets, sizes, owner
