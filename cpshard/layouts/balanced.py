@@ -27,20 +27,26 @@ from cpshard.batch.runs import document_runs
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.costs import attended_pairs, piece_cost
 from cpshard.layouts.owners import Piece, check_doc_ids, owner_row, stack_rows
-from cpshard.layouts.serpentine import default_num_chunks, zigzag_pieces
+from cpshard.layouts.serpentine import (
+    chunk_ranks,
+    default_num_chunks,
+    zigzag_pieces,
+    zigzag_sizes,
+)
 
 __all__ = ["BALANCED", "plan_balanced"]
 
 
 class _Placement(NamedTuple):
-    """One attempt at placing a row: the max per-rank cost over the mean (exact if
-    ``complete``, else only known to be over the limit), per-rank token counts, the pieces of
-    the zig-zagged documents (starts, lengths, ranks) and the others' (padding not placed)."""
+    """One attempt at placing a row with the ``zigzagged`` largest documents zig-zagged: the
+    max per-rank cost over the mean (exact if ``complete``, else only known to be over the
+    limit), per-rank token counts and the pieces of the documents placed whole or cut (the
+    zig-zagged ones and padding are not listed)."""
 
+    zigzagged: int
     ratio: float
     complete: bool
     count: list[int]
-    zigzagged: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     pieces: list[Piece]
 
 
@@ -72,27 +78,40 @@ class _Row:
             lo, hi = (lo, mid) if mid / target > limit else (mid, hi)
         return hi
 
+    def _zig(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Starts and lengths of the ``j`` largest documents, in position order."""
+        zig = torch.tensor(sorted(self.by_size[:j]), dtype=torch.int64)
+        return self.starts[zig], self.lengths[zig]
+
+    def _zigzagged(self, j: int) -> tuple[list[int], list[int]]:
+        """Per-rank token counts and costs of the ``j`` largest documents zig-zagged (in
+        position order, the counter running along them)."""
+        world = self.world
+        if not j:
+            return [0] * world, [0] * world
+        chunks = default_num_chunks(world)
+        count = torch.zeros(chunks, dtype=torch.int64)
+        twice_cost = torch.zeros(chunks, dtype=torch.int64)
+        for _, sizes in zigzag_sizes(self._zig(j)[1], world, chunks):
+            # n tokens ending at e of their document cost n (2 e - n + 1) / 2 (piece_cost)
+            ends = torch.cumsum(sizes, 1)
+            count += sizes.sum(0)
+            twice_cost += (sizes * (2 * ends - sizes + 1)).sum(0)
+        ranks = chunk_ranks(world, chunks)
+        zeros = torch.zeros(world, dtype=torch.int64)
+        return zeros.index_add(0, ranks, count).tolist(), (
+            zeros.index_add(0, ranks, twice_cost) // 2
+        ).tolist()
+
     def place(self, j: int, stop_cost: float) -> _Placement:
         """Place the row with the ``j`` largest documents zig-zagged (module doc), stopping as
         soon as a rank's cost reaches ``stop_cost`` (:meth:`stop_cost`; infinity: never)."""
         world, per_rank, target = self.world, self.per_rank, self.target
-        if j:
-            zig = torch.tensor(sorted(self.by_size[:j]), dtype=torch.int64)
-            at, offsets, sizes, ranks = zigzag_pieces(
-                self.starts[zig], self.lengths[zig], world, default_num_chunks(world)
-            )
-            ends = offsets + sizes
-            costs = ends * (ends + 1) // 2 - offsets * (offsets + 1) // 2  # piece_cost
-            zeros = torch.zeros(world, dtype=torch.int64)
-            count = zeros.index_add(0, ranks, sizes).tolist()
-            cost = zeros.index_add(0, ranks, costs).tolist()
-        else:
-            at = sizes = ranks = torch.zeros(0, dtype=torch.int64)
-            count, cost = [0] * world, [0] * world
+        count, cost = self._zigzagged(j)
         pieces: list[Piece] = []
 
         def stop(c: int) -> _Placement:
-            return _Placement(c / target, False, count, (at, sizes, ranks), pieces)
+            return _Placement(j, c / target, False, count, pieces)
 
         if max(cost) >= stop_cost:
             return stop(max(cost))
@@ -143,7 +162,7 @@ class _Row:
                     break
             assert done == n, "internal error: no room left for a document"
         ratio = max(cost) / target if target > 0 else 1.0
-        return _Placement(ratio, True, count, (at, sizes, ranks), pieces)
+        return _Placement(j, ratio, True, count, pieces)
 
     def owner(self, placed: _Placement, length: int) -> torch.Tensor:
         """Owner ranks of a complete placement, padding filling what is left (ranks in order,
@@ -161,9 +180,10 @@ class _Row:
                 pieces.append((start + done, k, r))
                 done += k
         starts, sizes, ranks = torch.tensor(pieces, dtype=torch.int64).reshape(-1, 3).T
-        keep = placed.zigzagged[1] > 0
+        zigzagged = zigzag_pieces(*self._zig(placed.zigzagged), self.world, default_num_chunks(self.world))
+        keep = zigzagged[1] > 0
         starts, sizes, ranks = (
-            torch.cat([x[keep], y]) for x, y in zip(placed.zigzagged, (starts, sizes, ranks))
+            torch.cat([x[keep], y]) for x, y in zip(zigzagged, (starts, sizes, ranks), strict=True)
         )
         order = torch.argsort(starts)
         return owner_row(starts[order], sizes[order], ranks[order], length)
