@@ -5,14 +5,16 @@ Whole documents are placed greedily (largest first, on the rank with the most co
 that still has room for them); documents that fit nowhere are cut across the ranks that have
 room (cheap heads to the ranks with the least budget left); padding fills what remains. If the
 result is not within ``tolerance`` of the mean cost, the largest documents are zig-zagged
-(:func:`~cpshard.layouts.serpentine.zigzag_pieces`; 1, 2, 4, ... of them, finally all), which
+(:mod:`cpshard.layouts.serpentine`; 1, 2, 4, ... of them, finally all), which
 balances them on their own, and the rest is placed again. The plan with the fewest zig-zagged
 documents within tolerance is kept, else the most balanced. Every rank holds exactly ``P / W``
 positions of every row; the padded length is a multiple of ``W``.
 
-The greedy keeps the ranks with room in a heap ordered by the placement key, so a row costs
-``O(D log W)`` per attempt for ``D`` documents; an attempt stops as soon as a rank's cost is
-over the tolerance, and only the kept plan records its pieces.
+An attempt costs ``O(D log W + W log W)`` for ``D`` documents: the greedy keeps the ranks with
+room in a heap ordered by the placement key, the cut documents take the ranks in one order of
+budget, and the zig-zagged documents' costs are whole-tensor sums per chunk. An attempt stops as
+soon as a rank's cost is over the tolerance; the zig-zagged pieces and the padding are laid out
+for the kept plan only.
 """
 
 from __future__ import annotations
@@ -147,10 +149,16 @@ class _Row:
             pieces.append((start, n, r))
             if c >= stop_cost:
                 return stop(c)
-        for start, n in deferred:  # cut across the ranks with room: cheap heads to least budget
+        # Cut across the ranks with room, the cheap head to the least budget left: ranks in
+        # order of (target - cost, r), each taken whole but the last; that one keeps the
+        # least budget, so the order (of the others, unchanged) holds for the next document.
+        by_budget = sorted((target - cost[r], r) for r in range(world) if count[r] < per_rank)
+        first = 0
+        for start, n in deferred:
             done = 0
-            room = (r for r in range(world) if count[r] < per_rank)
-            for r in sorted(room, key=lambda r: (target - cost[r], r)):
+            while done < n:
+                assert first < len(by_budget), "internal error: no room left for a document"
+                r = by_budget[first][1]
                 k = min(per_rank - count[r], n - done)
                 count[r] += k
                 cost[r] += piece_cost(done, k)
@@ -158,9 +166,8 @@ class _Row:
                 done += k
                 if cost[r] >= stop_cost:
                     return stop(cost[r])
-                if done == n:
-                    break
-            assert done == n, "internal error: no room left for a document"
+                if count[r] == per_rank:
+                    first += 1
         ratio = max(cost) / target if target > 0 else 1.0
         return _Placement(j, ratio, True, count, pieces)
 
@@ -180,8 +187,9 @@ class _Row:
                 pieces.append((start + done, k, r))
                 done += k
         starts, sizes, ranks = torch.tensor(pieces, dtype=torch.int64).reshape(-1, 3).T
-        zigzagged = zigzag_pieces(*self._zig(placed.zigzagged), self.world, default_num_chunks(self.world))
-        keep = zigzagged[1] > 0
+        world = self.world
+        zigzagged = zigzag_pieces(*self._zig(placed.zigzagged), world, default_num_chunks(world))
+        keep = zigzagged[1] > 0  # no empty pieces: the order by start must be unambiguous
         starts, sizes, ranks = (
             torch.cat([x[keep], y]) for x, y in zip(zigzagged, (starts, sizes, ranks), strict=True)
         )

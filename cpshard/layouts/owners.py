@@ -43,8 +43,9 @@ def owner_row(
     # Rank deltas at piece starts, then a running sum: a position gets the rank of the last
     # piece starting at or before it (empty pieces' deltas cancel out). One slot past the end
     # takes the deltas of empty pieces there.
-    delta = ranks.clone()
-    delta[1:] -= ranks[:-1]
+    delta = torch.empty_like(ranks)
+    delta[:1] = ranks[:1]
+    torch.sub(ranks[1:], ranks[:-1], out=delta[1:])
     owner = torch.zeros(length + 1, dtype=torch.int64).scatter_add_(0, starts, delta)[:length]
     return owner.cumsum_(0)
 
