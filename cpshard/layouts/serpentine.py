@@ -48,7 +48,8 @@ def _deal(world: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     ranks = chunk_ranks(world, chunks)
     c = torch.arange(world)[:, None]
     extra_index = torch.arange(chunks) // world * world + (ranks - c) % world
-    return ranks, extra_index.to(torch.int32)  # int32: less memory traffic per run
+    # int32 where it fits: less memory traffic per run
+    return ranks, extra_index.to(torch.int32 if chunks < 2**31 else torch.int64)
 
 
 def zigzag_sizes(
@@ -57,13 +58,13 @@ def zigzag_sizes(
     """The chunk sizes ``[R, C]`` of runs of ``lengths`` (int64 ``[R]``, in position order)
     zig-zagged over ``chunks`` chunks (module doc), a block of runs at a time (whole-tensor
     work, bounded memory): yields the block's slice of the runs and its sizes."""
-    ranks, extra_index = _deal(world, chunks)
+    extra_index = _deal(world, chunks)[1]
     q, m = lengths // chunks, lengths % chunks
     counter = (torch.cumsum(m, 0) - m) % world
     block = max(1, BLOCK_ELEMENTS // chunks)
     for b in range(0, lengths.numel(), block):
         e = slice(b, b + block)
-        yield e, q[e, None] + (extra_index[counter[e]] < m[e, None].to(torch.int32))
+        yield e, q[e, None] + (extra_index[counter[e]] < m[e, None].to(extra_index.dtype))
 
 
 def zigzag_pieces(
