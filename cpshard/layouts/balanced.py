@@ -5,19 +5,23 @@ Whole documents are placed greedily (largest first, on the rank with the most co
 that still has room for them); documents that fit nowhere are cut across the ranks that have
 room (cheap heads to the ranks with the least budget left); padding fills what remains. If the
 result is not within ``tolerance`` of the mean cost, the largest documents are zig-zagged
-(:func:`~cpshard.layouts.serpentine.zigzag_pieces`; 1, 2, 4, ... of them, finally all), which
+(:mod:`cpshard.layouts.serpentine`; 1, 2, 4, ... of them, finally all), which
 balances them on their own, and the rest is placed again. The plan with the fewest zig-zagged
 documents within tolerance is kept, else the most balanced. Every rank holds exactly ``P / W``
 positions of every row; the padded length is a multiple of ``W``.
 
-The greedy keeps the ranks with room in a heap ordered by the placement key, so a row costs
-``O(D log W)`` per attempt for ``D`` documents; an attempt stops as soon as a rank's cost is
-over the tolerance, and only the kept plan records its pieces.
+An attempt costs ``O(D log W + W log W)`` for ``D`` documents: the greedy keeps the ranks with
+room in a heap ordered by the placement key, the cut documents take the ranks in one order of
+budget, and the zig-zagged documents' costs are whole-tensor sums per chunk. An attempt stops as
+soon as a rank's cost is over the tolerance; the zig-zagged pieces and the padding are laid out
+for the kept plan only.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -25,9 +29,27 @@ from cpshard.batch.runs import document_runs
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.costs import attended_pairs, piece_cost
 from cpshard.layouts.owners import Piece, check_doc_ids, owner_row, stack_rows
-from cpshard.layouts.serpentine import default_num_chunks, zigzag_pieces
+from cpshard.layouts.serpentine import (
+    chunk_ranks,
+    default_num_chunks,
+    zigzag_pieces,
+    zigzag_sizes,
+)
 
 __all__ = ["BALANCED", "plan_balanced"]
+
+
+class _Placement(NamedTuple):
+    """One attempt at placing a row with the ``zigzagged`` largest documents zig-zagged: the
+    max per-rank cost over the mean (exact if ``complete``, else only known to be over the
+    limit), per-rank token counts and the pieces of the documents placed whole or cut (the
+    zig-zagged ones and padding are not listed)."""
+
+    zigzagged: int
+    ratio: float
+    complete: bool
+    count: list[int]
+    pieces: list[Piece]
 
 
 class _Row:
@@ -35,115 +57,144 @@ class _Row:
 
     def __init__(self, runs: list[tuple[int, int, int]], world: int, per_rank: int) -> None:
         self.world, self.per_rank = world, per_rank
-        self.docs = [(s, n) for s, n, d in runs if d != 0]
+        docs = [(s, n) for s, n, d in runs if d != 0]
         self.pads = [(s, n) for s, n, d in runs if d == 0]
-        self.pairs = [attended_pairs(n) for _, n in self.docs]
-        self.target = sum(self.pairs) / world
-        self.by_size = sorted(range(len(self.docs)), key=lambda i: (-self.docs[i][1], i))
-        doc_tensor = torch.tensor(self.docs, dtype=torch.int64).reshape(-1, 2)
-        self.starts, self.lengths = doc_tensor.unbind(1)
+        self.target = sum(attended_pairs(n) for _, n in docs) / world
+        by_size = sorted(range(len(docs)), key=lambda i: (-docs[i][1], i))
+        self.by_size = by_size
+        # (start, length, cost) of the documents, largest first
+        self.ordered = [(*docs[i], attended_pairs(docs[i][1])) for i in by_size]
+        self.starts, self.lengths = torch.tensor(docs, dtype=torch.int64).reshape(-1, 2).T
 
-    def ratio(self, j: int, limit: float | None) -> float:
-        """Max per-rank cost over the mean with the ``j`` largest documents zig-zagged; with a
-        ``limit``, a value over it as soon as one is reached (the attempt fails anyway)."""
-        return self._place(j, limit, None)
+    def stop_cost(self, limit: float) -> float:
+        """The least per-rank cost ``c`` with ``c / target > limit`` (the ratio, computed as
+        for the result, grows with ``c``); infinity (never stop) for no documents or a bound
+        too large to search."""
+        target = self.target
+        bound = limit * target * 2 + 2
+        if target <= 0 or not bound < 2**62:
+            return math.inf
+        lo, hi = 0, int(bound)  # lo / target <= limit < hi / target
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if mid / target > limit else (mid, hi)
+        return hi
 
-    def owner(self, j: int, length: int) -> torch.Tensor:
-        """Owner ranks of the row placed with the ``j`` largest documents zig-zagged."""
-        pieces: list[Piece] = []
-        zig_starts, zig_sizes, zig_ranks = self._zigzagged(j)[2]
-        self._place(j, None, pieces)
-        starts, sizes, ranks = torch.tensor(pieces, dtype=torch.int64).reshape(-1, 3).unbind(1)
-        return owner_row(
-            torch.cat([zig_starts, starts]),
-            torch.cat([zig_sizes, sizes]),
-            torch.cat([zig_ranks, ranks]),
-            length,
-        )
-
-    def _zigzagged(
-        self, j: int
-    ) -> tuple[list[int], list[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Per-rank token counts and costs of the ``j`` largest documents zig-zagged (in
-        position order, the counter running along them), and their pieces."""
+    def _zig(self, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Starts and lengths of the ``j`` largest documents, in position order."""
         zig = torch.tensor(sorted(self.by_size[:j]), dtype=torch.int64)
-        run, offsets, sizes, ranks, _ = zigzag_pieces(
-            self.lengths[zig], self.world, default_num_chunks(self.world)
-        )
-        ends = offsets + sizes
-        costs = ends * (ends + 1) // 2 - offsets * (offsets + 1) // 2  # piece_cost, elementwise
-        zeros = torch.zeros(self.world, dtype=torch.int64)
-        count = zeros.index_add(0, ranks, sizes).tolist()
-        cost = zeros.index_add(0, ranks, costs).tolist()
-        return count, cost, (self.starts[zig][run] + offsets, sizes, ranks)
+        return self.starts[zig], self.lengths[zig]
 
-    def _place(self, j: int, limit: float | None, pieces: list[Piece] | None) -> float:
-        """Place the row with the ``j`` largest documents zig-zagged (module doc); returns the
-        max per-rank cost over the mean (see :meth:`ratio`), records the pieces other than the
-        zig-zagged ones into ``pieces`` (padding included) if given."""
+    def _zigzagged(self, j: int) -> tuple[list[int], list[int]]:
+        """Per-rank token counts and costs of the ``j`` largest documents zig-zagged (in
+        position order, the counter running along them)."""
+        world = self.world
+        if not j:
+            return [0] * world, [0] * world
+        chunks = default_num_chunks(world)
+        count = torch.zeros(chunks, dtype=torch.int64)
+        twice_cost = torch.zeros(chunks, dtype=torch.int64)
+        for _, sizes in zigzag_sizes(self._zig(j)[1], world, chunks):
+            # n tokens ending at e of their document cost n (2 e - n + 1) / 2 (piece_cost)
+            ends = torch.cumsum(sizes, 1)
+            count += sizes.sum(0)
+            twice_cost += (sizes * (2 * ends - sizes + 1)).sum(0)
+        ranks = chunk_ranks(world, chunks)
+        zeros = torch.zeros(world, dtype=torch.int64)
+        return zeros.index_add(0, ranks, count).tolist(), (
+            zeros.index_add(0, ranks, twice_cost) // 2
+        ).tolist()
+
+    def place(self, j: int, stop_cost: float) -> _Placement:
+        """Place the row with the ``j`` largest documents zig-zagged (module doc), stopping as
+        soon as a rank's cost reaches ``stop_cost`` (:meth:`stop_cost`; infinity: never)."""
         world, per_rank, target = self.world, self.per_rank, self.target
-        count, cost, _ = self._zigzagged(j)
-        if limit is not None and j and max(cost) / target > limit:
-            return max(cost) / target
+        count, cost = self._zigzagged(j)
+        pieces: list[Piece] = []
+
+        def stop(c: int) -> _Placement:
+            return _Placement(j, c / target, False, count, pieces)
+
+        if max(cost) >= stop_cost:
+            return stop(max(cost))
         # Whole documents, largest first, on the rank of largest key (target - cost,
-        # per_rank - count, -r) among those with room: a heap of the negated keys of the ranks
-        # with room; ranks too full for the current document wait aside (by room) until the
-        # documents, decreasing, fit them again.
-        heap = [(-(target - cost[r]), count[r] - per_rank, r) for r in range(world)]
+        # per_rank - count, -r) among those with room: a heap of the negated keys
+        # (cost - target == -(target - cost) exactly) of the ranks with room. Ranks too full
+        # for the current document wait aside (least full first) until the documents,
+        # decreasing, fit them again.
+        heap = [(cost[r] - target, count[r] - per_rank, r) for r in range(world)]
         heap = [e for e in heap if e[1] < 0]
         heapq.heapify(heap)
         aside: list[tuple[int, tuple[float, int, int]]] = []
         deferred = []
-        for i in self.by_size[j:]:
-            start, n = self.docs[i]
-            while aside and aside[0][0] <= -n:
-                heapq.heappush(heap, heapq.heappop(aside)[1])
-            while heap:
-                e = heapq.heappop(heap)
-                if e[1] + n <= 0:
-                    break
-                heapq.heappush(aside, (e[1], e))
-            else:
-                deferred.append(i)
+        push, pop, replace = heapq.heappush, heapq.heappop, heapq.heapreplace
+        for start, n, pairs in self.ordered[j:]:
+            if aside and aside[0][0] <= -n:
+                while aside and aside[0][0] <= -n:
+                    push(heap, pop(aside)[1])
+            while heap and heap[0][1] + n > 0:
+                e = pop(heap)
+                push(aside, (e[1], e))
+            if not heap:
+                deferred.append((start, n))
                 continue
-            r = e[2]
+            _, room, r = heap[0]
+            c = cost[r] + pairs
+            cost[r] = c
             count[r] += n
-            cost[r] += self.pairs[i]
-            if count[r] < per_rank:
-                heapq.heappush(heap, (-(target - cost[r]), count[r] - per_rank, r))
-            if pieces is not None:
-                pieces.append((start, n, r))
-            if limit is not None and cost[r] / target > limit:
-                return cost[r] / target
-        for i in deferred:  # cut across the ranks with room: the cheap head to the least budget
-            start, n = self.docs[i]
+            if room + n < 0:
+                replace(heap, (c - target, room + n, r))
+            else:
+                pop(heap)
+            pieces.append((start, n, r))
+            if c >= stop_cost:
+                return stop(c)
+        # Cut across the ranks with room, the cheap head to the least budget left: ranks in
+        # order of (target - cost, r), each taken whole but the last; that one keeps the
+        # least budget, so the order (of the others, unchanged) holds for the next document.
+        by_budget = sorted((target - cost[r], r) for r in range(world) if count[r] < per_rank)
+        first = 0
+        for start, n in deferred:
             done = 0
-            room = (r for r in range(world) if count[r] < per_rank)
-            for r in sorted(room, key=lambda r: (target - cost[r], r)):
+            while done < n:
+                assert first < len(by_budget), "internal error: no room left for a document"
+                r = by_budget[first][1]
                 k = min(per_rank - count[r], n - done)
                 count[r] += k
                 cost[r] += piece_cost(done, k)
-                if pieces is not None:
-                    pieces.append((start + done, k, r))
+                pieces.append((start + done, k, r))
                 done += k
-                if limit is not None and cost[r] / target > limit:
-                    return cost[r] / target
-                if done == n:
-                    break
-            assert done == n, "internal error: no room left for a document"
-        if pieces is not None:  # padding fills what is left, ranks in order, at no cost
-            r = 0
-            for start, n in self.pads:
-                done = 0
-                while done < n:
-                    while r < world and count[r] == per_rank:
-                        r += 1
-                    assert r < world, "internal error: no room left for padding"
-                    k = min(per_rank - count[r], n - done)
-                    count[r] += k
-                    pieces.append((start + done, k, r))
-                    done += k
-        return max(cost) / target if target > 0 else 1.0
+                if cost[r] >= stop_cost:
+                    return stop(cost[r])
+                if count[r] == per_rank:
+                    first += 1
+        ratio = max(cost) / target if target > 0 else 1.0
+        return _Placement(j, ratio, True, count, pieces)
+
+    def owner(self, placed: _Placement, length: int) -> torch.Tensor:
+        """Owner ranks of a complete placement, padding filling what is left (ranks in order,
+        at no cost)."""
+        per_rank, count, pieces = self.per_rank, list(placed.count), list(placed.pieces)
+        r = 0
+        for start, n in self.pads:
+            done = 0
+            while done < n:
+                while r < self.world and count[r] == per_rank:
+                    r += 1
+                assert r < self.world, "internal error: no room left for padding"
+                k = min(per_rank - count[r], n - done)
+                count[r] += k
+                pieces.append((start + done, k, r))
+                done += k
+        starts, sizes, ranks = torch.tensor(pieces, dtype=torch.int64).reshape(-1, 3).T
+        world = self.world
+        zigzagged = zigzag_pieces(*self._zig(placed.zigzagged), world, default_num_chunks(world))
+        keep = zigzagged[1] > 0  # no empty pieces: the order by start must be unambiguous
+        starts, sizes, ranks = (
+            torch.cat([x[keep], y]) for x, y in zip(zigzagged, (starts, sizes, ranks), strict=True)
+        )
+        order = torch.argsort(starts)
+        return owner_row(starts[order], sizes[order], ranks[order], length)
 
 
 def _balanced_row(row: torch.Tensor, world: int, tolerance: float) -> torch.Tensor:
@@ -152,28 +203,29 @@ def _balanced_row(row: torch.Tensor, world: int, tolerance: float) -> torch.Tens
         return torch.zeros(length, dtype=torch.int64)
     plan = _Row(document_runs(row), world, length // world)
     limit = 1.0 + tolerance
-    found: dict[int, float] = {}
+    stop_cost = plan.stop_cost(limit)
+    found: dict[int, _Placement] = {}
 
     def attempt(j: int) -> bool:
-        """Place the row with the ``j`` largest documents zig-zagged; True if within tolerance
-        (``found[j]`` is then exact, else only known to be over the limit)."""
+        """Place the row with the ``j`` largest documents zig-zagged; True if within tolerance."""
         if j not in found:
-            found[j] = plan.ratio(j, limit)
-        return found[j] <= limit
+            found[j] = plan.place(j, stop_cost)
+        return found[j].ratio <= limit
 
     # 0, 1, 2, 4, ... zig-zagged documents, finally all; then the fewest that pass in between.
-    docs = len(plan.docs)
+    docs = len(plan.ordered)
     lo, j = -1, 0
     while not attempt(j) and j < docs:
         lo, j = j, min(docs, 1 if j == 0 else 2 * j)
-    if found[j] <= limit:
+    if found[j].ratio <= limit:
         hi = j
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if attempt(mid) else (mid, hi)
-        return plan.owner(hi, length)
-    exact = {k: plan.ratio(k, None) for k in found}  # none passed: the most balanced
-    return plan.owner(min(exact, key=lambda k: (exact[k], k)), length)
+        return plan.owner(found[hi], length)
+    # None passed: the most balanced, each attempt placed to the end.
+    exact = {k: p if p.complete else plan.place(k, math.inf) for k, p in found.items()}
+    return plan.owner(exact[min(exact, key=lambda k: (exact[k].ratio, k))], length)
 
 
 def plan_balanced(doc_ids: torch.Tensor, world: int, tolerance: float = 0.02) -> torch.Tensor:

@@ -37,28 +37,25 @@ def owner_row(
     starts: torch.Tensor, lengths: torch.Tensor, ranks: torch.Tensor, length: int
 ) -> torch.Tensor:
     """The owner rank of every position of a row of ``length`` tiled by the pieces
-    ``(starts, lengths, ranks)`` (int64 vectors, any order; empty pieces are ignored)."""
-    keep = lengths > 0
-    starts, lengths, ranks = starts[keep], lengths[keep], ranks[keep]
+    ``(starts, lengths, ranks)`` (int64 vectors in position order; an empty piece may come
+    just before the piece at its start, or at the end)."""
     assert int(lengths.sum()) == length, "internal error: pieces do not tile the row"
-    owner = torch.zeros(length, dtype=torch.int64)
-    if starts.numel():
-        if not bool((starts[1:] > starts[:-1]).all()):
-            order = torch.argsort(starts)
-            starts, ranks = starts[order], ranks[order]
-        # Rank deltas at piece starts, then a running sum (repeat_interleave, but cheap on a
-        # busy machine: it is multi-threaded even for tiny inputs).
-        delta = ranks.clone()
-        delta[1:] -= ranks[:-1]
-        owner[starts] = delta
-        owner = owner.cumsum(0)
-    return owner
+    # Rank deltas at piece starts, then a running sum: a position gets the rank of the last
+    # piece starting at or before it (empty pieces' deltas cancel out). One slot past the end
+    # takes the deltas of empty pieces there.
+    delta = torch.empty_like(ranks)
+    delta[:1] = ranks[:1]
+    torch.sub(ranks[1:], ranks[:-1], out=delta[1:])
+    owner = torch.zeros(length + 1, dtype=torch.int64).scatter_add_(0, starts, delta)[:length]
+    return owner.cumsum_(0)
 
 
 def stack_rows(rows: list[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
     """The rows' owners as one ``[B, P]`` tensor (empty of ``shape`` for no rows)."""
     if not rows:
         return torch.empty(tuple(shape), dtype=torch.int64)
+    if len(rows) == 1:
+        return rows[0][None]  # no copy
     return torch.stack(rows)
 
 

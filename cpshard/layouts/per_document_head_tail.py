@@ -40,8 +40,8 @@ def plan_per_document_head_tail(
     for row in doc_ids:
         runs = torch.tensor([(s, n) for s, n, _ in document_runs(row)], dtype=torch.int64)
         starts, lengths = runs.reshape(-1, 2).unbind(1)
-        run, offsets, sizes, ranks, _ = zigzag_pieces(lengths, world, chunks)
-        rows.append(owner_row(starts[run] + offsets, sizes, ranks, row.numel()))
+        at, sizes, ranks = zigzag_pieces(starts, lengths, world, chunks)
+        rows.append(owner_row(at, sizes, ranks, row.numel()))
     return stack_rows(rows, doc_ids.shape)
 
 PER_DOCUMENT_HEAD_TAIL = LayoutStrategy(

@@ -9,19 +9,22 @@ per-rank cost.
 
 Zig-zagging a run of ``n`` tokens cuts it into ``C`` chunks of ``n // C`` tokens; its
 ``n % C`` extra tokens go one each to ranks ``c, c + 1, ...`` (mod ``W``), ``c`` a counter
-running along the runs, each widening that rank's next chunk of the run (its ``t``-th extra
-token widens its chunk of pass ``t``). A counter running along a row deals every rank the same
-number of extras.
+running along the runs from 0, each widening that rank's next chunk of the run (its ``t``-th
+extra token of the run widens its chunk of pass ``t``). A counter running along a row deals
+every rank the same number of extras.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+
 import torch
 
-__all__ = ["chunk_ranks", "default_num_chunks", "zigzag_pieces"]
+__all__ = ["chunk_ranks", "default_num_chunks", "zigzag_pieces", "zigzag_sizes"]
 
 CHUNKS_PER_RANK = 2  # the default chunk count is 2W: one head and one tail chunk per rank
-BLOCK_ELEMENTS = 1 << 21  # runs x chunks handled at once by zigzag_pieces (bounds its memory)
+BLOCK_ELEMENTS = 1 << 21  # runs x chunks zig-zagged at once (bounds the memory)
 
 
 def default_num_chunks(world: int) -> int:
@@ -36,33 +39,57 @@ def chunk_ranks(world: int, chunks: int) -> torch.Tensor:
     return torch.where((k // world) % 2 == 0, i, world - 1 - i)
 
 
-def zigzag_pieces(
-    lengths: torch.Tensor, world: int, chunks: int, counter: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The non-empty pieces of runs of ``lengths`` (int64 ``[R]``, in position order) zig-zagged
-    over ``chunks`` chunks (module doc), the extras dealt from ``counter`` on.
-
-    Returns the run index, offset in its run, length and rank of every piece (int64 vectors,
-    in position order) and the counter after the runs. Whole-tensor work over runs x chunks,
-    a block of runs at a time."""
+@functools.lru_cache(maxsize=16)
+def _deal(world: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks' ranks ``[C]`` and, for every counter ``c`` (mod ``W``) at a run, the index
+    of the run's extra token that widens each chunk ``[W, C]``: chunk ``k`` of pass ``t`` owned
+    by rank ``r`` gets extra token ``t * W + (r - c) % W``, if the run has that many extras.
+    Cached (read only): zig-zagging reuses them for every row and attempt."""
     ranks = chunk_ranks(world, chunks)
-    # Chunk k of pass t owned by rank r is widened by the run's extra token t * W + (r - c) % W
-    # (c: the counter at the run), if the run has that many extras.
-    first_extra = (torch.arange(chunks) // world * world)[None, :]
+    c = torch.arange(world)[:, None]
+    extra_index = torch.arange(chunks) // world * world + (ranks - c) % world
+    # int32 where it fits: less memory traffic per run
+    return ranks, extra_index.to(torch.int32 if chunks < 2**31 else torch.int64)
+
+
+def zigzag_sizes(
+    lengths: torch.Tensor, world: int, chunks: int
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """The chunk sizes ``[R, C]`` of runs of ``lengths`` (int64 ``[R]``, in position order)
+    zig-zagged over ``chunks`` chunks (module doc), a block of runs at a time (whole-tensor
+    work, bounded memory): yields the block's slice of the runs and its sizes."""
+    extra_index = _deal(world, chunks)[1]
     q, m = lengths // chunks, lengths % chunks
-    at_run = counter + torch.cumsum(m, 0) - m
+    counter = (torch.cumsum(m, 0) - m) % world
     block = max(1, BLOCK_ELEMENTS // chunks)
-    out: list[tuple[torch.Tensor, ...]] = []
     for b in range(0, lengths.numel(), block):
-        mb = m[b : b + block, None]
-        extra = first_extra + (ranks[None, :] - at_run[b : b + block, None]) % world < mb
-        sizes = q[b : b + block, None] + extra
-        offsets = torch.cumsum(sizes, 1) - sizes
-        keep = sizes > 0
-        run, k = keep.nonzero(as_tuple=True)
-        out.append((run + b, offsets[keep], sizes[keep], ranks[k]))
+        e = slice(b, b + block)
+        yield e, q[e, None] + (extra_index[counter[e]] < m[e, None].to(extra_index.dtype))
+
+
+def zigzag_pieces(
+    starts: torch.Tensor, lengths: torch.Tensor, world: int, chunks: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pieces of runs at ``starts`` of ``lengths`` (int64 ``[R]``, in position order)
+    zig-zagged over ``chunks`` chunks (:func:`zigzag_sizes`): start, length and rank of each
+    (int64 vectors, in position order).
+
+    Empty chunks are pieces too (of length 0, just before the piece at their start) unless they
+    are most of a block (runs shorter than ``chunks``), which keeps the output within twice the
+    tokens plus one block."""
+    ranks = _deal(world, chunks)[0]
+    out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for e, sizes in zigzag_sizes(lengths, world, chunks):
+        at = torch.cumsum(sizes, 1).sub_(sizes).add_(starts[e, None])  # one big temporary
+        owner = ranks.expand_as(sizes)
+        if sizes.numel() > 2 * int(lengths[e].sum()):
+            keep = sizes > 0
+            out.append((at[keep], sizes[keep], owner[keep]))
+        else:
+            out.append((at.flatten(), sizes.flatten(), owner.flatten()))
     if not out:
-        empty = torch.zeros(0, dtype=torch.int64)
-        return empty, empty, empty, empty, counter
-    run, offsets, sizes, owner = (torch.cat(parts) for parts in zip(*out, strict=True))
-    return run, offsets, sizes, owner, counter + int(m.sum())
+        out.append((torch.zeros(0, dtype=torch.int64),) * 3)
+    if len(out) == 1:
+        return out[0]  # no copy
+    at, sizes, owner = (torch.cat(parts) for parts in zip(*out, strict=True))
+    return at, sizes, owner

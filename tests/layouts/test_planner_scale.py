@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from cpshard.batch.runs import document_runs
+from cpshard.layouts import serpentine
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.costs import attended_pairs, piece_cost
 from cpshard.layouts.per_document_head_tail import plan_per_document_head_tail
@@ -241,7 +242,17 @@ def test_degenerate_rows_match_reference(world: int) -> None:
         torch.tensor([[0] * world + [5] * world]),  # padding then one document
         torch.tensor([[1, 0] * world, [0, 1] * world]),  # alternating one-token runs
         torch.zeros(0, 2 * world, dtype=torch.int64),  # no rows
+        torch.zeros(2, 0, dtype=torch.int64),  # empty rows
         torch.ones(2, 2 * world, dtype=torch.bool),  # bool ids
     ]
     for doc_ids in cases:
         _check(doc_ids, world)
+
+
+@pytest.mark.parametrize("world", [2, 5, 16])
+def test_small_blocks_match_reference(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs zig-zagged a few at a time (blocks joined, sparse blocks filtered) agree too."""
+    monkeypatch.setattr(serpentine, "BLOCK_ELEMENTS", 3 * 3 * world)
+    rng = random.Random(world)
+    for _ in range(4):
+        _check(_batch(rng, world, 2, rng.choice((3, 12, 40))), world)
