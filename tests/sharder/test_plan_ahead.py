@@ -134,3 +134,21 @@ def test_a_dataloader_worker_makes_the_plan():
 @pytest.mark.parametrize("world", WORLDS)
 def test_a_plan_for_something_else_raises_on_every_rank(pools, world):
     assert_no_mismatches(pools(world).run(_run_wrong_plans, timeout=120))
+
+
+def test_the_plan_ahead_example_trains(tmp_path):
+    """``examples/cp_plan_ahead.py`` under torchrun on 2 CPU ranks: every step prints a loss."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import EXAMPLES
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--standalone", str(EXAMPLES / "cp_plan_ahead.py"), "--steps", "2", "--seq-len", "64"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [line.split(":")[0] for line in run.stdout.splitlines()] == ["step 0", "step 1"]
