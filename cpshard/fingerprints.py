@@ -45,13 +45,13 @@ def digest(values: Sequence[int] | torch.Tensor | None) -> list[int]:
     62 bits of a hash and the length, equal on every rank iff the values are (w.h.p.)."""
     if values is None:
         return [0, 0]
-    if isinstance(values, torch.Tensor):
-        data = values.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+    if isinstance(values, torch.Tensor):  # hashed in place (SHA-256 has CPU instructions)
+        data = values.detach().to("cpu", torch.int64).contiguous().numpy()
         n = values.numel()
     else:
         data = repr([int(v) for v in values]).encode()
         n = len(values)
-    h = hashlib.blake2b(data, digest_size=8).digest()
+    h = hashlib.sha256(data).digest()[:8]
     return [int.from_bytes(h, "little") >> 2, n]
 
 

@@ -77,8 +77,11 @@ def plan_blocks(spans: Sequence[Span], causal: bool, window: int | None = None) 
     starts: list[int] = []
     ends: list[int] = []
     group: list[tuple[Span, int, int]] = []  # (span, first query, queries) of the open block
+    queries = 0  # the open block's queries
 
     def close(tile: bool = False) -> None:
+        nonlocal queries
+        queries = 0
         if len(group) == 1 and not tile:
             items.append(group[0][0])
         elif group:
@@ -108,7 +111,6 @@ def plan_blocks(spans: Sequence[Span], causal: bool, window: int | None = None) 
             continue
         if group:
             last, i0, n = group[-1]
-            queries = sum(m for _, _, m in group)
             joins = (
                 s.row == last.row
                 and s.doc == last.doc
@@ -118,6 +120,7 @@ def plan_blocks(spans: Sequence[Span], causal: bool, window: int | None = None) 
             if not joins:
                 close()
         group.append((s, 0, s.n))
+        queries += s.n
     close()
     as_tensor = lambda v: pinned(torch.tensor(v, dtype=torch.int64))  # noqa: E731
     return Blocks(tuple(items), as_tensor(starts), as_tensor(ends))

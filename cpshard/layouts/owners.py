@@ -72,5 +72,17 @@ def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
     )
     if not bool((counts == per_rank).all()):
         raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
-    order = torch.argsort(owner, dim=1, stable=True)  # by rank, ascending position within a rank
-    return order.view(rows, world, per_rank).permute(1, 0, 2).contiguous()
+    # Runs of one owner (few for planned layouts), sorted by row, rank and position: their
+    # positions back to back are every rank's positions, rank-major per row.
+    new = torch.ones_like(owner, dtype=torch.bool)
+    new[:, 1:] = owner[:, 1:] != owner[:, :-1]
+    starts = torch.nonzero(new.reshape(-1)).flatten()
+    sizes = torch.diff(starts, append=starts.new_tensor([owner.numel()]))
+    row, rank = starts // max(length, 1), owner.reshape(-1)[starts]
+    order = torch.argsort(row * world + rank, stable=True)
+    starts, sizes = starts[order], sizes[order]
+    firsts = torch.cumsum(sizes, 0) - sizes
+    flat = torch.repeat_interleave(starts - firsts, sizes, output_size=owner.numel())
+    flat += torch.arange(owner.numel())
+    positions = flat.view(rows, world, per_rank) - torch.arange(rows).view(rows, 1, 1) * length
+    return positions.permute(1, 0, 2).contiguous()

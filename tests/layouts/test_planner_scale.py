@@ -15,6 +15,7 @@ from cpshard.batch.runs import document_runs
 from cpshard.layouts import serpentine
 from cpshard.layouts.balanced import plan_balanced
 from cpshard.layouts.costs import attended_pairs, piece_cost
+from cpshard.layouts.owners import owner_to_indices
 from cpshard.layouts.per_document_head_tail import plan_per_document_head_tail
 
 # --------------------------------------------------------------------------- references
@@ -256,3 +257,18 @@ def test_small_blocks_match_reference(world: int, monkeypatch: pytest.MonkeyPatc
     rng = random.Random(world)
     for _ in range(4):
         _check(_batch(rng, world, 2, rng.choice((3, 12, 40))), world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 8])
+def test_owner_to_indices_equals_a_stable_sort_by_owner(world: int) -> None:
+    """Every rank's positions from owner ranks: the same as sorting the positions by owner."""
+    gen = torch.Generator().manual_seed(world)
+    for rows, per_rank in ((1, 1), (2, 5), (3, 17)):
+        for shuffle in (True, False):  # scattered owners, and owners in long runs
+            base = torch.arange(world).repeat_interleave(per_rank)
+            owner = torch.stack([
+                base[torch.randperm(base.numel(), generator=gen)] if shuffle else base.roll(r)
+                for r in range(rows)
+            ])  # fmt: skip
+            want = torch.argsort(owner, dim=1, stable=True).view(rows, world, per_rank)
+            assert torch.equal(owner_to_indices(owner, world), want.permute(1, 0, 2))
