@@ -76,7 +76,7 @@ class Loop:
             return t[at]
         return repeat_heads(t[at], self.heads).contiguous()
 
-    def _whole(self, q: T, k: T) -> Part | None:
+    def _whole(self, q: T) -> Part | None:
         """The one part when the step's only item is every query of a one-row batch over one key
         range (a single document, as head-parallel attention attends it): the kernel then takes
         the whole tensors, with no zero-filled results to add its own into."""
@@ -87,7 +87,7 @@ class Loop:
         return parts[0] if len(parts) == 1 and rows[2] == slice(0, q.shape[2]) else None
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
-        whole = self._whole(q, k)
+        whole = self._whole(q)
         if whole is not None:
             at = (slice(None), slice(None), whole[0])
             out, lse = self.kern.forward(q, self._keys(k, at), self._keys(v, at), whole[1], scale)
@@ -114,7 +114,7 @@ class Loop:
 
     def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
         kv_heads = k.shape[1]
-        whole = self._whole(q, k)
+        whole = self._whole(q)
         if whole is not None and whole[0] == slice(0, k.shape[2]):
             at = (slice(None), slice(None), whole[0])
             dq, dk, dv = self.kern.backward(
