@@ -140,6 +140,92 @@ def _tokens_into(dest: torch.Tensor, x: torch.Tensor, order: torch.Tensor | None
     torch.gather(source, 3, index.expand(dest.shape), out=dest)
 
 
+def _pack_heads(
+    send: torch.Tensor,
+    parts: list[torch.Tensor],
+    ranges: list[list[tuple[int, int]]],
+    regular: list[int | None],
+    counts: list[list[int]],
+    length: int,
+    lo: int,
+) -> None:
+    """A round's send buffer of :func:`seq_to_heads`: per destination r, each part's heads
+    ``[s_r + lo, s_r + lo + n_r)`` of this rank's tokens."""
+    world, b = len(ranges[0]), parts[0].shape[0]
+    if None not in regular:
+        shapes = [(b, n[0], x.shape[3]) for n, x in zip(counts, parts)]
+        views = _rank_views(send, shapes, world, length)
+        for dest, x, part, k in zip(views, parts, ranges, regular):
+            _heads_into(dest, x, part[0][1], k, lo)
+        return
+    at = 0
+    for r in range(world):
+        for x, part, n in zip(parts, ranges, counts):
+            size, s, d = b * n[r] * length * x.shape[3], part[r][0] + lo, x.shape[3]
+            send[at : at + size].view(b, n[r], length, d).copy_(x[:, s : s + n[r]])
+            at += size
+
+
+def _unpack_tokens(
+    got: torch.Tensor,
+    outs: list[torch.Tensor],
+    counts: list[list[int]],
+    me: int,
+    length: int,
+    lo: int,
+    order: torch.Tensor | None,
+) -> None:
+    """A round's receive buffer of :func:`seq_to_heads` into heads ``[lo, lo + n)`` of
+    ``outs``, tokens in ``order``."""
+    world, b = len(counts[0]), outs[0].shape[0]
+    shapes = [(b, n[me], out.shape[3]) for n, out in zip(counts, outs)]
+    for out, g in zip(outs, _rank_views(got, shapes, world, length)):
+        _tokens_out(out[:, lo : lo + g.shape[2]], g, order)
+
+
+def _pack_tokens(
+    send: torch.Tensor,
+    parts: list[torch.Tensor],
+    counts: list[list[int]],
+    me: int,
+    length: int,
+    lo: int,
+    order: torch.Tensor | None,
+) -> None:
+    """A round's send buffer of :func:`heads_to_seq`: per destination, its rank-major tokens of
+    heads ``[lo, lo + n)`` of every part."""
+    world, b = len(counts[0]), parts[0].shape[0]
+    shapes = [(b, n[me], x.shape[3]) for n, x in zip(counts, parts)]
+    for dest, x in zip(_rank_views(send, shapes, world, length), parts):
+        _tokens_into(dest, x[:, lo : lo + dest.shape[2]], order)
+
+
+def _unpack_heads(
+    got: torch.Tensor,
+    outs: list[torch.Tensor],
+    ranges: list[list[tuple[int, int]]],
+    regular: list[int | None],
+    counts: list[list[int]],
+    length: int,
+    lo: int,
+) -> None:
+    """A round's receive buffer of :func:`heads_to_seq` into ``outs``: source r's heads
+    ``[s_r + lo, s_r + lo + n_r)`` of each part, written (regular ranges) or added."""
+    world, b = len(ranges[0]), outs[0].shape[0]
+    if None not in regular:
+        shapes = [(b, n[0], out.shape[3]) for n, out in zip(counts, outs)]
+        views = _rank_views(got, shapes, world, length)
+        for out, g, part, k in zip(outs, views, ranges, regular):
+            _heads_out(out, g, part[0][1], k, lo)
+        return
+    at = 0
+    for r in range(world):
+        for out, part, n in zip(outs, ranges, counts):
+            size, s, d = b * n[r] * length * out.shape[3], part[r][0] + lo, out.shape[3]
+            out[:, s : s + n[r]] += got[at : at + size].view(b, n[r], length, d)
+            at += size
+
+
 @torch.library.custom_op("cpshard::seq_to_heads", mutates_args=())
 def seq_to_heads(
     parts: list[torch.Tensor],
@@ -162,25 +248,13 @@ def seq_to_heads(
     for lo, hi in _rounds(ranges, head_bytes):
         counts = _counts(ranges, lo, hi)
         sends = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
-        send = parts[0].new_empty(sum(sends))
-        if None not in regular:
-            shapes = [(b, n[0], d) for n, d in zip(counts, widths)]
-            views = _rank_views(send, shapes, world, length)
-            for dest, x, part, k in zip(views, parts, ranges, regular):
-                _heads_into(dest, x, part[0][1], k, lo)
-        else:  # per destination, each part's heads of this rank's tokens
-            at = 0
-            for r in range(world):
-                for x, part, n, d in zip(parts, ranges, counts, widths):
-                    size, s = b * n[r] * length * d, part[r][0] + lo
-                    send[at : at + size].view(b, n[r], length, d).copy_(x[:, s : s + n[r]])
-                    at += size
         recvs = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
+        send = parts[0].new_empty(sum(sends))
+        _pack_heads(send, parts, ranges, regular, counts, length, lo)
         got = all_to_all_v(send, group_name, sends, recvs, key)
-        del send
-        views = _rank_views(got, [(b, n[me], d) for n, d in zip(counts, widths)], world, length)
-        for out, g in zip(outs, views):
-            _tokens_out(out[:, lo : lo + g.shape[2]], g, order)
+        del send  # each buffer freed once used, before the next round's are made
+        _unpack_tokens(got, outs, counts, me, length, lo, order)
+        del got
     return outs
 
 
@@ -227,24 +301,13 @@ def heads_to_seq(
     for lo, hi in _rounds(ranges, head_bytes):
         counts = _counts(ranges, lo, hi)
         sends = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
-        send = parts[0].new_empty(sum(sends))
-        views = _rank_views(send, [(b, n[me], d) for n, d in zip(counts, widths)], world, length)
-        for dest, x in zip(views, parts):
-            _tokens_into(dest, x[:, lo : lo + dest.shape[2]], order)
         recvs = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
+        send = parts[0].new_empty(sum(sends))
+        _pack_tokens(send, parts, counts, me, length, lo, order)
         got = all_to_all_v(send, group_name, sends, recvs, key)
-        del send
-        if None not in regular:
-            views = _rank_views(got, [(b, n[0], d) for n, d in zip(counts, widths)], world, length)
-            for out, g, part, k in zip(outs, views, ranges, regular):
-                _heads_out(out, g, part[0][1], k, lo)
-            continue
-        at = 0  # per source, each part's heads of this rank's tokens
-        for r in range(world):
-            for out, part, n, d in zip(outs, ranges, counts, widths):
-                size, s = b * n[r] * length * d, part[r][0] + lo
-                out[:, s : s + n[r]] += got[at : at + size].view(b, n[r], length, d)
-                at += size
+        del send  # each buffer freed once used, before the next round's are made
+        _unpack_heads(got, outs, ranges, regular, counts, length, lo)
+        del got
     return outs
 
 
