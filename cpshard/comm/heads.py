@@ -11,16 +11,17 @@ custom ops keyed by group name, each the other's backward.
   several ranks (a GQA key/value head whose query heads are split) comes back as the sum of
   their parts.
 
-All parts travel together, in one all-to-all-v (``cpshard::all_to_all_v``) or, for a large
-call, in up to :data:`ROUNDS` (each moving at least :data:`ROUND_BYTES` per rank on average),
-round j carrying heads ``[j * g, (j + 1) * g)`` of every range, each destination's heads back to
-back with no padding: the send and receive buffers then hold a round's share of the heads,
-beside the outputs, which each round fills in place. A part goes into the send buffer and out of
-the receive buffer in one strided pass where its ranges are regular (every rank the same count
-``c``, runs of ``k`` ranks sharing a range, the runs tiling the heads in rank order: the even
-splits and GQA replicas of :func:`~cpshard.attention.head_split.split_heads`), by a loop over
-ranks otherwise: the ranges may be uneven (heads not divisible by W), empty, or overlap. Every
-rank holds the same ``L`` (the CP layouts' equal shards).
+All parts travel together in one all-to-all-v (``cpshard::all_to_all_v``), each destination's
+heads back to back with no padding; a large call (at least :data:`ROUND_BYTES` per rank and
+round on average) goes in about :data:`ROUNDS` instead, each carrying a chunk of one part's
+heads (the same offsets of every rank's range), so that the send and receive buffers hold a
+round's share beside the outputs, which each round fills in place. A part goes into the send
+buffer and out of the receive buffer in one strided pass where its ranges are regular (every
+rank the same count ``c``, runs of ``k`` ranks sharing a range, the runs tiling the heads in
+rank order: the even splits and GQA replicas of
+:func:`~cpshard.attention.head_split.split_heads`), by a loop over ranks otherwise: the ranges
+may be uneven (heads not divisible by W), empty, or overlap. Every rank holds the same ``L``
+(the CP layouts' equal shards).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from cpshard.comm.collectives import all_to_all_v
 from cpshard.comm.group import group_from_name
 
-ROUNDS = 4  # all-to-alls per call at most: the buffers' share of the heads, against latency
+ROUNDS = 4  # about how many all-to-alls a large call takes: the buffers' share, against latency
 ROUND_BYTES = 1 << 20  # the least a round moves per rank on average
 
 
@@ -57,19 +58,29 @@ def _regular(part: Sequence[tuple[int, int]]) -> int | None:
     return k
 
 
-def _rounds(ranges: list[list[tuple[int, int]]], head_bytes: list[int]) -> list[tuple[int, int]]:
-    """The rounds' head offsets ``(lo, hi)`` within every range; ``head_bytes``: per part, the
+def _rounds(
+    ranges: list[list[tuple[int, int]]], head_bytes: list[int]
+) -> list[tuple[int, list[list[int]]]]:
+    """Each round's head offset ``lo`` within the ranges and, per part and rank, how many heads
+    it carries: one round with all heads when the call moves little, else each part's heads in
+    chunks, the part's share of :data:`ROUNDS` (rounded up). ``head_bytes``: per part, the
     bytes of one head of one rank's tokens. The same on every rank (what ranks move on average
-    decides the number)."""
-    most = max((c for part in ranges for _, c in part), default=0)
-    moved = sum(n * sum(c for _, c in part) for n, part in zip(head_bytes, ranges))
-    step = -(-most // max(1, min(ROUNDS, most, moved // ROUND_BYTES)))
-    return [(lo, min(lo + step, most)) for lo in range(0, most, step)]
-
-
-def _counts(ranges: list[list[tuple[int, int]]], lo: int, hi: int) -> list[list[int]]:
-    """Per part and rank, how many of its range's heads the round ``[lo, hi)`` carries."""
-    return [[max(0, min(c, hi) - lo) for _, c in part] for part in ranges]
+    decides)."""
+    moved = [n * sum(c for _, c in part) for n, part in zip(head_bytes, ranges)]
+    rounds = min(ROUNDS, sum(moved) // ROUND_BYTES)
+    if rounds <= 1:
+        return [(0, [[c for _, c in part] for part in ranges])]
+    out = []
+    for i, (part, share) in enumerate(zip(ranges, moved)):
+        most = max(c for _, c in part)
+        if not most:
+            continue
+        step = -(-most // max(1, min(most, -(-rounds * share // sum(moved)))))
+        for lo in range(0, most, step):
+            counts = [[0] * len(other) for other in ranges]
+            counts[i] = [max(0, min(c, lo + step) - lo) for _, c in part]
+            out.append((lo, counts))
+    return out
 
 
 def _rank_views(
@@ -245,8 +256,7 @@ def seq_to_heads(
     outs = [
         x.new_empty(b, part[me][1], world * length, d) for x, part, d in zip(parts, ranges, widths)
     ]
-    for lo, hi in _rounds(ranges, head_bytes):
-        counts = _counts(ranges, lo, hi)
+    for lo, counts in _rounds(ranges, head_bytes):
         sends = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
         recvs = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
         send = parts[0].new_empty(sum(sends))
@@ -298,8 +308,7 @@ def heads_to_seq(
         for x, part in zip(parts, ranges)
     ]
     head_bytes = [b * length * d * x.element_size() for x, d in zip(parts, widths)]
-    for lo, hi in _rounds(ranges, head_bytes):
-        counts = _counts(ranges, lo, hi)
+    for lo, counts in _rounds(ranges, head_bytes):
         sends = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
         recvs = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
         send = parts[0].new_empty(sum(sends))

@@ -62,8 +62,8 @@ CASES = [  # (parts as (heads, width), overlap, order)
 
 
 def _distributed(rank: int, world: int, rounds: bool) -> list[tuple]:
-    """Every case's outputs and gradients on this rank; ``rounds``: every call in as many
-    all-to-alls as its heads allow (up to ``ROUNDS``), else in one (the tensors are small)."""
+    """Every case's outputs and gradients on this rank; ``rounds``: every call in rounds (each a
+    chunk of one part's heads), else in one all-to-all (the tensors are small)."""
     try:
         if rounds:
             heads.ROUND_BYTES = 1
