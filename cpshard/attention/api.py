@@ -240,14 +240,14 @@ def attend(
     problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
     fields = _fields(state, query, key, value, window, softcap, sinks)
     check_call(state.group, what, problem, fields)
-    kv = torch.cat([key, value], dim=-1)
     d_k = key.shape[-1]
     size = query.element_size()
     plan = route(state, window, query.shape[1], key.shape[1], d_k, value.shape[-1], size)
     if plan is not None:
         return head_parallel_attention(
-            plan, state.causal, query, kv, d_k, scale, window, softcap, sinks
+            plan, state.causal, query, key, value, scale, window, softcap, sinks
         )
+    kv = torch.cat([key, value], dim=-1)
     out, _ = cp_attention_op(query, kv, state.key, d_k, scale, window, softcap, sinks)
     return out
 

@@ -69,11 +69,29 @@ class Loop:
             yield rows, _parts(it, self.state.causal, self.blocks, self.dtype)
 
     def _keys(self, t: T, at: tuple[slice, slice, slice]) -> T:
-        """A part's keys or values, KV heads repeated for the queries' heads: per part, so
-        the repeat never holds the whole key buffer."""
+        """A part's keys or values as the kernel takes them: a view for a kernel with GQA and
+        strides of its own, else KV heads repeated for the queries' heads, per part, so the
+        repeat never holds the whole key buffer."""
+        if self.kern.grouped:
+            return t[at]
         return repeat_heads(t[at], self.heads).contiguous()
 
+    def _whole(self, q: T) -> Part | None:
+        """The one part when the step's only item is every query of a one-row batch over one key
+        range (a single document, as head-parallel attention attends it): the kernel then takes
+        the whole tensors, with no zero-filled results to add its own into."""
+        items = self.blocks.items
+        if q.shape[0] != 1 or len(items) != 1:
+            return None
+        rows, parts = next(self._items())
+        return parts[0] if len(parts) == 1 and rows[2] == slice(0, q.shape[2]) else None
+
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
+        whole = self._whole(q)
+        if whole is not None:
+            at = (slice(None), slice(None), whole[0])
+            out, lse = self.kern.forward(q, self._keys(k, at), self._keys(v, at), whole[1], scale)
+            return out, lse.to(lse_dtype(q.dtype))
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=lse_dtype(q.dtype))
         for rows, parts in self._items():
@@ -96,6 +114,13 @@ class Loop:
 
     def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
         kv_heads = k.shape[1]
+        whole = self._whole(q)
+        if whole is not None and whole[0] == slice(0, k.shape[2]):
+            at = (slice(None), slice(None), whole[0])
+            dq, dk, dv = self.kern.backward(
+                grad, q, self._keys(k, at), self._keys(v, at), out, lse, whole[1], scale
+            )
+            return dq, fold_heads(dk, kv_heads), fold_heads(dv, kv_heads)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for rows, parts in self._items():
             g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))

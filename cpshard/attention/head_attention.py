@@ -1,7 +1,8 @@
-"""Head-parallel CP attention: the sequence -> head all-to-all of q and k/v (one transfer), the
+"""Head-parallel CP attention: the sequence -> head all-to-all of q, k and v (one transfer), the
 inner state's per-document attention of the rank's heads over the gathered tokens, and the
 head -> sequence all-to-all of the output; the backward is the same three in reverse (the verbs'
-and the attention op's own backward)."""
+and the attention op's own backward). K and V travel apart and are joined on the heads side, so
+the caller's full-head K/V are never concatenated and their gradients come back contiguous."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from cpshard.comm.heads import heads_to_seq, seq_to_heads
 from cpshard.fingerprints import HEADS, call_key
 
 
-def _key(q: torch.Tensor, kv: torch.Tensor, d_k: int, flat: list[int]) -> int:
-    backward = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
-    shape = (q.shape[0], q.shape[2], q.shape[1], kv.shape[1], d_k, kv.shape[3])
+def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: list[int]) -> int:
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    shape = (q.shape[0], q.shape[2], q.shape[1], k.shape[1], k.shape[3], k.shape[3] + v.shape[3])
     return call_key(HEADS, q.dtype, shape, 0, backward, False, flat)
 
 
@@ -24,32 +25,38 @@ def head_parallel_attention(
     plan: HeadParallel,
     causal: bool,
     q: torch.Tensor,
-    kv: torch.Tensor,
-    d_k: int,
+    k: torch.Tensor,
+    v: torch.Tensor,
     scale: float | None,
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention of this rank's q ``[B, Hq, L, d_k]`` and k/v ``[B, Hkv, L, d_k + d_v]`` under
-    ``plan`` (:class:`~cpshard.attention.state.HeadParallel`): the output ``[B, Hq, L, d_v]``."""
+    """Attention of this rank's q ``[B, Hq, L, d_k]``, k ``[B, Hkv, L, d_k]`` and v ``[B, Hkv,
+    L, d_v]`` under ``plan`` (:class:`~cpshard.attention.state.HeadParallel`): the output
+    ``[B, Hq, L, d_v]``."""
     group = plan.group
-    split = split_heads(q.shape[1], kv.shape[1], group.world)
+    d_k = k.shape[3]
+    split = split_heads(q.shape[1], k.shape[1], group.world)
     start, count = split.q[group.rank]
     inner = plan.inner if causal else plan.inner.bidirectional()
     if sinks is not None:
         sinks = sinks[start : start + count]
     if group.world == 1:
+        kv = torch.cat([k, v], dim=-1)
         out, _ = cp_attention_op(q, kv, inner.key, d_k, scale, window, softcap, sinks)
         return out
     flat, order = split.flat(), plan.order_on(q.device)
-    key = _key(q, kv, d_k, flat)
-    q_h, kv_h = seq_to_heads([q, kv], group.name, flat, order, key)
+    key = _key(q, k, v, flat)
+    kv_ranges = flat[2 * group.world :]
+    q_h, k_h, v_h = seq_to_heads([q, k, v], group.name, flat + kv_ranges, order, key)
+    kv_h = torch.cat([k_h, v_h], dim=-1)
+    del k_h, v_h  # only the joined copy lives on (the attention op saves it for the backward)
     if count:
         out_h, _ = cp_attention_op(q_h, kv_h, inner.key, d_k, scale, window, softcap, sinks)
     else:  # no heads here (nor on the ranks of the inner group): nothing to attend, but the
         # backward's all-to-alls the other ranks wait for must run here too
-        shape = (*q_h.shape[:3], kv.shape[3] - d_k)
+        shape = (*q_h.shape[:3], v.shape[3])
         out_h = q_h.new_zeros(shape) + 0 * (q_h.sum() + kv_h.sum())
     q_ranges = flat[: 2 * group.world]
     (out,) = heads_to_seq([out_h], group.name, q_ranges, order, key)

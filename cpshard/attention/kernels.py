@@ -134,7 +134,10 @@ def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
 
 class CpuFlash:
     """torch's CPU flash kernels. Given the MERGED output and log-sum-exp of several parts, the
-    backward of each part is its exact share of the joint softmax's gradient."""
+    backward of each part is its exact share of the joint softmax's gradient. ``grouped``: GQA
+    in the kernel, and K/V of any strides (the last 1), so the loop copies none."""
+
+    grouped = True
 
     def forward(self, q: T, k: T, v: T, how: Visible, scale: float | None) -> Tensors:
         causal, mask = _causal_and_mask(how)
@@ -164,6 +167,7 @@ class MathPart:
     O(n * m)."""
 
     SCORES = 1 << 22
+    grouped = False  # K/V heads repeated for the queries' and made contiguous by the caller
 
     def __init__(self, softcap: float | None = None) -> None:
         self.softcap = softcap

@@ -138,6 +138,7 @@ def cp_attention_backward_op(
     impl = implementation(state, q_, d, softcap)
     dq, dk, dv = impl.backward(grad, q_, k, v, out, lse, scale)
     dkv = torch.cat([dk[..., :d_k], dv[..., :d_v]], dim=-1)
+    del dk, dv  # freed before dq is made contiguous (a kernel may return it strided)
     return dq[..., :d_k].contiguous(), state.restore(dkv, kv.shape[2]), dsinks
 
 

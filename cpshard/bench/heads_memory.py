@@ -119,6 +119,7 @@ def measure(
     q_heads: int,
     kv_heads: int,
     extra: dict[str, Callable] | None = None,
+    repeats: int = 5,
 ) -> dict[str, dict[str, float]] | None:
     """Rank 0's row: per implementation, median fwd+bwd seconds (max over ranks) and peak extra
     bytes (max over ranks). ``extra``: more implementations ``pg -> attend(q, k, v)`` (whose
@@ -145,9 +146,9 @@ def measure(
         return run
 
     steps = {name: step(fn) for name, fn in impls.items()}
-    times = time_steps(rt, steps, warmup=1, repeats=5, iters=0, target_s=0.3)
+    times = time_steps(rt, steps, warmup=1, repeats=repeats, iters=1, target_s=0)
     row = {
-        name: {"s": times[name].median_s, "peak": peak_extra_bytes(rt, fn, runs=3)}
+        name: {"s": times[name].median_s, "peak": peak_extra_bytes(rt, fn, runs=2)}
         for name, fn in steps.items()
     }
     return row if rank == 0 else None
@@ -160,12 +161,13 @@ def main(extra: dict[str, Callable] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per implementation")
     args = p.parse_args()
     print(f"{'W':>2} {'S':>6} {'heads':>5} {'impl':>10} {'fwd+bwd ms':>11} {'peak MiB':>9}")
     for world in args.worlds:
         for seq in args.seqs:
             for qh, kvh in HEAD_SHAPES:
-                row = run_ranks(measure, world, seq, qh, kvh, extra, timeout=1200)[0]
+                row = run_ranks(measure, world, seq, qh, kvh, extra, args.repeats, timeout=3600)[0]
                 for name, fig in row.items():
                     print(
                         f"{world:>2} {seq:>6} {qh:>2}/{kvh:<2} {name:>10} "

@@ -11,10 +11,17 @@ custom ops keyed by group name, each the other's backward.
   several ranks (a GQA key/value head whose query heads are split) comes back as the sum of
   their parts.
 
-All parts travel in ONE all-to-all-v (``cpshard::all_to_all_v``), each destination's heads back
-to back with no padding:
-the ranges may be uneven (heads not divisible by W), empty, or overlap. Every rank holds the
-same ``L`` (the CP layouts' equal shards).
+All parts travel together in one all-to-all-v (``cpshard::all_to_all_v``), each destination's
+heads back to back with no padding; a large call (at least :data:`ROUND_BYTES` per rank and
+round on average) goes in about :data:`ROUNDS` instead, each carrying a chunk of one part's
+heads (the same offsets of every rank's range), so that the send and receive buffers hold a
+round's share beside the outputs, which each round fills in place. A part goes into the send
+buffer and out of the receive buffer in one strided pass where its ranges are regular (every
+rank the same count ``c``, runs of ``k`` ranks sharing a range, the runs tiling the heads in
+rank order: the even splits and GQA replicas of
+:func:`~cpshard.attention.head_split.split_heads`), by a loop over ranks otherwise: the ranges
+may be uneven (heads not divisible by W), empty, or overlap. Every rank holds the same ``L``
+(the CP layouts' equal shards).
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ import torch
 
 from cpshard.comm.collectives import all_to_all_v
 from cpshard.comm.group import group_from_name
-from cpshard.comm.verbs import offsets
+
+ROUNDS = 4  # about how many all-to-alls a large call takes: the buffers' share, against latency
+ROUND_BYTES = 1 << 20  # the least a round moves per rank on average
 
 
 def head_ranges(heads: Sequence[int], parts: int, world: int) -> list[list[tuple[int, int]]]:
@@ -39,11 +48,39 @@ def head_ranges(heads: Sequence[int], parts: int, world: int) -> list[list[tuple
     return [[(next(it), next(it)) for _ in range(world)] for _ in range(parts)]
 
 
-def _even(ranges: list[list[tuple[int, int]]]) -> bool:
-    """Whether every part sends each rank the same number of heads (then each destination's
-    chunk of the send buffer, and each source's of the receive buffer, has one size and every
-    part is one strided view ``[W, B, c, L, D]`` of the buffer)."""
-    return all(len({c for _, c in part}) <= 1 for part in ranges)
+def _regular(part: Sequence[tuple[int, int]]) -> int | None:
+    """``k`` when rank r's range is ``((r // k) * c, c)`` with ``c > 0`` (module docstring),
+    else None."""
+    world, c = len(part), part[0][1]
+    k = next((r for r, (s, _) in enumerate(part) if s != part[0][0]), world)
+    if c == 0 or world % k or any(n != c or s != r // k * c for r, (s, n) in enumerate(part)):
+        return None
+    return k
+
+
+def _rounds(
+    ranges: list[list[tuple[int, int]]], head_bytes: list[int]
+) -> list[tuple[int, list[list[int]]]]:
+    """Each round's head offset ``lo`` within the ranges and, per part and rank, how many heads
+    it carries: one round with all heads when the call moves little, else each part's heads in
+    chunks, the part's share of :data:`ROUNDS` (rounded up). ``head_bytes``: per part, the
+    bytes of one head of one rank's tokens. The same on every rank (what ranks move on average
+    decides)."""
+    moved = [n * sum(c for _, c in part) for n, part in zip(head_bytes, ranges)]
+    rounds = min(ROUNDS, sum(moved) // ROUND_BYTES)
+    if rounds <= 1:
+        return [(0, [[c for _, c in part] for part in ranges])]
+    out = []
+    for i, (part, share) in enumerate(zip(ranges, moved)):
+        most = max(c for _, c in part)
+        if not most:
+            continue
+        step = -(-most // max(1, min(most, -(-rounds * share // sum(moved)))))
+        for lo in range(0, most, step):
+            counts = [[0] * len(other) for other in ranges]
+            counts[i] = [max(0, min(c, lo + step) - lo) for _, c in part]
+            out.append((lo, counts))
+    return out
 
 
 def _rank_views(
@@ -60,40 +97,48 @@ def _rank_views(
     return views
 
 
-def _heads_into(dest: torch.Tensor, x: torch.Tensor, starts: Sequence[int]) -> None:
-    """``dest[r] = x[:, starts[r] : starts[r] + c]`` for the ``[W, B, c, L, D]`` view ``dest``:
-    one strided copy when the ranges tile the heads in rank order, else one gather."""
-    world, c = dest.shape[0], dest.shape[2]
-    if list(starts) == [r * c for r in range(world)]:
-        dest.copy_(x[:, : world * c].unflatten(1, (world, c)).transpose(0, 1))
-        return
-    index = torch.tensor(starts, device=x.device)[:, None] + torch.arange(c, device=x.device)
-    source = x.unsqueeze(0).expand(world, *x.shape)
-    torch.gather(source, 2, index[:, None, :, None, None].expand(dest.shape), out=dest)
+def _heads_into(dest: torch.Tensor, x: torch.Tensor, c: int, k: int, lo: int) -> None:
+    """``dest[r]`` ``[B, g, L, D]`` = heads ``[lo, lo + g)`` of rank r's regular range of ``x``
+    ``[B, H, L, D]`` (``c`` heads, runs of ``k`` ranks): one strided copy."""
+    world, g = dest.shape[0], dest.shape[2]
+    src = x[:, : world // k * c].unflatten(1, (world // k, c))[:, :, lo : lo + g]
+    dest.unflatten(0, (world // k, k)).copy_(src.transpose(0, 1).unsqueeze(1))
 
 
-def _tokens_from(got: torch.Tensor, order: torch.Tensor | None) -> torch.Tensor:
-    """Received ``[W, B, c, L, D]`` (each source's tokens) -> ``[B, c, W * L, D]`` with token p
-    the rank-major token ``order[p]`` (``[W * L]`` or ``[B, W * L]``): one copy (none when
-    the buffer already is that tensor)."""
-    world, b, c, length, d = got.shape
+def _heads_out(out: torch.Tensor, got: torch.Tensor, c: int, k: int, lo: int) -> None:
+    """Adjoint of :func:`_heads_into`: received ``[W, B, g, L, D]`` -> heads ``[lo, lo + g)``
+    of every range of ``out`` ``[B, H, L, D]``, the ``k`` ranks sharing a range summed."""
+    world, g = got.shape[0], got.shape[2]
+    dest = out.unflatten(1, (world // k, c))[:, :, lo : lo + g].transpose(0, 1)
+    if k == 1:
+        dest.copy_(got)
+    else:
+        torch.sum(got.unflatten(0, (world // k, k)), 1, out=dest)
+
+
+def _tokens_out(dest: torch.Tensor, got: torch.Tensor, order: torch.Tensor | None) -> None:
+    """Received ``[W, B, g, L, D]`` (each source's tokens) -> ``dest`` ``[B, g, W * L, D]``
+    whose token p is the rank-major token ``order[p]`` (``[W * L]`` or ``[B, W * L]``)."""
+    world, b, g, length, _ = got.shape
     ranks_first = got.permute(1, 2, 0, 3, 4)
     if order is None:
-        return ranks_first.reshape(b, c, world * length, d)
+        dest.unflatten(2, (world, length)).copy_(ranks_first)
+        return
     src, row = order // length, order % length
     if order.dim() == 1:
-        return ranks_first[:, :, src, row]
+        dest.copy_(ranks_first[:, :, src, row])
+        return
     batch = torch.arange(b, device=got.device)[:, None, None]
-    head = torch.arange(c, device=got.device)[None, :, None]
-    return ranks_first[batch, head, src[:, None], row[:, None]]
+    head = torch.arange(g, device=got.device)[None, :, None]
+    dest.copy_(ranks_first[batch, head, src[:, None], row[:, None]])
 
 
 def _tokens_into(dest: torch.Tensor, x: torch.Tensor, order: torch.Tensor | None) -> None:
-    """Adjoint of :func:`_tokens_from`: ``x`` ``[B, c, W * L, D]`` (tokens in ``order``) ->
-    the ``[W, B, c, L, D]`` view ``dest`` (each destination's rank-major tokens), one pass."""
-    world, b, c, length, d = dest.shape
+    """Adjoint of :func:`_tokens_out`: ``x`` ``[B, g, W * L, D]`` (tokens in ``order``) -> the
+    ``[W, B, g, L, D]`` view ``dest`` (each destination's rank-major tokens), one pass."""
+    world, b, _, length, _ = dest.shape
     if order is None:
-        dest.copy_(x.view(b, c, world, length, d).permute(2, 0, 1, 3, 4))
+        dest.copy_(x.unflatten(2, (world, length)).permute(2, 0, 1, 3, 4))
         return
     inverse = torch.empty_like(order).scatter_(
         -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
@@ -104,6 +149,92 @@ def _tokens_into(dest: torch.Tensor, x: torch.Tensor, order: torch.Tensor | None
         index = inverse.view(b, world, length).transpose(0, 1)[:, :, None, :, None]
     source = x.unsqueeze(0).expand(world, *x.shape)
     torch.gather(source, 3, index.expand(dest.shape), out=dest)
+
+
+def _pack_heads(
+    send: torch.Tensor,
+    parts: list[torch.Tensor],
+    ranges: list[list[tuple[int, int]]],
+    regular: list[int | None],
+    counts: list[list[int]],
+    length: int,
+    lo: int,
+) -> None:
+    """A round's send buffer of :func:`seq_to_heads`: per destination r, each part's heads
+    ``[s_r + lo, s_r + lo + n_r)`` of this rank's tokens."""
+    world, b = len(ranges[0]), parts[0].shape[0]
+    if None not in regular:
+        shapes = [(b, n[0], x.shape[3]) for n, x in zip(counts, parts)]
+        views = _rank_views(send, shapes, world, length)
+        for dest, x, part, k in zip(views, parts, ranges, regular):
+            _heads_into(dest, x, part[0][1], k, lo)
+        return
+    at = 0
+    for r in range(world):
+        for x, part, n in zip(parts, ranges, counts):
+            size, s, d = b * n[r] * length * x.shape[3], part[r][0] + lo, x.shape[3]
+            send[at : at + size].view(b, n[r], length, d).copy_(x[:, s : s + n[r]])
+            at += size
+
+
+def _unpack_tokens(
+    got: torch.Tensor,
+    outs: list[torch.Tensor],
+    counts: list[list[int]],
+    me: int,
+    length: int,
+    lo: int,
+    order: torch.Tensor | None,
+) -> None:
+    """A round's receive buffer of :func:`seq_to_heads` into heads ``[lo, lo + n)`` of
+    ``outs``, tokens in ``order``."""
+    world, b = len(counts[0]), outs[0].shape[0]
+    shapes = [(b, n[me], out.shape[3]) for n, out in zip(counts, outs)]
+    for out, g in zip(outs, _rank_views(got, shapes, world, length)):
+        _tokens_out(out[:, lo : lo + g.shape[2]], g, order)
+
+
+def _pack_tokens(
+    send: torch.Tensor,
+    parts: list[torch.Tensor],
+    counts: list[list[int]],
+    me: int,
+    length: int,
+    lo: int,
+    order: torch.Tensor | None,
+) -> None:
+    """A round's send buffer of :func:`heads_to_seq`: per destination, its rank-major tokens of
+    heads ``[lo, lo + n)`` of every part."""
+    world, b = len(counts[0]), parts[0].shape[0]
+    shapes = [(b, n[me], x.shape[3]) for n, x in zip(counts, parts)]
+    for dest, x in zip(_rank_views(send, shapes, world, length), parts):
+        _tokens_into(dest, x[:, lo : lo + dest.shape[2]], order)
+
+
+def _unpack_heads(
+    got: torch.Tensor,
+    outs: list[torch.Tensor],
+    ranges: list[list[tuple[int, int]]],
+    regular: list[int | None],
+    counts: list[list[int]],
+    length: int,
+    lo: int,
+) -> None:
+    """A round's receive buffer of :func:`heads_to_seq` into ``outs``: source r's heads
+    ``[s_r + lo, s_r + lo + n_r)`` of each part, written (regular ranges) or added."""
+    world, b = len(ranges[0]), outs[0].shape[0]
+    if None not in regular:
+        shapes = [(b, n[0], out.shape[3]) for n, out in zip(counts, outs)]
+        views = _rank_views(got, shapes, world, length)
+        for out, g, part, k in zip(outs, views, ranges, regular):
+            _heads_out(out, g, part[0][1], k, lo)
+        return
+    at = 0
+    for r in range(world):
+        for out, part, n in zip(outs, ranges, counts):
+            size, s, d = b * n[r] * length * out.shape[3], part[r][0] + lo, out.shape[3]
+            out[:, s : s + n[r]] += got[at : at + size].view(b, n[r], length, d)
+            at += size
 
 
 @torch.library.custom_op("cpshard::seq_to_heads", mutates_args=())
@@ -118,26 +249,23 @@ def seq_to_heads(
     group = group_from_name(group_name)
     world, me = group.world, group.rank
     ranges = head_ranges(heads, len(parts), world)
+    regular = [_regular(part) for part in ranges]
     b, length = parts[0].shape[0], parts[0].shape[2]
-    sizes = [[b * c * length * x.shape[3] for _, c in part] for x, part in zip(parts, ranges)]
-    sends = [sum(sz[r] for sz in sizes) for r in range(world)]
-    send = parts[0].new_empty(sum(sends))
-    if _even(ranges):  # one strided write per part
-        shapes = [(b, part[0][1], x.shape[3]) for x, part in zip(parts, ranges)]
-        for dest, x, part in zip(_rank_views(send, shapes, world, length), parts, ranges):
-            _heads_into(dest, x, [s for s, _ in part])
-    else:  # per destination, each part's heads of this rank's tokens
-        at = 0
-        for r in range(world):
-            for x, (s, c) in zip(parts, (part[r] for part in ranges)):
-                n = b * c * length * x.shape[3]
-                send[at : at + n].view(b, c, length, x.shape[3]).copy_(x[:, s : s + c])
-                at += n
-    recvs = [sum(b * part[me][1] * length * x.shape[3] for x, part in zip(parts, ranges))] * world
-    got = all_to_all_v(send, group_name, sends, recvs, key)
-    del send
-    shapes = [(b, part[me][1], x.shape[3]) for x, part in zip(parts, ranges)]
-    return _unaliased([_tokens_from(g, order) for g in _rank_views(got, shapes, world, length)], got)
+    widths = [x.shape[3] for x in parts]
+    head_bytes = [b * length * d * x.element_size() for x, d in zip(parts, widths)]
+    outs = [
+        x.new_empty(b, part[me][1], world * length, d) for x, part, d in zip(parts, ranges, widths)
+    ]
+    for lo, counts in _rounds(ranges, head_bytes):
+        sends = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
+        recvs = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
+        send = parts[0].new_empty(sum(sends))
+        _pack_heads(send, parts, ranges, regular, counts, length, lo)
+        got = all_to_all_v(send, group_name, sends, recvs, key)
+        del send  # each buffer freed once used, before the next round's are made
+        _unpack_tokens(got, outs, counts, me, length, lo, order)
+        del got
+    return outs
 
 
 @seq_to_heads.register_fake
@@ -170,67 +298,26 @@ def heads_to_seq(
     group = group_from_name(group_name)
     world, me = group.world, group.rank
     ranges = head_ranges(heads, len(parts), world)
+    regular = [_regular(part) for part in ranges]
     b = parts[0].shape[0]
     length = parts[0].shape[2] // world
-    sends = [sum(x[:, :, :length].numel() for x in parts)] * world
-    send = parts[0].new_empty(sum(sends))
-    shapes = [(b, x.shape[1], x.shape[3]) for x in parts]
-    for dest, x in zip(_rank_views(send, shapes, world, length), parts):
-        _tokens_into(dest, x, order)
-    recvs = [
-        sum(b * part[r][1] * length * x.shape[3] for x, part in zip(parts, ranges))
-        for r in range(world)
+    widths = [x.shape[3] for x in parts]
+    fill = torch.empty if None not in regular else torch.zeros  # each head written once, or added
+    outs = [
+        fill(b, _head_count(part), length, x.shape[3], dtype=x.dtype, device=x.device)
+        for x, part in zip(parts, ranges)
     ]
-    got = all_to_all_v(send, group_name, sends, recvs, key)
-    del send
-    if _even(ranges):
-        shapes = [(b, part[0][1], x.shape[3]) for x, part in zip(parts, ranges)]
-        views = _rank_views(got, shapes, world, length)
-        return _unaliased([_heads_from(g, part) for g, part in zip(views, ranges, strict=True)], got)
-    outs, at = [], offsets(recvs)[:-1]
-    for x, part in zip(parts, ranges, strict=True):
-        d = x.shape[3]
-        tiled = _tiled(part)
-        out = x.new_empty if tiled else x.new_zeros
-        out = out(b, _head_count(part), length, d)
-        for r, (s, c) in enumerate(part):
-            n = b * c * length * d
-            block = got[at[r] : at[r] + n].view(b, c, length, d)
-            if tiled:
-                out[:, s : s + c] = block
-            else:
-                out[:, s : s + c] += block
-            at[r] += n
-        outs.append(out)
+    head_bytes = [b * length * d * x.element_size() for x, d in zip(parts, widths)]
+    for lo, counts in _rounds(ranges, head_bytes):
+        sends = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
+        recvs = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
+        send = parts[0].new_empty(sum(sends))
+        _pack_tokens(send, parts, counts, me, length, lo, order)
+        got = all_to_all_v(send, group_name, sends, recvs, key)
+        del send  # each buffer freed once used, before the next round's are made
+        _unpack_heads(got, outs, ranges, regular, counts, length, lo)
+        del got
     return outs
-
-
-def _unaliased(outs: list[torch.Tensor], got: torch.Tensor) -> list[torch.Tensor]:
-    """``outs``, of which a view of the receive buffer ``got`` is kept only when it is the one
-    output (a custom op's outputs must not alias each other)."""
-    if len(outs) == 1:
-        return outs
-    ptr = got.untyped_storage().data_ptr()
-    return [o.clone() if o.untyped_storage().data_ptr() == ptr else o for o in outs]
-
-
-def _tiled(part: Sequence[tuple[int, int]]) -> bool:
-    """Whether the ranks' ranges tile the heads in rank order (each head held by one rank)."""
-    return all(s == sum(c for _, c in part[:r]) for r, (s, _) in enumerate(part))
-
-
-def _heads_from(got: torch.Tensor, part: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """Received ``[W, B, c, L, D]`` (source r's heads ``[s_r, s_r + c)``) -> ``[B, H, L, D]``,
-    a head held by several ranks summed (in rank order) and one held by none zero: one copy
-    when the ranges tile the heads, else ``c`` index-adds."""
-    world, b, c, length, d = got.shape
-    if _tiled(part):
-        return got.transpose(0, 1).reshape(b, world * c, length, d)
-    out = got.new_zeros(b, _head_count(part), length, d)
-    starts = torch.tensor([s for s, _ in part], device=got.device)
-    for j in range(c):
-        out.index_add_(1, starts + j, got[:, :, j].transpose(0, 1))
-    return out
 
 
 def _head_count(part: Sequence[tuple[int, int]]) -> int:

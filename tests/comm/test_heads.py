@@ -1,11 +1,16 @@
 """The sequence <-> head all-to-alls against the same movement done on the full tensors in one
-process: uneven, empty and overlapping head ranges, several parts of different widths, a global
-order (one for every row, or per row), forward and float64 backward, W = 1-4."""
+process: uneven, empty and overlapping head ranges (the loop over ranks), regular ones (the
+strided passes: tiling, GQA replicas), several parts of different widths, no order or a global
+order (one for every row, or per row), in one all-to-all or in rounds, forward and float64
+backward, W = 1-4."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from cpshard.comm import heads
+from cpshard.comm.heads import ROUND_BYTES, heads_to_seq, seq_to_heads
 
 B, L = 2, 3
 
@@ -51,13 +56,24 @@ CASES = [  # (parts as (heads, width), overlap, order)
     ([(5, 2), (3, 4)], False, "shared"),
     ([(3, 2), (1, 5)], True, "per_row"),
     ([(6, 1), (2, 2)], False, "per_row"),
+    ([(4, 3), (1, 5)], True, "shared"),
+    ([(8, 2), (4, 3)], False, None),
 ]
 
 
-def _distributed(rank: int, world: int) -> list[tuple]:
-    import torch.distributed as dist
+def _distributed(rank: int, world: int, rounds: bool) -> list[tuple]:
+    """Every case's outputs and gradients on this rank; ``rounds``: every call in rounds (each a
+    chunk of one part's heads), else in one all-to-all (the tensors are small)."""
+    try:
+        if rounds:
+            heads.ROUND_BYTES = 1
+        return _cases(rank, world)
+    finally:
+        heads.ROUND_BYTES = ROUND_BYTES
 
-    from cpshard.comm.heads import heads_to_seq, seq_to_heads
+
+def _cases(rank: int, world: int) -> list[tuple]:
+    import torch.distributed as dist
 
     name = dist.group.WORLD.group_name
     results = []
@@ -78,9 +94,10 @@ def _distributed(rank: int, world: int) -> list[tuple]:
     return results
 
 
+@pytest.mark.parametrize("rounds", [False, True], ids=["one", "rounds"])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_seq_heads_all_to_alls_match_the_full_tensors(pools, world: int) -> None:
-    got = pools(world).run(_distributed, timeout=300)
+def test_seq_heads_all_to_alls_match_the_full_tensors(pools, world: int, rounds: bool) -> None:
+    got = pools(world).run(_distributed, rounds, timeout=300)
     for at, (parts, overlap, order_kind) in enumerate(CASES):
         ranges = [_ranges(world, h, overlap and i > 0) for i, (h, _) in enumerate(parts)]
         order = None if order_kind is None else _order(world, order_kind == "per_row")
@@ -122,8 +139,6 @@ def test_seq_heads_all_to_alls_match_the_full_tensors(pools, world: int) -> None
 
 def _opcheck(rank: int, world: int) -> None:
     import torch.distributed as dist
-
-    from cpshard.comm.heads import heads_to_seq, seq_to_heads
 
     name = dist.group.WORLD.group_name
     parts = [(3, 2), (1, 4)]
