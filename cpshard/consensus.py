@@ -100,20 +100,21 @@ def agree(
         raise AssertionError(f"{what}: consensus fields exceed {_CAPACITY} integers")
     padded = [width, *flat] + [0] * (_CAPACITY - width - 1)
     table = all_gather_small(torch.tensor(padded, dtype=torch.int64), group)
-    failed = [r for r in range(group.world) if table[r, 1] != 0]
+    failed = torch.nonzero(table[:, 1]).flatten().tolist()
     if failed:
         if local_error is not None:
             raise ValueError(f"{what}: rank {group.rank}: {local_error}")
         raise ValueError(f"{what}: {_ranks(failed)} failed its checks (see the error on that rank)")
-    if any(int(table[r, 0]) != width or table[r, 2 : 2 + len(lengths)].tolist() != lengths
-           for r in range(group.world)):
+    structure = table[:, : 2 + len(lengths)]  # width, failure flag (none set), field lengths
+    if not bool((structure == torch.tensor([width, 0, *lengths])).all()):
         raise ValueError(f"{what}: ranks passed arguments of different structure: {table[:, 0].tolist()}")
     at = 2 + len(lengths)
     for name, values in fields.items():
-        per_rank = [tuple(table[r, at : at + len(values)].tolist()) for r in range(group.world)]
+        mine = table[:, at : at + len(values)]
         at += len(values)
-        if len(set(per_rank)) == 1:
+        if bool((mine == mine[0]).all()):  # agreed: no per-rank work (W rows, one comparison)
             continue
+        per_rank = [tuple(row) for row in mine.tolist()]
         common, top = Counter(per_rank).most_common(1)[0]
         if list(Counter(per_rank).values()).count(top) > 1:
             common = per_rank[0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from cpshard.layouts import ShardLayout
+from cpshard.layouts.closed_form import check_closed_form
 
 
 def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
@@ -15,9 +16,14 @@ def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
     world, padded = layout.world_size, layout.padded_seq_len
     length = padded // world
     idx = layout.local_token_global_indices
-    if idx is None:  # closed form: each rank's formula, O(L) each
-        every = torch.stack([layout.indices(r).to("cpu", torch.int64) for r in range(world)])
-        return every.view(world, 1, length).expand(world, rows, length)
+    if idx is None:  # closed form: each rank's formula (checked once), O(L) each
+        what = "cpshard planning"
+        strategy, world, padded, chunks = check_closed_form(
+            layout.name, world, padded, layout.num_chunks, None, what
+        )
+        formula = strategy.local_indices
+        every = torch.stack([formula(r, world, padded, chunks, None) for r in range(world)])
+        return every.to(torch.int64).view(world, 1, length).expand(world, rows, length)
     if isinstance(idx, tuple):
         raise ValueError(
             f"cpshard planning: layout {layout.name!r} gives the ranks shards of different "
