@@ -92,7 +92,7 @@ def plan_needed_rows(
     delta.index_put_((mrow, mhi), -torch.ones_like(mhi), accumulate=True)
     needers = delta.cumsum(1)[:, :padded]
     by_rank = needers.gather(1, positions.permute(1, 0, 2).reshape(b, padded))
-    served = by_rank.view(b, world, length).sum((0, 2))  # rows each rank's K/V are needed as
+    served = by_rank.view(b, world, length).sum((0, 2))  # its rows, counted once per needer
     received, sent = needed - own, served - own
 
     # This rank's buffer: its intervals back to back per row, in global order.

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
     """A run of queries in the kernel's coordinates: local queries ``[q, q + n)`` of batch row
     ``row`` attend the keys ``[k, split)`` of the row's key buffer all visible and, in a causal
     state, ``[split, split + n)`` causally (query ``q + i`` sees ``split .. split + i``): the

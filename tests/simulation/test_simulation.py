@@ -43,7 +43,7 @@ def _fingerprint(group, layout: str, strategy: str, ids: torch.Tensor, shape: He
     }  # fmt: skip
     return {
         **plan, **counts, "key_len": ex.key_len, "received_rows": ex.received_rows,
-        "spans": [tuple(dataclasses.astuple(s)) for s in state.spans],
+        "spans": [tuple(s) for s in state.spans],
     }  # fmt: skip
 
 
