@@ -72,10 +72,10 @@ def _cut(s: Span, causal: bool, window: int | None) -> bool:
 
 def plan_blocks(spans: Sequence[Span], causal: bool, window: int | None = None) -> Blocks:
     """Group consecutive short spans of one document and row, tile window-cut spans (host work,
-    once per step)."""
-    items: list[Span | Block] = []
-    starts: list[int] = []
-    ends: list[int] = []
+    once per step: the grouping walks the spans, every block's per-query key ranges come from
+    whole-tensor work)."""
+    items: list[Span | int] = []  # a span, or the index of a block in ``groups``
+    groups: list[list[tuple[Span, int, int]]] = []
     group: list[tuple[Span, int, int]] = []  # (span, first query, queries) of the open block
     queries = 0  # the open block's queries
 
@@ -85,16 +85,8 @@ def plan_blocks(spans: Sequence[Span], causal: bool, window: int | None = None) 
         if len(group) == 1 and not tile:
             items.append(group[0][0])
         elif group:
-            ranges = [
-                s.key_range(i, causal, window) for s, i0, n in group for i in range(i0, i0 + n)
-            ]
-            first = min(a for a, _ in ranges)
-            s0, i0, _ = group[0]
-            at = len(ends)
-            starts.extend(a - first for a, _ in ranges)
-            ends.extend(e - first for _, e in ranges)
-            width = max(e for _, e in ranges) - first
-            items.append(Block(s0.row, s0.q + i0, len(ranges), first, width, at))
+            items.append(len(groups))
+            groups.append(list(group))
         group.clear()
 
     for s in spans:
@@ -122,5 +114,40 @@ def plan_blocks(spans: Sequence[Span], causal: bool, window: int | None = None) 
         group.append((s, 0, s.n))
         queries += s.n
     close()
-    as_tensor = lambda v: pinned(torch.tensor(v, dtype=torch.int64))  # noqa: E731
-    return Blocks(tuple(items), as_tensor(starts), as_tensor(ends))
+    blocks, starts, ends = _group_blocks(groups, causal, window)
+    resolved = tuple(blocks[it] if isinstance(it, int) else it for it in items)
+    return Blocks(resolved, pinned(starts), pinned(ends))
+
+
+def _group_blocks(
+    groups: list[list[tuple[Span, int, int]]], causal: bool, window: int | None
+) -> tuple[list[Block], torch.Tensor, torch.Tensor]:
+    """Every group's :class:`Block` and the per-query first and end keys of all of them, back to
+    back (relative to each block's first key)."""
+    entries = [(g, s.k, s.split, i0, n) for g, group in enumerate(groups) for s, i0, n in group]
+    if not entries:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return [], empty, empty
+    gid, k, split, i0, n = torch.tensor(entries, dtype=torch.int64).unbind(1)
+    total = int(n.sum())
+    offsets = torch.cumsum(n, 0) - n
+    i = torch.repeat_interleave(i0 - offsets, n, output_size=total) + torch.arange(total)
+    gid, k, split = (torch.repeat_interleave(t, n, output_size=total) for t in (gid, k, split))
+    end = split + i + 1 if causal else split
+    first = k if window is None else torch.maximum(k, end - window)
+    count = len(groups)
+    low = torch.zeros(count, dtype=torch.int64).scatter_reduce_(
+        0, gid, first, "amin", include_self=False
+    )
+    high = torch.zeros(count, dtype=torch.int64).scatter_reduce_(
+        0, gid, end, "amax", include_self=False
+    )
+    sizes = torch.zeros(count, dtype=torch.int64).index_add_(0, gid, torch.ones_like(gid))
+    at = torch.cumsum(sizes, 0) - sizes
+    blocks = [
+        Block(group[0][0].row, group[0][0].q + group[0][1], m, lo, hi - lo, a)
+        for group, m, lo, hi, a in zip(
+            groups, sizes.tolist(), low.tolist(), high.tolist(), at.tolist(), strict=True
+        )
+    ]
+    return blocks, first - low[gid], end - low[gid]
