@@ -34,6 +34,7 @@ from cpshard.planning import (
     plan_needed_rows,
     plan_step,
 )
+from cpshard.planning.collector import collector_paused
 
 
 def _state(
@@ -83,6 +84,14 @@ def state_from_plan(
     rank, group size and strategy); its twin and windows are planned from the plan's runs when
     first used. ``device``: where the step's metadata goes once; ``mesh``: the ``(inter,
     intra)`` groups of a 2-D CP mesh whose flattening is ``group``."""
+    with collector_paused():
+        return _states(group, plan, device, mesh)
+
+
+def _states(
+    group: Group, plan: StepPlan, device: torch.device | None, mesh: tuple[Group, Group] | None
+) -> AttentionState:
+    """:func:`state_from_plan`'s work (the collector paused by the caller)."""
     plans = head_parallel_states(group, plan, device, mesh, state_from_plan)
     runs, rank = plan.runs, group.rank
     routes = {"head_parallel": plans}  # the step's, not its windows'
@@ -95,15 +104,18 @@ def state_from_plan(
 
     def plan_twin() -> AttentionState:  # the bidirectional state, planned once per step
         if not twins:
-            twins.append(place(_state(group, plan, plan_needed_rows(rank, runs, False), **routes)))
+            with collector_paused():
+                exchange = plan_needed_rows(rank, runs, False)
+                twins.append(place(_state(group, plan, exchange, **routes)))
         return twins[0]
 
     def plan_window(window: int) -> AttentionState:
-        if plan.layout.contiguous_shards:
-            exchange = plan_halo(rank, runs, window)
-        else:
-            exchange = plan_needed_rows(rank, runs, True, window)
-        return place(_state(group, plan, exchange, window, plan_twin))
+        with collector_paused():
+            if plan.layout.contiguous_shards:
+                exchange = plan_halo(rank, runs, window)
+            else:
+                exchange = plan_needed_rows(rank, runs, True, window)
+            return place(_state(group, plan, exchange, window, plan_twin))
 
     state = place(_state(group, plan, plan.causal, None, plan_twin, plan_window, **routes))
     if states.seen_bidirectional:  # layers of earlier steps attended bidirectionally

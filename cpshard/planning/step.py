@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.layouts import ShardLayout
+from cpshard.planning.collector import collector_paused
 from cpshard.planning.halo import HaloPlan, plan_halo
 from cpshard.planning.head_parallel import head_parallel_kinds, node_layout
 from cpshard.planning.needed_rows import NeededRowsPlan, plan_needed_rows
@@ -68,14 +69,17 @@ def plan_step(
             "(inter, intra)"
         )
     doc = documents.to("cpu", torch.int64)
-    runs = layout_runs(layout, doc)
-    causal = (
-        plan_halo(rank, runs) if layout.contiguous_shards else plan_needed_rows(rank, runs, True)
-    )
-    head_parallel = []
-    for kind in head_parallel_kinds(strategy, mesh):
-        nodes, per_node = (1, layout.world_size) if kind == "heads" else mesh
-        merged, orders = node_layout(layout, nodes, per_node)
-        node = rank // per_node
-        head_parallel.append(HeadParallelPlan(kind, plan_step(node, merged, doc), orders[node]))
+    with collector_paused():
+        runs = layout_runs(layout, doc)
+        if layout.contiguous_shards:
+            causal = plan_halo(rank, runs)
+        else:
+            causal = plan_needed_rows(rank, runs, True)
+        head_parallel = []
+        for kind in head_parallel_kinds(strategy, mesh):
+            nodes, per_node = (1, layout.world_size) if kind == "heads" else mesh
+            merged, orders = node_layout(layout, nodes, per_node)
+            node = rank // per_node
+            inner = plan_step(node, merged, doc)
+            head_parallel.append(HeadParallelPlan(kind, inner, orders[node]))
     return StepPlan(rank, layout, doc, strategy, mesh, runs, causal, tuple(head_parallel))
