@@ -132,12 +132,41 @@ def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
     return None
 
 
+@functools.cache
+def _cpu_flash_groups() -> bool:
+    """Whether this torch's CPU flash kernels take fewer K/V heads than query heads, and K/V
+    views of any strides, forward and backward: probed once on tiny inputs against the same
+    call with the heads repeated (a torch that refuses or differs gets repeated heads)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    gen = torch.Generator().manual_seed(0)
+    q, grad = (torch.randn(1, 4, 5, 8, generator=gen) for _ in range(2))
+    kv = torch.randn(1, 5, 2, 16, generator=gen).transpose(1, 2)  # [1, 2, 5, 16], strided
+    k, v = kv[..., :8], kv[..., 8:]
+    wide = [t.repeat_interleave(2, dim=1).contiguous() for t in (k, v)]
+    try:
+        out, lse = flash(q, k, v, 0.0, True)
+        dq, dk, dv = flash_backward(grad, q, k, v, out, lse, 0.0, True)
+    except RuntimeError:
+        return False
+    out_w, lse_w = flash(q, *wide, 0.0, True)
+    dq_w, dk_w, dv_w = flash_backward(grad, q, *wide, out_w, lse_w, 0.0, True)
+    if dk.shape != k.shape or dv.shape != v.shape:
+        return False
+    fold = lambda g: g.view(1, 2, 2, 5, 8).sum(2)  # noqa: E731
+    pairs = ((out, out_w), (dq, dq_w), (dk, fold(dk_w)), (dv, fold(dv_w)))
+    return all(torch.allclose(a, b, atol=1e-5) for a, b in pairs)
+
+
 class CpuFlash:
     """torch's CPU flash kernels. Given the MERGED output and log-sum-exp of several parts, the
     backward of each part is its exact share of the joint softmax's gradient. ``grouped``: GQA
-    in the kernel, and K/V of any strides (the last 1), so the loop copies none."""
+    in the kernel, and K/V of any strides (the last 1), so the loop copies none (where this
+    torch's kernels do, see :func:`_cpu_flash_groups`)."""
 
-    grouped = True
+    @property
+    def grouped(self) -> bool:
+        return _cpu_flash_groups()
 
     def forward(self, q: T, k: T, v: T, how: Visible, scale: float | None) -> Tensors:
         causal, mask = _causal_and_mask(how)
