@@ -24,6 +24,7 @@ from cpshard.ops import (
     unpack_ragged,
 )
 from cpshard.parity import ParityReport, run_parity
+from cpshard.planning import StepPlan, plan_step
 from cpshard.sharder import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
 from cpshard.transport import gather_halo, gather_metadata, gather_ragged, gather_sequence
 from cpshard.vision import (
@@ -90,10 +91,12 @@ __all__ = [
     "reduce_cp_gradients",
     "reset_cp_vision_group",
     "resolve_cost_alpha",
+    "plan_step",
     "run_parity",
     "set_cp_vision_group",
     "ShardedBatch",
     "ShardLayout",
+    "StepPlan",
     "unpack_ragged",
     "vision_hidden_size",
     "VisionFramePlan",
