@@ -26,7 +26,7 @@ may be uneven (heads not divisible by W), empty, or overlap. Every rank holds th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -84,17 +84,35 @@ def _rounds(
 
 
 def _rank_views(
-    buf: torch.Tensor, parts: Sequence[tuple[int, int, int]], world: int, length: int
-) -> list[torch.Tensor]:
-    """``buf`` of ``world`` equal chunks, each holding part i's ``[B, c_i, L, D_i]`` back to back
-    (``parts`` as ``(B, c_i, D_i)``) -> per part its view ``[W, B, c_i, L, D_i]``."""
+    buf: torch.Tensor, tensors: list[torch.Tensor], counts: list[list[int]], rank: int,
+    length: int,
+) -> list[torch.Tensor]:  # fmt: skip
+    """``buf`` of ``W`` equal chunks, each holding every part's ``[B, n_i, L, D_i]`` back to back
+    (``n_i = counts[i][rank]``; ``D_i`` of ``tensors[i]``) -> per part its view
+    ``[W, B, n_i, L, D_i]``."""
+    world, b = len(counts[0]), tensors[0].shape[0]
     chunks = buf.view(world, -1)
     views, at = [], 0
-    for b, c, d in parts:
-        n = b * c * length * d
-        views.append(chunks[:, at : at + n].view(world, b, c, length, d))
-        at += n
+    for t, n in zip(tensors, counts):
+        size = b * n[rank] * length * t.shape[3]
+        views.append(chunks[:, at : at + size].view(world, b, n[rank], length, t.shape[3]))
+        at += size
     return views
+
+
+def _range_blocks(
+    buf: torch.Tensor, tensors: list[torch.Tensor], ranges: list[list[tuple[int, int]]],
+    counts: list[list[int]], length: int, lo: int,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, int]]:  # fmt: skip
+    """Ranges that are not regular: per rank r and part i, in buffer order, the block of
+    ``buf`` ``[B, n, L, D_i]`` that holds heads ``[s, s + n)`` of ``tensors[i]``, with ``s``
+    (rank r's range start plus ``lo``) and ``n = counts[i][r]``."""
+    b, at = tensors[0].shape[0], 0
+    for r in range(len(ranges[0])):
+        for t, part, n in zip(tensors, ranges, counts):
+            size = b * n[r] * length * t.shape[3]
+            yield buf[at : at + size].view(b, n[r], length, t.shape[3]), t, part[r][0] + lo, n[r]
+            at += size
 
 
 def _heads_into(dest: torch.Tensor, x: torch.Tensor, c: int, k: int, lo: int) -> None:
@@ -116,16 +134,35 @@ def _heads_out(out: torch.Tensor, got: torch.Tensor, c: int, k: int, lo: int) ->
         torch.sum(got.unflatten(0, (world // k, k)), 1, out=dest)
 
 
-def _tokens_out(dest: torch.Tensor, got: torch.Tensor, order: torch.Tensor | None) -> None:
+def _token_sources(
+    order: torch.Tensor | None, length: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Where token p of ``order`` (``[W * L]`` or ``[B, W * L]``) comes from: its source rank
+    and row there (once per call, for every part and round)."""
+    return None if order is None else (order // length, order % length)
+
+
+def _inverse_order(order: torch.Tensor | None) -> torch.Tensor | None:
+    """The inverse permutation of ``order``: rank-major token q is token ``inverse[q]`` (once
+    per call, for every part and round)."""
+    if order is None:
+        return None
+    positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
+    return torch.empty_like(order).scatter_(-1, order, positions)
+
+
+def _tokens_out(
+    dest: torch.Tensor, got: torch.Tensor, sources: tuple[torch.Tensor, torch.Tensor] | None
+) -> None:
     """Received ``[W, B, g, L, D]`` (each source's tokens) -> ``dest`` ``[B, g, W * L, D]``
-    whose token p is the rank-major token ``order[p]`` (``[W * L]`` or ``[B, W * L]``)."""
+    whose token p is source ``src[p]``'s row ``row[p]`` (``sources``; None: rank-major)."""
     world, b, g, length, _ = got.shape
     ranks_first = got.permute(1, 2, 0, 3, 4)
-    if order is None:
+    if sources is None:
         dest.unflatten(2, (world, length)).copy_(ranks_first)
         return
-    src, row = order // length, order % length
-    if order.dim() == 1:
+    src, row = sources
+    if src.dim() == 1:
         dest.copy_(ranks_first[:, :, src, row])
         return
     batch = torch.arange(b, device=got.device)[:, None, None]
@@ -133,17 +170,15 @@ def _tokens_out(dest: torch.Tensor, got: torch.Tensor, order: torch.Tensor | Non
     dest.copy_(ranks_first[batch, head, src[:, None], row[:, None]])
 
 
-def _tokens_into(dest: torch.Tensor, x: torch.Tensor, order: torch.Tensor | None) -> None:
-    """Adjoint of :func:`_tokens_out`: ``x`` ``[B, g, W * L, D]`` (tokens in ``order``) -> the
-    ``[W, B, g, L, D]`` view ``dest`` (each destination's rank-major tokens), one pass."""
+def _tokens_into(dest: torch.Tensor, x: torch.Tensor, inverse: torch.Tensor | None) -> None:
+    """Adjoint of :func:`_tokens_out`: ``x`` ``[B, g, W * L, D]`` (tokens in the order whose
+    inverse is ``inverse``) -> the ``[W, B, g, L, D]`` view ``dest`` (each destination's
+    rank-major tokens), one pass."""
     world, b, _, length, _ = dest.shape
-    if order is None:
+    if inverse is None:
         dest.copy_(x.unflatten(2, (world, length)).permute(2, 0, 1, 3, 4))
         return
-    inverse = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(order.shape[-1], device=order.device).expand_as(order)
-    )  # rank-major token q is token inverse[q] of ``x``
-    if order.dim() == 1:
+    if inverse.dim() == 1:
         index = inverse.view(world, 1, 1, length, 1)
     else:
         index = inverse.view(b, world, length).transpose(0, 1)[:, :, None, :, None]
@@ -162,19 +197,13 @@ def _pack_heads(
 ) -> None:
     """A round's send buffer of :func:`seq_to_heads`: per destination r, each part's heads
     ``[s_r + lo, s_r + lo + n_r)`` of this rank's tokens."""
-    world, b = len(ranges[0]), parts[0].shape[0]
-    if None not in regular:
-        shapes = [(b, n[0], x.shape[3]) for n, x in zip(counts, parts)]
-        views = _rank_views(send, shapes, world, length)
+    if None not in regular:  # every rank's count is the same: rank 0's gives the views
+        views = _rank_views(send, parts, counts, 0, length)
         for dest, x, part, k in zip(views, parts, ranges, regular):
             _heads_into(dest, x, part[0][1], k, lo)
         return
-    at = 0
-    for r in range(world):
-        for x, part, n in zip(parts, ranges, counts):
-            size, s, d = b * n[r] * length * x.shape[3], part[r][0] + lo, x.shape[3]
-            send[at : at + size].view(b, n[r], length, d).copy_(x[:, s : s + n[r]])
-            at += size
+    for block, x, s, n in _range_blocks(send, parts, ranges, counts, length, lo):
+        block.copy_(x[:, s : s + n])
 
 
 def _unpack_tokens(
@@ -184,14 +213,12 @@ def _unpack_tokens(
     me: int,
     length: int,
     lo: int,
-    order: torch.Tensor | None,
+    sources: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> None:
     """A round's receive buffer of :func:`seq_to_heads` into heads ``[lo, lo + n)`` of
-    ``outs``, tokens in ``order``."""
-    world, b = len(counts[0]), outs[0].shape[0]
-    shapes = [(b, n[me], out.shape[3]) for n, out in zip(counts, outs)]
-    for out, g in zip(outs, _rank_views(got, shapes, world, length)):
-        _tokens_out(out[:, lo : lo + g.shape[2]], g, order)
+    ``outs``, tokens in the call's order (``sources``)."""
+    for out, g in zip(outs, _rank_views(got, outs, counts, me, length)):
+        _tokens_out(out[:, lo : lo + g.shape[2]], g, sources)
 
 
 def _pack_tokens(
@@ -201,14 +228,12 @@ def _pack_tokens(
     me: int,
     length: int,
     lo: int,
-    order: torch.Tensor | None,
+    inverse: torch.Tensor | None,
 ) -> None:
     """A round's send buffer of :func:`heads_to_seq`: per destination, its rank-major tokens of
-    heads ``[lo, lo + n)`` of every part."""
-    world, b = len(counts[0]), parts[0].shape[0]
-    shapes = [(b, n[me], x.shape[3]) for n, x in zip(counts, parts)]
-    for dest, x in zip(_rank_views(send, shapes, world, length), parts):
-        _tokens_into(dest, x[:, lo : lo + dest.shape[2]], order)
+    heads ``[lo, lo + n)`` of every part (``inverse``: of the call's token order)."""
+    for dest, x in zip(_rank_views(send, parts, counts, me, length), parts):
+        _tokens_into(dest, x[:, lo : lo + dest.shape[2]], inverse)
 
 
 def _unpack_heads(
@@ -222,19 +247,13 @@ def _unpack_heads(
 ) -> None:
     """A round's receive buffer of :func:`heads_to_seq` into ``outs``: source r's heads
     ``[s_r + lo, s_r + lo + n_r)`` of each part, written (regular ranges) or added."""
-    world, b = len(ranges[0]), outs[0].shape[0]
-    if None not in regular:
-        shapes = [(b, n[0], out.shape[3]) for n, out in zip(counts, outs)]
-        views = _rank_views(got, shapes, world, length)
+    if None not in regular:  # every rank's count is the same: rank 0's gives the views
+        views = _rank_views(got, outs, counts, 0, length)
         for out, g, part, k in zip(outs, views, ranges, regular):
             _heads_out(out, g, part[0][1], k, lo)
         return
-    at = 0
-    for r in range(world):
-        for out, part, n in zip(outs, ranges, counts):
-            size, s, d = b * n[r] * length * out.shape[3], part[r][0] + lo, out.shape[3]
-            out[:, s : s + n[r]] += got[at : at + size].view(b, n[r], length, d)
-            at += size
+    for block, out, s, n in _range_blocks(got, outs, ranges, counts, length, lo):
+        out[:, s : s + n] += block
 
 
 @torch.library.custom_op("cpshard::seq_to_heads", mutates_args=())
@@ -256,6 +275,7 @@ def seq_to_heads(
     outs = [
         x.new_empty(b, part[me][1], world * length, d) for x, part, d in zip(parts, ranges, widths)
     ]
+    sources = _token_sources(order, length)
     for lo, counts in _rounds(ranges, head_bytes):
         sends = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
         recvs = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
@@ -263,7 +283,7 @@ def seq_to_heads(
         _pack_heads(send, parts, ranges, regular, counts, length, lo)
         got = all_to_all_v(send, group_name, sends, recvs, key)
         del send  # each buffer freed once used, before the next round's are made
-        _unpack_tokens(got, outs, counts, me, length, lo, order)
+        _unpack_tokens(got, outs, counts, me, length, lo, sources)
         del got
     return outs
 
@@ -308,11 +328,12 @@ def heads_to_seq(
         for x, part in zip(parts, ranges)
     ]
     head_bytes = [b * length * d * x.element_size() for x, d in zip(parts, widths)]
+    inverse = _inverse_order(order)
     for lo, counts in _rounds(ranges, head_bytes):
         sends = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
         recvs = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
         send = parts[0].new_empty(sum(sends))
-        _pack_tokens(send, parts, counts, me, length, lo, order)
+        _pack_tokens(send, parts, counts, me, length, lo, inverse)
         got = all_to_all_v(send, group_name, sends, recvs, key)
         del send  # each buffer freed once used, before the next round's are made
         _unpack_heads(got, outs, ranges, regular, counts, length, lo)
