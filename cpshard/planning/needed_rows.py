@@ -104,9 +104,10 @@ def plan_needed_rows(
     # buffer row of each interval's first position: the rows of the row's earlier intervals
     offset = torch.cumsum(size, 0) - size - (torch.cumsum(per_row, 0) - per_row)[irow]
 
+    keys = irow * (padded + 1) + ilo  # this rank's intervals, sorted by row and start
+
     def buffer_row(row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Buffer rows of the needed positions ``position`` of batch rows ``row``."""
-        keys = irow * (padded + 1) + ilo
         j = torch.searchsorted(keys, row * (padded + 1) + position, right=True) - 1
         return offset[j] + position - ilo[j]
 
