@@ -32,6 +32,7 @@ from cpshard.attention.blocks import Blocks, plan_blocks
 from cpshard.attention.exchange import KVExchange
 from cpshard.attention.packing import Packing, pack
 from cpshard.attention.placement import cached_on
+from cpshard.planning import LayoutRuns
 from cpshard.planning.spans import Span
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
@@ -106,10 +107,12 @@ class AttentionState:
     plan_window: Callable[[int], AttentionState] | None = field(
         default=None, repr=False, compare=False
     )
-    # The step's padded document ids [B, P] (host) and layout: what the sequence mixers other
-    # than attention (convolutions, recurrences: cpshard.mixers) plan their steps from.
+    # The step's padded document ids [B, P] (host), layout and every rank's runs of them: what
+    # the sequence mixers other than attention (convolutions, recurrences: cpshard.mixers) plan
+    # their steps from.
     documents: torch.Tensor | None = field(default=None, repr=False, compare=False)
     shard_layout: ShardLayout | None = field(default=None, repr=False, compare=False)
+    runs: LayoutRuns | None = field(default=None, repr=False, compare=False)
     # How the step's calls exchange (``STRATEGIES``) and its head-parallel plans: ``heads``
     # and ``hierarchical`` use theirs, ``auto`` the cheapest of them and this state's own
     # exchange (:mod:`cpshard.attention.strategy`).

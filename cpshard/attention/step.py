@@ -69,6 +69,7 @@ def _state(
         plan_window=plan_window,
         documents=plan.documents,
         shard_layout=plan.layout,
+        runs=plan.runs,
         strategy=plan.strategy,
         head_parallel=head_parallel,
     )

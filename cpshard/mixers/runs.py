@@ -17,7 +17,7 @@ import torch
 
 from cpshard.attention.state import AttentionState
 from cpshard.layouts import ShardLayout
-from cpshard.planning import layout_runs
+from cpshard.planning import LayoutRuns, layout_runs
 
 # The most runs of one document a rank may hold: the carry moves one transition operator per
 # run that neither begins nor ends its document, so a layout that deals documents out token by
@@ -90,8 +90,14 @@ def plan_recurrence_runs(
     0 = padding: pad tokens form no run) and ``layout``. Raises ``ValueError`` (naming ``what``
     and the layout) when a rank holds more than :data:`MAX_RUNS_PER_DOCUMENT` runs of one
     document."""
-    b, padded = doc.shape
-    every = layout_runs(layout, doc)
+    return _recurrence_runs(rank, layout, layout_runs(layout, doc), what)
+
+
+def _recurrence_runs(
+    rank: int, layout: ShardLayout, every: LayoutRuns, what: str
+) -> RecurrenceRuns:
+    """:func:`plan_recurrence_runs` from the step's runs of every rank."""
+    world = every.world
     cols = (every.rank, every.row, every.q, every.n, every.begin, every.doc_start, every.doc_end)
     runs: list[list[Run]] = [[] for _ in range(world)]
     per_doc: dict[tuple[int, int, int], int] = {}
@@ -117,21 +123,19 @@ def plan_recurrence_runs(
         for r, (rs, ex) in enumerate(zip(runs, exported, strict=True))
         for slot, i in enumerate(ex)
     }
-    return RecurrenceRuns(rank, padded // world, b, tuple(runs), exported, source)
+    return RecurrenceRuns(rank, every.local_len, every.rows, tuple(runs), exported, source)
 
 
 def recurrence_runs(state: AttentionState, what: str) -> RecurrenceRuns:
     """The step's :class:`RecurrenceRuns`, planned on first use and kept in the state."""
     runs = state.derived.get("recurrence runs")
     if runs is None:
-        if state.documents is None or state.shard_layout is None:
+        if state.runs is None or state.shard_layout is None:
             raise ValueError(
                 f"{what}: rank {state.group.rank}: this CP attention state carries no documents "
                 "or layout to plan a recurrence from"
             )
-        runs = plan_recurrence_runs(
-            state.group.rank, state.group.world, state.shard_layout, state.documents, what
-        )
+        runs = _recurrence_runs(state.group.rank, state.shard_layout, state.runs, what)
         state.derived["recurrence runs"] = runs
     assert isinstance(runs, RecurrenceRuns)
     return runs
