@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cpshard.cli_args import mesh_shape
 from cpshard.parity.batches import BatchSpec, check_lengths
 from cpshard.parity.config import (
     CASE_LAYOUTS,
@@ -90,15 +91,7 @@ def _lengths(text: str) -> str:
 
 
 def _mesh(text: str) -> tuple[int, int]:
-    try:
-        dp, cp = (int(s) for s in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--mesh: expected DPxCP such as 2x2, got {text!r}"
-        ) from None
-    if dp < 1 or cp < 1:
-        raise argparse.ArgumentTypeError("--mesh: sizes must be >= 1")
-    return dp, cp
+    return mesh_shape(text, "DPxCP", "2x2")
 
 
 def parser(prog: str = "cpshard parity") -> argparse.ArgumentParser:

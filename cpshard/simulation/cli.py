@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from cpshard.attention.state import STRATEGIES
 from cpshard.bench.report import human_bytes
+from cpshard.cli_args import mesh_shape
 from cpshard.layouts import LAYOUTS
 from cpshard.simulation.documents import document_ids, document_lengths
 from cpshard.simulation.head_shape import HeadShape, shape_from_model
@@ -56,13 +57,7 @@ def _count(what: str, high: int | None = None):
 
 
 def _mesh(text: str) -> tuple[int, int]:
-    try:
-        inter, intra = (int(s) for s in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--mesh: expected AxB such as 4x8, got {text!r}") from None
-    if inter < 1 or intra < 1:
-        raise argparse.ArgumentTypeError("--mesh: sizes must be >= 1")
-    return inter, intra
+    return mesh_shape(text, "AxB", "4x8")
 
 
 def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
