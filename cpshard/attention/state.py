@@ -47,6 +47,9 @@ seen_windows: set[int] = set()
 # Whether a layer has attended bidirectionally (any step): a step then plans its bidirectional
 # state at its setup, else on first use (most models attend only causally).
 seen_bidirectional = False
+# The host views of a state earlier steps' calls read (``"packing"``: the varlen kernel's,
+# ``"blocks"``: the loop's): a step's setup makes those, any other on its first use.
+seen_views: set[str] = set()
 _registry: weakref.WeakValueDictionary[int, AttentionState] = weakref.WeakValueDictionary()
 
 
@@ -119,8 +122,8 @@ class AttentionState:
     strategy: str = "needed_rows"
     head_parallel: tuple[HeadParallel, ...] = field(default=(), repr=False, compare=False)
     key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
-    packing: Packing | None = field(init=False, repr=False, compare=False)  # host (pinned) copy
-    blocks: Blocks = field(init=False, repr=False, compare=False)  # the loop's view, host copy
+    # Host (pinned) copies of the varlen packing and the loop's blocks (see :meth:`place_on`).
+    _host: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
     _packing_on: dict[torch.device, Packing] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
@@ -143,16 +146,6 @@ class AttentionState:
             raise ValueError("a sliding window needs a causal attention state")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
-        packing = pack(
-            self.spans,
-            self.local_len,
-            self.exchange.key_len,
-            self.causal,
-            self.batch_size,
-            self.window,
-        )
-        object.__setattr__(self, "packing", packing)
-        object.__setattr__(self, "blocks", plan_blocks(self.spans, self.causal, self.window))
         object.__setattr__(self, "key", torch.tensor(key, dtype=torch.int64))
         _registry[key] = self
 
@@ -164,19 +157,50 @@ class AttentionState:
         """Adjoint of :meth:`extend`."""
         return self.exchange.restore(grad, self.key, length)
 
+    @property
+    def packing(self) -> Packing | None:
+        """The spans' varlen packing (host; None: the step has none, see
+        :func:`~cpshard.attention.packing.pack`), made on first use."""
+        if "packing" not in self._host:
+            seen_views.add("packing")
+            self._host["packing"] = pack(
+                self.spans,
+                self.local_len,
+                self.exchange.key_len,
+                self.causal,
+                self.batch_size,
+                self.window,
+            )
+        return self._host["packing"]  # type: ignore[return-value]
+
+    @property
+    def blocks(self) -> Blocks:
+        """The loop's view of the spans (host, :func:`~cpshard.attention.blocks.plan_blocks`),
+        made on first use."""
+        if "blocks" not in self._host:
+            seen_views.add("blocks")
+            self._host["blocks"] = plan_blocks(self.spans, self.causal, self.window)
+        return self._host["blocks"]  # type: ignore[return-value]
+
     def packing_on(self, device: torch.device) -> Packing | None:
         """The packing on ``device``, copied there once per device and cached (None: the step
-        has none, see :func:`~cpshard.attention.packing.pack`)."""
-        return None if self.packing is None else cached_on(self._packing_on, device, self.packing)
+        has none)."""
+        packing = self.packing
+        return None if packing is None else cached_on(self._packing_on, device, packing)
 
     def blocks_on(self, device: torch.device) -> Blocks:
         """:attr:`blocks` on ``device``, copied there once per device and cached."""
         return cached_on(self._blocks_on, device, self.blocks)
 
     def place_on(self, device: torch.device) -> None:
-        """Copy the attention's metadata to ``device`` (once per step, at the step's setup)."""
-        self.packing_on(device)
-        self.blocks_on(device)
+        """Make the attention's metadata and copy it to ``device`` (once per step, at the step's
+        setup): the views earlier steps' calls read; a view no call has read yet is made on its
+        first use (a CPU step never packs, a step whose strategy attends elsewhere never groups
+        blocks)."""
+        if "packing" in seen_views:
+            self.packing_on(device)
+        if "blocks" in seen_views:
+            self.blocks_on(device)
         self.exchange.place_on(device)
         for plan in self.head_parallel:
             plan.place_on(device)
