@@ -16,13 +16,14 @@ skip).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from bisect import bisect_right
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
 from cpshard.attention.placement import pinned
-from cpshard.planning.spans import Span
+from cpshard.planning.spans import Span, spans_of
 
 SHORT_SPAN = 32  # spans with fewer queries are grouped into blocks
 BLOCK_QUERIES = 256  # the most queries of one block
@@ -65,89 +66,111 @@ class Blocks:
         return zeros.masked_fill_(hidden, float("-inf"))[None, None]
 
 
-def _cut(s: Span, causal: bool, window: int | None) -> bool:
-    """Whether the window hides some of the span's keys from some of its queries."""
-    return window is not None and s.key_range(s.n - 1, causal, None)[1] - s.k > window
+def _ragged_arange(first: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[first[i], first[i] + lengths[i])`` back to back."""
+    total = int(lengths.sum())
+    offsets = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(first - offsets, lengths, output_size=total) + torch.arange(total)
 
 
-def plan_blocks(spans: Sequence[Span], causal: bool, window: int | None = None) -> Blocks:
-    """Group consecutive short spans of one document and row, tile window-cut spans (host work,
-    once per step: the grouping walks the spans, every block's per-query key ranges come from
-    whole-tensor work)."""
-    items: list[Span | int] = []  # a span, or the index of a block in ``groups``
-    groups: list[list[tuple[Span, int, int]]] = []
-    group: list[tuple[Span, int, int]] = []  # (span, first query, queries) of the open block
-    queries = 0  # the open block's queries
+def plan_blocks(table: torch.Tensor, causal: bool, window: int | None = None) -> Blocks:
+    """The loop's view of the spans of ``table`` (:func:`~cpshard.planning.spans.span_table`):
+    consecutive short spans of one document and row grouped greedily into blocks of at most
+    ``BLOCK_QUERIES`` queries, window-cut spans tiled, long spans alone (host work, once per
+    step: whole-tensor work plus a walk over the items, never over every span)."""
+    if table.shape[0] == 0:
+        empty = torch.zeros(0, dtype=torch.int64)
+        return Blocks((), empty, empty)
+    row, q, n, k, split, doc = table.unbind(1)
+    last_end = split + n if causal else split  # one past the last query's keys
+    if window is None:
+        cut = torch.zeros_like(n, dtype=torch.bool)
+    else:
+        cut = last_end - k > window  # the window hides keys from some queries
+    short = ~cut & (n < SHORT_SPAN)
+    joins = torch.zeros_like(short)  # a short span continuing the previous one's block
+    joins[1:] = (
+        short[1:]
+        & short[:-1]
+        & (row[1:] == row[:-1])
+        & (doc[1:] == doc[:-1])
+        & (q[1:] == q[:-1] + n[:-1])
+    )
+    heads = torch.nonzero(~joins).flatten().tolist()  # cut, long, or a chain of short spans
+    count = table.shape[0]
+    is_short, is_cut, sizes = short.tolist(), cut.tolist(), n.tolist()
+    total = [0, *accumulate(sizes)]  # queries before each span
+    tile = 0 if window is None else min(BLOCK_QUERIES, max(SHORT_SPAN, window))
 
-    def close(tile: bool = False) -> None:
-        nonlocal queries
-        queries = 0
-        if len(group) == 1 and not tile:
-            items.append(group[0][0])
-        elif group:
-            items.append(len(groups))
-            groups.append(list(group))
-        group.clear()
-
-    for s in spans:
-        if _cut(s, causal, window):
-            close()
-            tile = min(BLOCK_QUERIES, max(SHORT_SPAN, window))
-            for i0 in range(0, s.n, tile):
-                group.append((s, i0, min(tile, s.n - i0)))
-                close(tile=True)
-            continue
-        if s.n >= SHORT_SPAN:
-            close()
-            items.append(s)
-            continue
-        if group:
-            last, i0, n = group[-1]
-            joins = (
-                s.row == last.row
-                and s.doc == last.doc
-                and s.q == last.q + i0 + n
-                and queries + s.n <= BLOCK_QUERIES
-            )
-            if not joins:
-                close()
-        group.append((s, 0, s.n))
-        queries += s.n
-    close()
-    blocks, starts, ends = _group_blocks(groups, causal, window)
-    resolved = tuple(blocks[it] if isinstance(it, int) else it for it in items)
+    # Items in span order: ("span", index) or ("group", group index); a group is the spans
+    # [first, end) whole, or one tile (first, offset, queries) of a cut span.
+    items: list[tuple[bool, int]] = []  # (is a group, span or group index)
+    groups: list[tuple[int, int, int, int]] = []  # (first span, end span, offset, queries)
+    for h, head in enumerate(heads):
+        if is_cut[head]:
+            for i0 in range(0, sizes[head], tile):
+                items.append((True, len(groups)))
+                groups.append((head, head + 1, i0, min(tile, sizes[head] - i0)))
+        elif not is_short[head]:
+            items.append((False, head))
+        else:
+            end = heads[h + 1] if h + 1 < len(heads) else count
+            first = head
+            while first < end:  # greedy: each block takes spans while they fit
+                stop = bisect_right(total, total[first] + BLOCK_QUERIES, first + 1, end + 1) - 1
+                if stop - first == 1:
+                    items.append((False, first))
+                else:
+                    items.append((True, len(groups)))
+                    groups.append((first, stop, 0, total[stop] - total[first]))
+                first = stop
+    blocks, starts, ends = _group_blocks(table, groups, causal, window)
+    alone = [i for is_group, i in items if not is_group]
+    single = dict(zip(alone, spans_of(table[alone]), strict=True))
+    resolved = tuple(blocks[i] if is_group else single[i] for is_group, i in items)
     return Blocks(resolved, pinned(starts), pinned(ends))
 
 
 def _group_blocks(
-    groups: list[list[tuple[Span, int, int]]], causal: bool, window: int | None
+    table: torch.Tensor,
+    groups: list[tuple[int, int, int, int]],
+    causal: bool,
+    window: int | None,
 ) -> tuple[list[Block], torch.Tensor, torch.Tensor]:
     """Every group's :class:`Block` and the per-query first and end keys of all of them, back to
     back (relative to each block's first key)."""
-    entries = [(g, s.k, s.split, i0, n) for g, group in enumerate(groups) for s, i0, n in group]
-    if not entries:
+    if not groups:
         empty = torch.zeros(0, dtype=torch.int64)
         return [], empty, empty
-    gid, k, split, i0, n = torch.tensor(entries, dtype=torch.int64).unbind(1)
-    total = int(n.sum())
-    offsets = torch.cumsum(n, 0) - n
-    i = torch.repeat_interleave(i0 - offsets, n, output_size=total) + torch.arange(total)
-    gid, k, split = (torch.repeat_interleave(t, n, output_size=total) for t in (gid, k, split))
-    end = split + i + 1 if causal else split
-    first = k if window is None else torch.maximum(k, end - window)
+    first, end, offset, queries = torch.tensor(groups, dtype=torch.int64).unbind(1)
+    members = end - first
+    span = _ragged_arange(first, members)  # each group's spans, group by group
+    gid = torch.repeat_interleave(torch.arange(len(groups)), members)
+    tiled = members == 1  # a one-span group: a tile, or a whole short span (offset 0)
+    i0 = offset[gid]
+    n = torch.where(tiled[gid], queries[gid], table[span, 2])
+    k, split = table[span, 3], table[span, 4]
+    per_query = int(n.sum())
+    # query index within its span of every query, group by group
+    i = _ragged_arange(i0, n)
+    gid, k, split = (torch.repeat_interleave(t, n, output_size=per_query) for t in (gid, k, split))
+    end_key = split + i + 1 if causal else split
+    first_key = k if window is None else torch.maximum(k, end_key - window)
     count = len(groups)
     low = torch.zeros(count, dtype=torch.int64).scatter_reduce_(
-        0, gid, first, "amin", include_self=False
+        0, gid, first_key, "amin", include_self=False
     )
     high = torch.zeros(count, dtype=torch.int64).scatter_reduce_(
-        0, gid, end, "amax", include_self=False
+        0, gid, end_key, "amax", include_self=False
     )
-    sizes = torch.zeros(count, dtype=torch.int64).index_add_(0, gid, torch.ones_like(gid))
-    at = torch.cumsum(sizes, 0) - sizes
+    at = torch.cumsum(queries, 0) - queries
+    head_row = table[first, 0].tolist()
+    head_q = (table[first, 1] + offset).tolist()
     blocks = [
-        Block(group[0][0].row, group[0][0].q + group[0][1], m, lo, hi - lo, a)
-        for group, m, lo, hi, a in zip(
-            groups, sizes.tolist(), low.tolist(), high.tolist(), at.tolist(), strict=True
+        Block(r, q0, m, lo, hi - lo, a)
+        for r, q0, m, lo, hi, a in zip(
+            head_row, head_q, queries.tolist(), low.tolist(), high.tolist(), at.tolist(),
+            strict=True,
         )
-    ]
-    return blocks, first - low[gid], end - low[gid]
+    ]  # fmt: skip
+    return blocks, first_key - low[gid], end_key - low[gid]

@@ -204,5 +204,5 @@ def implementation(
     """One varlen launch where a kernel serves q with head dim ``d`` (and the rank has spans, the
     step a packing, and the logits no soft-cap), else the loop."""
     kern = varlen_kernel(q, d, d) if softcap is None else None
-    packing = state.packing_on(q.device) if kern is not None and state.spans else None
+    packing = state.packing_on(q.device) if kern is not None and len(state.span_table) else None
     return Loop(state, q, softcap) if packing is None else Varlen(kern, packing)

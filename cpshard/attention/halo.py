@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.attention.exchange import register_exchange_autograd
-from cpshard.planning.spans import Span
 from cpshard.attention.state import state_for
 from cpshard.comm import Group
 from cpshard.comm.collectives import halo_exchange, halo_return
@@ -77,20 +76,17 @@ class HaloExchange:
 
 def halo_spans(
     exchange: HaloExchange, runs: Sequence[tuple[int, int, int, int]], window: int | None = None
-) -> tuple[Span, ...]:
+) -> torch.Tensor:
     """This rank's runs ``(row, begin, length, doc_start)`` (global positions) as spans over
     the halo-extended key buffer (causal: each run sees its document from its start, or from
-    its first query's ``window``)."""
+    its first query's ``window``): a span table (:func:`~cpshard.planning.spans.span_table`)."""
     origin = exchange.start - exchange.halo  # global position of the buffer's first row
-
-    def first(begin: int, doc_start: int) -> int:
-        return doc_start if window is None else max(doc_start, begin - window + 1)
-
-    return tuple(
-        Span(
-            row, begin - exchange.start, length, first(begin, ds) - origin, begin - origin, ds
-        )
-        for row, begin, length, ds in runs
+    row, begin, length, doc_start = (
+        torch.tensor(runs, dtype=torch.int64).view(len(runs), 4).unbind(1)
+    )
+    first = doc_start if window is None else torch.maximum(doc_start, begin - window + 1)
+    return torch.stack(
+        (row, begin - exchange.start, length, first - origin, begin - origin, doc_start), 1
     )
 
 

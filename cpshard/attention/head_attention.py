@@ -35,7 +35,7 @@ def head_parallel_attention(
     """Attention of this rank's q ``[B, Hq, L, d_k]``, k ``[B, Hkv, L, d_k]`` and v ``[B, Hkv,
     L, d_v]`` under ``plan`` (:class:`~cpshard.attention.state.HeadParallel`): the output
     ``[B, Hq, L, d_v]``."""
-    group = plan.group
+    group = plan.used().group
     d_k = k.shape[3]
     split = split_heads(q.shape[1], k.shape[1], group.world)
     start, count = split.q[group.rank]

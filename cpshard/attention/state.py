@@ -33,7 +33,7 @@ from cpshard.attention.exchange import KVExchange
 from cpshard.attention.packing import Packing, pack
 from cpshard.attention.placement import cached_on
 from cpshard.planning import LayoutRuns
-from cpshard.planning.spans import Span
+from cpshard.planning.spans import Span, spans_of
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
 from cpshard.scoped import ScopedValue
@@ -47,8 +47,9 @@ seen_windows: set[int] = set()
 # Whether a layer has attended bidirectionally (any step): a step then plans its bidirectional
 # state at its setup, else on first use (most models attend only causally).
 seen_bidirectional = False
-# The host views of a state earlier steps' calls read (``"packing"``: the varlen kernel's,
-# ``"blocks"``: the loop's): a step's setup makes those, any other on its first use.
+# What earlier steps' calls read: a state's host views (``"packing"``: the varlen kernel's,
+# ``"blocks"``: the loop's) and the head-parallel plans (their kind): a step's setup makes and
+# places those, anything else on its first use.
 seen_views: set[str] = set()
 _registry: weakref.WeakValueDictionary[int, AttentionState] = weakref.WeakValueDictionary()
 
@@ -76,8 +77,16 @@ class HeadParallel:
         return None if self.order is None else cached_on(self._order_on, device, self.order)
 
     def place_on(self, device: torch.device) -> None:
-        self.order_on(device)
-        self.inner.place_on(device)
+        """Place the plan's order and inner state once an earlier step's call used the plan
+        (:data:`seen_views`), else leave them to its first use."""
+        if self.kind in seen_views:
+            self.order_on(device)
+            self.inner.place_on(device)
+
+    def used(self) -> HeadParallel:
+        """This plan, marked as read by a call (later steps place it at their setup)."""
+        seen_views.add(self.kind)
+        return self
 
 
 @dataclass(frozen=True)
@@ -100,7 +109,7 @@ class AttentionState:
     batch_size: int
     reach: int  # the most keys any query of the step attends, over all ranks (0: none)
     causal: bool
-    spans: tuple[Span, ...]
+    span_table: torch.Tensor  # [N, 6] int64: the spans' fields (cpshard.planning.spans)
     exchange: KVExchange
     twin: AttentionState | None = None
     plan_twin: Callable[[], AttentionState] | None = field(
@@ -158,6 +167,14 @@ class AttentionState:
         return self.exchange.restore(grad, self.key, length)
 
     @property
+    def spans(self) -> tuple[Span, ...]:
+        """The spans each query run attends (host objects, made from :attr:`span_table` on
+        first use)."""
+        if "spans" not in self._host:
+            self._host["spans"] = spans_of(self.span_table)
+        return self._host["spans"]  # type: ignore[return-value]
+
+    @property
     def packing(self) -> Packing | None:
         """The spans' varlen packing (host; None: the step has none, see
         :func:`~cpshard.attention.packing.pack`), made on first use."""
@@ -179,7 +196,7 @@ class AttentionState:
         made on first use."""
         if "blocks" not in self._host:
             seen_views.add("blocks")
-            self._host["blocks"] = plan_blocks(self.spans, self.causal, self.window)
+            self._host["blocks"] = plan_blocks(self.span_table, self.causal, self.window)
         return self._host["blocks"]  # type: ignore[return-value]
 
     def packing_on(self, device: torch.device) -> Packing | None:

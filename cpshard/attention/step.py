@@ -62,7 +62,7 @@ def _state(
         batch_size=b,
         reach=exchange.reach,
         causal=plan_twin is not None,
-        spans=spans,
+        span_table=spans,
         exchange=kv,
         plan_twin=plan_twin,
         window=window,

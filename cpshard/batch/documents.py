@@ -46,6 +46,7 @@ __all__ = [
     "DocumentError",
     "document_ids",
     "document_positions",
+    "document_positions_at",
     "read_documents",
 ]
 
@@ -225,6 +226,24 @@ def document_positions(ids: torch.Tensor) -> torch.Tensor:
     index = torch.arange(seq_len, device=ids.device).expand(rows, seq_len)
     last_start = torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
     return index - last_start
+
+
+def document_positions_at(ids: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """:func:`document_positions` of ``ids`` ``[B, S]`` at the positions ``at`` (``[L]`` for
+    every row, or ``[B, L]``; positions past ``S`` continue the last token's count, as padding
+    the sequence does): ``[B, L]``, from the documents' starts alone (one rank's positions,
+    never the whole sequence's)."""
+    rows, seq_len = ids.shape
+    at = at.to("cpu", torch.int64).expand(rows, -1)
+    if seq_len == 0:
+        return at.clone()
+    starts = torch.nonzero(run_starts(ids, ids != 0).reshape(-1)).flatten()  # flat, ascending
+    origin = torch.arange(rows).view(rows, 1) * seq_len
+    key = origin + at.clamp(max=seq_len - 1)
+    j = torch.searchsorted(starts, key, right=True) - 1
+    found = starts[j.clamp(min=0)]
+    last = torch.where((j >= 0) & (found >= origin), found - origin, 0)
+    return at - last
 
 
 def document_ids(

@@ -54,3 +54,34 @@ def all_rank_runs(idx: torch.Tensor, doc: torch.Tensor) -> tuple[torch.Tensor, .
     doc_start = bounds[at - 1] - row * padded
     doc_end = torch.cat([bounds, bounds.new_tensor([b * padded])])[at] - row * padded
     return rank_row // b, row, q, n, doc_start, begin, doc_end
+
+
+def contiguous_runs(world: int, doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """:func:`all_rank_runs` of contiguous equal shards (rank r holds ``[r L, (r + 1) L)`` of
+    every row): each document cut at the shards' bounds, from the documents' bounds alone (no
+    per-position work beyond finding them)."""
+    b, padded = doc.shape
+    if doc.numel() == 0:
+        return (torch.zeros(0, dtype=torch.int64),) * 7
+    length = padded // world
+    flat = doc.reshape(-1)
+    bounds = torch.nonzero(run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1))
+    bounds = bounds.flatten()
+    keep = flat[bounds] != 0
+    ends = torch.cat([bounds[1:], bounds.new_tensor([flat.numel()])])[keep]
+    starts = bounds[keep]
+    row = torch.div(starts, padded, rounding_mode="floor")
+    doc_start, doc_end = starts - row * padded, ends - row * padded  # runs never cross rows
+    first = torch.div(doc_start, length, rounding_mode="floor")
+    pieces = torch.div(doc_end - 1, length, rounding_mode="floor") - first + 1
+    which = torch.repeat_interleave(torch.arange(starts.numel()), pieces)
+    offsets = torch.cumsum(pieces, 0) - pieces
+    rank = first[which] + torch.arange(which.numel()) - offsets[which]
+    row, doc_start, doc_end = row[which], doc_start[which], doc_end[which]
+    begin = torch.maximum(doc_start, rank * length)
+    n = torch.minimum(doc_end, (rank + 1) * length) - begin
+    order = torch.argsort((rank * b + row) * padded + begin)
+    rank, row, n, doc_start, begin, doc_end = (
+        t[order] for t in (rank, row, n, doc_start, begin, doc_end)
+    )
+    return rank, row, begin - rank * length, n, doc_start, begin, doc_end

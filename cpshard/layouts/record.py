@@ -249,7 +249,8 @@ class ShardLayout:
 
 
 def _check_partition(rows: torch.Tensor, padded: int, what: str) -> None:
-    """Every row of ``rows`` [R, P] must be a permutation of 0..P-1."""
+    """Every row of ``rows`` [R, P] must be a permutation of 0..P-1 (``rows`` may be a view:
+    its P values per row are marked in a bitmap, which they cover only if none repeats)."""
     rows = rows.cpu()
     if rows.numel() == 0:
         if padded != 0:
@@ -261,10 +262,9 @@ def _check_partition(rows: torch.Tensor, padded: int, what: str) -> None:
         raise ValueError(
             f"{what}: local_token_global_indices must lie in [0, padded_seq_len = {padded})"
         )
-    seen = torch.zeros(rows.shape[0], padded, dtype=torch.int64).scatter_add_(
-        1, rows, torch.ones_like(rows)
-    )
-    if not bool((seen == 1).all()):
+    seen = torch.zeros(rows.shape[0], padded, dtype=torch.bool)
+    seen.scatter_(1, rows, True)
+    if not bool(seen.all()):
         raise ValueError(
             f"{what}: local_token_global_indices must hold every position 0..{padded - 1} of "
             "every row exactly once"

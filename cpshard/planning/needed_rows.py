@@ -21,14 +21,14 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.planning.runs import LayoutRuns
-from cpshard.planning.spans import Span
 
 
 @dataclass(frozen=True)
 class NeededRowsPlan:
     """One rank's needed-rows plan for one attention mask.
 
-    ``spans``: this rank's query runs over its key buffer of ``buffer_len`` rows per batch row.
+    ``spans``: this rank's query runs over its key buffer of ``buffer_len`` rows per batch row
+    (a span table, :func:`~cpshard.planning.spans.span_table`).
     ``send_rows``: rows of this rank's flattened ``[B * L]`` K/V it sends, grouped by
     destination rank (``send_counts[r]`` to rank r, its own included). ``recv_rows``: where the
     received rows go in its flattened ``[B * buffer_len]`` buffer, grouped by source
@@ -36,7 +36,7 @@ class NeededRowsPlan:
     from / sends to the others (alike on every rank). ``reach``: the most keys a query of the
     step attends without a window."""
 
-    spans: tuple[Span, ...]
+    spans: torch.Tensor
     buffer_len: int
     send_rows: torch.Tensor
     recv_rows: torch.Tensor
@@ -134,8 +134,7 @@ def plan_needed_rows(
     cols = (runs.row, runs.q, runs.n, runs.doc_start, runs.begin, lo, end)
     row, q, n, ds, begin, lo, end = (t[k] for t in cols)
     split = buffer_row(row, begin) if causal else buffer_row(row, end - 1) + 1
-    cols = (row, q, n, buffer_row(row, lo), split, ds)
-    spans = tuple(Span(*v) for v in zip(*(t.tolist() for t in cols), strict=True))
+    spans = torch.stack((row, q, n, buffer_row(row, lo), split, ds), 1)
     return NeededRowsPlan(
         spans,
         width,

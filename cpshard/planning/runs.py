@@ -3,11 +3,11 @@ causal and bidirectional states, each window, the halo) is computed from, once p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from cpshard.batch.runs import all_rank_runs
+from cpshard.batch.runs import all_rank_runs, contiguous_runs
 from cpshard.layouts import ShardLayout
 from cpshard.planning.positions import RankPrefix, all_positions
 
@@ -18,13 +18,13 @@ class LayoutRuns:
     batch row), ordered by rank, row and position: ``rank``, ``row``, first local index ``q``,
     length ``n``, document start ``doc_start`` and first global position ``begin`` (int64
     vectors) and its document's end ``doc_end`` (one past its last token). ``positions``
-    ``[W, B, L]`` are every rank's positions and ``prefix`` counts them below a position."""
+    ``[W, B, L]`` are every rank's positions and :attr:`prefix` counts them below a position
+    (made when a plan first asks: the halo of contiguous shards never does)."""
 
     world: int
     rows: int
     padded: int
     positions: torch.Tensor
-    prefix: RankPrefix
     rank: torch.Tensor
     row: torch.Tensor
     q: torch.Tensor
@@ -32,6 +32,13 @@ class LayoutRuns:
     doc_start: torch.Tensor
     begin: torch.Tensor
     doc_end: torch.Tensor
+    _prefix: list[RankPrefix] = field(default_factory=list, repr=False, compare=False)
+
+    @property
+    def prefix(self) -> RankPrefix:
+        if not self._prefix:
+            self._prefix.append(RankPrefix(self.positions, self.padded))
+        return self._prefix[0]
 
     @property
     def local_len(self) -> int:
@@ -54,9 +61,12 @@ class LayoutRuns:
 
 def layout_runs(layout: ShardLayout, doc: torch.Tensor) -> LayoutRuns:
     """The :class:`LayoutRuns` of the padded document ids ``doc`` ``[B, P]`` (host int64, 0 =
-    pad) under ``layout`` (equal shards): one pass over the sequence, whatever the world size."""
+    pad) under ``layout`` (equal shards): one pass over the sequence, whatever the world size;
+    for contiguous shards, from the documents' bounds alone."""
     b, padded = doc.shape
     positions = all_positions(layout, b)
-    runs = all_rank_runs(positions, doc)
-    prefix = RankPrefix(positions, padded)
-    return LayoutRuns(layout.world_size, b, padded, positions, prefix, *runs)
+    if layout.contiguous_shards:
+        runs = contiguous_runs(layout.world_size, doc)
+    else:
+        runs = all_rank_runs(positions, doc)
+    return LayoutRuns(layout.world_size, b, padded, positions, *runs)

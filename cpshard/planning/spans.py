@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
+
+import torch
 
 
 class Span(NamedTuple):
@@ -26,3 +29,13 @@ class Span(NamedTuple):
         end = self.split + i + 1 if causal else self.split
         first = self.k if window is None else max(self.k, end - window)
         return first, end
+
+
+def span_table(spans: Sequence[Span]) -> torch.Tensor:
+    """``[N, 6]`` int64: ``spans`` as rows of their fields (``row, q, n, k, split, doc``)."""
+    return torch.tensor(spans, dtype=torch.int64).view(len(spans), len(Span._fields))
+
+
+def spans_of(table: torch.Tensor) -> tuple[Span, ...]:
+    """The :class:`Span` of each row of a span table (see :func:`span_table`)."""
+    return tuple(Span._make(fields) for fields in table.tolist())

@@ -21,7 +21,7 @@ from cpshard.attention.activation import activated
 from cpshard.attention.state import STRATEGIES
 from cpshard.attention.step import state_from_plan
 from cpshard.attention.tokens import register_tokens
-from cpshard.batch.documents import DocumentError, document_positions, read_documents
+from cpshard.batch.documents import DocumentError, document_positions_at, read_documents
 from cpshard.batch.padding import IGNORE_INDEX, pad_sequence, pad_value, sequence_dim
 from cpshard.batch.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shift_targets
 from cpshard.comm import Group, GroupLike, resolve_group
@@ -255,9 +255,8 @@ class BatchPlanner:
                 )
             if pos.dtype.is_floating_point or pos.dtype == torch.bool:
                 raise Problem(f"position_ids must hold integers, got {pos.dtype}", TypeError)
-        if pos is None:
-            pos = document_positions(doc_ids).to(ref_t.device)
-        plan.positions = pos[None] if pos.dim() == 1 else pos
+        if pos is not None:  # else each rank counts its own positions per document (apply)
+            plan.positions = pos[None] if pos.dim() == 1 else pos
         plan.padding = pad.to(ref_t.device)
         plan.documents = doc_ids
         if labels is not None:
@@ -311,8 +310,12 @@ class _BatchPlan:
         side: dict[str, torch.Tensor] = {}
         for key, t, d, fill in self.items:
             (side if key in CONSUMED_KEYS else out)[key] = shard(t, d, fill)
-        pos = pad_sequence("position_ids", self.positions, self.positions.dim() - 1, padded)
-        out["position_ids"] = gather_rows(pos, pos.dim() - 1, index(pos.device)[0], 0)
+        if self.positions is None:
+            mine = document_positions_at(self.documents, lay.indices(rank))
+            out["position_ids"] = mine.to(self.device)
+        else:
+            pos = pad_sequence("position_ids", self.positions, self.positions.dim() - 1, padded)
+            out["position_ids"] = gather_rows(pos, pos.dim() - 1, index(pos.device)[0], 0)
         targets = BatchTargets(
             labels=side.get("labels"),
             num_labelled=self.num_labelled,

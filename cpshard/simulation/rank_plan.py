@@ -12,12 +12,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpshard import layouts
+from cpshard.attention import state as states
 from cpshard.attention.halo import HaloExchange
 from cpshard.attention.head_split import split_heads
 from cpshard.attention.state import AttentionState, HeadParallel, active_state
 from cpshard.attention.strategy import chosen_strategy, strategy_bytes
 from cpshard.bench.layouts import owner_ranks
 from cpshard.layouts import ShardLayout
+from cpshard.planning.head_parallel import head_parallel_kinds
 from cpshard.sharder import ContextParallelSharder
 from cpshard.simulation.fake_rank import simulated_rank
 from cpshard.simulation.head_shape import HeadShape
@@ -49,7 +51,10 @@ def plan_step(
     group: dist.ProcessGroup | DeviceMesh, layout: str, strategy: str, doc_ids: torch.Tensor
 ) -> tuple[AttentionState, ShardLayout, float]:
     """Shard one ``[1, S]`` batch of ``doc_ids`` as this rank: its causal attention state, the
-    layout and the milliseconds ``shard()`` took."""
+    layout and the milliseconds ``shard()`` took, as in a CPU training loop's later steps (the
+    loop's blocks, and every head-parallel plan the strategy may use, made at the setup)."""
+    states.seen_views.add("blocks")
+    states.seen_views.update(head_parallel_kinds(strategy, _mesh_dims(group)))
     sharder = ContextParallelSharder(group, layout, strategy=strategy)
     tokens = torch.arange(doc_ids.shape[1]).view(1, -1)
     batch = {"input_ids": tokens, "labels": tokens, "_packed_seq_ids": doc_ids}
@@ -60,6 +65,11 @@ def plan_step(
         state = active_state()
     assert state is not None and sharder.shard_layout is not None
     return state, sharder.shard_layout, ms
+
+
+def _mesh_dims(group: dist.ProcessGroup | DeviceMesh) -> tuple[int, int] | None:
+    """``(nodes, ranks per node)`` of a 2-D mesh, else None."""
+    return tuple(group.shape) if isinstance(group, DeviceMesh) else None  # type: ignore[return-value]
 
 
 def rows_moved(exchange: object) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import torch
 
 from cpshard.attention.blocks import BLOCK_QUERIES, SHORT_SPAN, Block, plan_blocks
 from cpshard.attention.packing import overlap as _overlap
-from cpshard.planning.spans import Span
+from cpshard.planning.spans import Span, span_table
 
 
 def _visible(spans: list[Span], causal: bool) -> set[tuple[int, int, int]]:
@@ -45,7 +45,7 @@ def _random_spans(rng: random.Random, rows: int) -> list[Span]:
 def test_blocks_attend_exactly_the_spans_pairs(seed: int, causal: bool) -> None:
     rng = random.Random(seed)
     spans = _random_spans(rng, rows=rng.randint(1, 3))
-    blocks = plan_blocks(spans, causal)
+    blocks = plan_blocks(span_table(spans), causal)
     got = set()
     for item in blocks.items:
         if not isinstance(item, Block):
@@ -90,3 +90,65 @@ def test_overlap_matches_duplicate_rows(seed: int) -> None:
     lengths = [rng.randint(0, 9) for _ in first]
     rows = [r for f, n in zip(first, lengths, strict=True) for r in range(f, f + n)]
     assert _overlap(first, lengths) == (len(rows) != len(set(rows)))
+
+
+def _walked_blocks(spans: list[Span], causal: bool, window: int | None) -> list[tuple]:
+    """The blocks by a walk over every span (what the whole-tensor planner must give): short
+    spans of one document and row join the open block while it has room, cut spans are tiled,
+    long spans stand alone; each item as a tuple with its per-query key ranges."""
+    items, group, room = [], [], 0
+
+    def close(tile: bool = False) -> None:
+        nonlocal room
+        room = 0
+        if len(group) == 1 and not tile:
+            items.append(("span", *group[0][0]))
+        elif group:
+            s0, i0, _ = group[0]
+            ranges = [s.key_range(i0 + i, causal, window) for s, i0, m in group for i in range(m)]
+            lo, hi = min(a for a, _ in ranges), max(b for _, b in ranges)
+            items.append(("block", s0.row, s0.q + i0, len(ranges), lo, hi - lo,
+                          [(a - lo, b - lo) for a, b in ranges]))  # fmt: skip
+        group.clear()
+
+    for s in spans:
+        if window is not None and s.key_range(s.n - 1, causal, None)[1] - s.k > window:
+            close()
+            tile = min(BLOCK_QUERIES, max(SHORT_SPAN, window))
+            for i0 in range(0, s.n, tile):
+                group.append((s, i0, min(tile, s.n - i0)))
+                close(tile=True)
+            continue
+        if s.n >= SHORT_SPAN:
+            close()
+            items.append(("span", *s))
+            continue
+        if group:
+            last, i0, m = group[-1]
+            if not (s.row == last.row and s.doc == last.doc and s.q == last.q + i0 + m
+                    and room + s.n <= BLOCK_QUERIES):  # fmt: skip
+                close()
+        group.append((s, 0, s.n))
+        room += s.n
+    close()
+    return items
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 40, 300])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+def test_blocks_equal_the_walk_over_every_span(seed: int, causal: bool, window: int | None) -> None:
+    rng = random.Random(1000 + seed)
+    spans = [s._replace(doc=s.k) for s in _random_spans(rng, rows=rng.randint(1, 3))]
+    if window is not None and not causal:
+        return  # a window needs causal attention
+    blocks = plan_blocks(span_table(spans), causal, window)
+    got = []
+    for item in blocks.items:
+        if isinstance(item, Span):
+            got.append(("span", *item))
+            continue
+        ranges = list(zip(blocks.starts[item.at : item.at + item.n].tolist(),
+                          blocks.ends[item.at : item.at + item.n].tolist(), strict=True))  # fmt: skip
+        got.append(("block", item.row, item.q, item.n, item.k, item.width, ranges))
+    assert got == _walked_blocks(spans, causal, window)

@@ -459,3 +459,22 @@ def test_sharder_names_a_rank_whose_documents_differ(pools) -> None:
     assert all("document ids differs on rank" in o.error_message for o in outcomes), [
         o.error_message for o in outcomes
     ]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_document_positions_at_any_positions_equal_the_whole_rows(seed: int) -> None:
+    """A rank's per-document positions (any of its positions, past the end included) equal the
+    whole rows' positions, padded as position_ids are padded."""
+    from cpshard.batch.documents import document_positions_at
+    from cpshard.batch.padding import pad_sequence
+
+    g = torch.Generator().manual_seed(seed)
+    rows, seq_len = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(0, 40, (1,), generator=g))
+    ids = torch.randint(0, 4, (rows, seq_len), generator=g).cummax(1).values  # runs, pads at start
+    ids = ids * (torch.rand(rows, seq_len, generator=g) > 0.2)  # interior padding
+    padded = seq_len + int(torch.randint(0, 9, (1,), generator=g))
+    whole = pad_sequence("position_ids", document_positions(ids), 1, padded)
+    at = torch.randperm(padded, generator=g)[: padded // 2]
+    assert torch.equal(document_positions_at(ids, at), whole[:, at])
+    per_row = torch.stack([torch.randperm(padded, generator=g)[: padded // 3] for _ in range(rows)])
+    assert torch.equal(document_positions_at(ids, per_row), whole.gather(1, per_row))

@@ -13,7 +13,7 @@ import torch
 from cpshard.batch.runs import run_starts
 from cpshard.layouts import make_layout
 from cpshard.planning import layout_runs, plan_halo, plan_needed_rows
-from cpshard.planning.spans import Span
+from cpshard.planning.spans import Span, span_table
 
 LAYOUTS = ("contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced")
 
@@ -76,7 +76,7 @@ def reference_needed_rows(rank, layout, doc, causal, window=None) -> dict:
             recv_rows = pb * width + at[pb, pp]
             split = at[row, begin] if causal else at[row, end - 1] + 1
             cols = (row, q, n, at[row, lo], split, ds)
-            spans = tuple(Span(*v) for v in zip(*(t.tolist() for t in cols), strict=True))
+            spans = span_table([Span(*v) for v in zip(*(t.tolist() for t in cols), strict=True)])
             width_me = width
     received = [sum(row) - row[r] for r, row in enumerate(counts)]
     sent = [sum(counts[q][r] for q in range(world) if q != r) for r in range(world)]
@@ -231,3 +231,16 @@ def test_head_parallel_node_layouts_equal_the_sorted_union() -> None:
             assert (got is None) == (want[e] is None) and (got is None or torch.equal(got, want[e]))
             if not layout.contiguous_shards:  # one row's union may be held as [L] or [1, L]
                 assert torch.equal(*torch.broadcast_tensors(merged.indices(e), unions[e]))
+
+
+def test_contiguous_runs_equal_the_pass_over_every_position() -> None:
+    """Contiguous shards' runs from the documents' bounds equal the general per-position pass."""
+    from cpshard.batch.runs import all_rank_runs, contiguous_runs
+    from cpshard.planning import all_positions
+
+    for world, _, doc, _ in _cases(77, 80, (1, 2, 3, 4, 8, 32), 96):
+        layout = make_layout("contiguous", world, doc.shape[1])
+        padded = _padded(layout, doc)
+        want = all_rank_runs(all_positions(layout, padded.shape[0]), padded)
+        got = contiguous_runs(world, padded)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), padded.tolist()
