@@ -181,6 +181,10 @@ def read_documents(
             )
 
     valid = ~pad
+    pos = batch.get("position_ids")
+    checks_positions = isinstance(pos, torch.Tensor) and pos.dim() in (1, 2)
+    if packed is not None and len(explicit) == 1 and not checks_positions:
+        return packed * valid, pad  # the ids themselves: no other source to agree with
     implicit = run_starts(torch.zeros(rows, seq_len, dtype=torch.int64), valid)
     starts, first = None, ""
     for name, ids, own in explicit:
@@ -192,8 +196,7 @@ def read_documents(
                 f"{name} and {first} describe different documents{_where(mine, starts)}"
             )
 
-    pos = batch.get("position_ids")
-    if isinstance(pos, torch.Tensor) and pos.dim() in (1, 2):
+    if checks_positions:
         pos = _rows(_integers(pos, "position_ids"), "position_ids", rows, seq_len)
         restarts = (pos == 0) & valid
         if starts is None:

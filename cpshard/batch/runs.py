@@ -28,60 +28,67 @@ def document_runs(row: torch.Tensor) -> list[tuple[int, int, int]]:
 def all_rank_runs(idx: torch.Tensor, doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The runs of every rank's global positions ``idx`` ``[W, B, L]`` (ascending per rank and
     row) over the document ids ``doc`` ``[B, P]`` (0 = pad): maximal stretches of consecutive
-    positions of one document on one rank. One pass over the padded sequence, whatever ``W``.
+    positions of one document on one rank. One pass over every rank's positions for their
+    stretches of consecutive positions, whatever ``W``, then those cut at the documents' bounds.
     Returns rank, row, first local index, length, document start, first global position and
     document end (one past its last token) of each run (int64 vectors, ordered by rank, row and
     local index; pad tokens form no run)."""
     world, b, length = idx.shape
     if idx.numel() == 0:
         return (torch.zeros(0, dtype=torch.int64),) * 7
-    padded = doc.shape[1]
-    boundary = run_starts(doc, torch.ones_like(doc, dtype=torch.bool))  # a document starts
-    by_row = idx.permute(1, 0, 2).reshape(b, world * length)  # every rank's, row by row
-    cut = boundary.gather(1, by_row).view(b, world, length).transpose(0, 1).reshape(-1, length)
     flat_idx = idx.reshape(-1, length)
-    new = torch.ones_like(cut)
-    new[:, 1:] = (flat_idx[:, 1:] != flat_idx[:, :-1] + 1) | cut[:, 1:]
+    new = torch.ones(flat_idx.shape, dtype=torch.bool)
+    torch.ne(flat_idx[:, 1:], flat_idx[:, :-1] + 1, out=new[:, 1:])
     heads = torch.nonzero(new.reshape(-1)).flatten()
     n = torch.diff(heads, append=heads.new_tensor([new.numel()]))
-    rank_row, q = heads // length, heads % length
-    row, begin = rank_row % b, flat_idx.reshape(-1)[heads]
-    keep = doc[row, begin] != 0
-    rank_row, row, q, n, begin = (t[keep] for t in (rank_row, row, q, n, begin))
-    # The documents' bounds, flattened over rows: every row's start is one.
-    bounds = torch.nonzero(boundary.reshape(-1)).flatten()
-    at = torch.searchsorted(bounds, row * padded + begin, right=True)
-    doc_start = bounds[at - 1] - row * padded
-    doc_end = torch.cat([bounds, bounds.new_tensor([b * padded])])[at] - row * padded
-    return rank_row // b, row, q, n, doc_start, begin, doc_end
+    rank_row = torch.div(heads, length, rounding_mode="floor")
+    q = heads - rank_row * length
+    return _document_runs_of(
+        rank_row // b, rank_row % b, q, flat_idx.reshape(-1)[heads], n, doc
+    )
 
 
 def contiguous_runs(world: int, doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """:func:`all_rank_runs` of contiguous equal shards (rank r holds ``[r L, (r + 1) L)`` of
-    every row): each document cut at the shards' bounds, from the documents' bounds alone (no
-    per-position work beyond finding them)."""
+    every row): each rank's one stretch per row cut at the documents' bounds."""
     b, padded = doc.shape
     if doc.numel() == 0:
         return (torch.zeros(0, dtype=torch.int64),) * 7
     length = padded // world
-    flat = doc.reshape(-1)
-    bounds = torch.nonzero(run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1))
-    bounds = bounds.flatten()
-    keep = flat[bounds] != 0
-    ends = torch.cat([bounds[1:], bounds.new_tensor([flat.numel()])])[keep]
-    starts = bounds[keep]
-    row = torch.div(starts, padded, rounding_mode="floor")
-    doc_start, doc_end = starts - row * padded, ends - row * padded  # runs never cross rows
-    first = torch.div(doc_start, length, rounding_mode="floor")
-    pieces = torch.div(doc_end - 1, length, rounding_mode="floor") - first + 1
-    which = torch.repeat_interleave(torch.arange(starts.numel()), pieces)
+    rank = torch.arange(world).repeat_interleave(b)
+    row = torch.arange(b).repeat(world)
+    begin = rank * length
+    return _document_runs_of(rank, row, torch.zeros_like(rank), begin, torch.full_like(rank, length), doc)
+
+
+def _document_runs_of(
+    rank: torch.Tensor,
+    row: torch.Tensor,
+    q: torch.Tensor,
+    begin: torch.Tensor,
+    n: torch.Tensor,
+    doc: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """Stretches of consecutive global positions ``[begin, begin + n)`` of batch rows ``row``
+    (rank ``rank``'s, from its local index ``q``; ordered) cut at the bounds of the documents of
+    ``doc`` ``[B, P]``, pad pieces dropped: :func:`all_rank_runs`'s seven vectors."""
+    b, padded = doc.shape
+    starts = run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1)
+    bounds = torch.nonzero(starts).flatten()  # flat; every row's first position is one
+    after = torch.cat([bounds[1:], bounds.new_tensor([doc.numel()])])
+    lo = row * padded + begin
+    first = torch.searchsorted(bounds, lo, right=True) - 1
+    pieces = torch.searchsorted(bounds, lo + n - 1, right=True) - first
+    which = torch.repeat_interleave(torch.arange(n.numel()), pieces)
     offsets = torch.cumsum(pieces, 0) - pieces
-    rank = first[which] + torch.arange(which.numel()) - offsets[which]
-    row, doc_start, doc_end = row[which], doc_start[which], doc_end[which]
-    begin = torch.maximum(doc_start, rank * length)
-    n = torch.minimum(doc_end, (rank + 1) * length) - begin
-    order = torch.argsort((rank * b + row) * padded + begin)
-    rank, row, n, doc_start, begin, doc_end = (
-        t[order] for t in (rank, row, n, doc_start, begin, doc_end)
-    )
-    return rank, row, begin - rank * length, n, doc_start, begin, doc_end
+    j = first[which] + torch.arange(which.numel()) - offsets[which]  # each piece's document
+    lo, row = lo[which], row[which]
+    piece_lo = torch.maximum(lo, bounds[j])
+    piece_hi = torch.minimum(lo + n[which], after[j])
+    keep = doc.reshape(-1)[bounds[j]] != 0
+    origin = row * padded
+    cols = (
+        rank[which], row, q[which] + piece_lo - lo, piece_hi - piece_lo,
+        bounds[j] - origin, piece_lo - origin, after[j] - origin,
+    )  # fmt: skip
+    return tuple(t[keep] for t in cols)

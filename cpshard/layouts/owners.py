@@ -67,22 +67,21 @@ def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
         raise ValueError(f"{what}: owner must be [B, P] with P a multiple of world = {world}")
     rows, length = owner.shape
     per_rank = length // world
-    counts = torch.zeros(rows, world, dtype=torch.int64).scatter_add_(
-        1, owner, torch.ones_like(owner)
-    )
-    if not bool((counts == per_rank).all()):
-        raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
-    # Runs of one owner (few for planned layouts), sorted by row, rank and position: their
-    # positions back to back are every rank's positions, rank-major per row.
+    if owner.numel() and (int(owner.min()) < 0 or int(owner.max()) >= world):
+        raise ValueError(f"{what}: owner ranks must lie in [0, world = {world})")
+    # Runs of one owner (few for planned layouts; a row's first position starts one), sorted by
+    # rank and row: their positions back to back are every rank's positions, rank-major.
     new = torch.ones_like(owner, dtype=torch.bool)
     new[:, 1:] = owner[:, 1:] != owner[:, :-1]
     starts = torch.nonzero(new.reshape(-1)).flatten()
     sizes = torch.diff(starts, append=starts.new_tensor([owner.numel()]))
     row, rank = starts // max(length, 1), owner.reshape(-1)[starts]
-    order = torch.argsort(row * world + rank, stable=True)
-    starts, sizes = starts[order], sizes[order]
+    counts = torch.zeros(world * rows, dtype=torch.int64).index_add_(0, rank * rows + row, sizes)
+    if not bool((counts == per_rank).all()):
+        raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
+    order = torch.argsort(rank * rows + row, stable=True)
+    starts, sizes, row = starts[order], sizes[order], row[order]
     firsts = torch.cumsum(sizes, 0) - sizes
-    flat = torch.repeat_interleave(starts - firsts, sizes, output_size=owner.numel())
+    flat = torch.repeat_interleave(starts - row * length - firsts, sizes, output_size=owner.numel())
     flat += torch.arange(owner.numel())
-    positions = flat.view(rows, world, per_rank) - torch.arange(rows).view(rows, 1, 1) * length
-    return positions.permute(1, 0, 2).contiguous()
+    return flat.view(world, rows, per_rank)

@@ -27,21 +27,30 @@ def node_layout(layout: ShardLayout, nodes: int, per_node: int) -> tuple[ShardLa
     if layout.contiguous_shards:  # the unions are contiguous and already in order
         return ShardLayout("contiguous", nodes, padded, padded), [None] * nodes
     inv = layout.rank_major_inverse().to("cpu", torch.int64)  # [P] or [B, P]
-    size = padded // max(nodes, 1)  # tokens of a node
     if nodes == 1:  # the union is every position, its order the rank-major slot of each
-        unions, gathered = torch.arange(padded).expand_as(inv)[None], inv[None]
-    else:
-        perm = torch.sort(inv // size, dim=-1, stable=True).indices  # by node, then position
-        gathered = inv.gather(-1, perm).unflatten(-1, (nodes, size)).movedim(-2, 0)
-        unions = perm.unflatten(-1, (nodes, size)).movedim(-2, 0)
+        order = None if _ascending_shards(layout, inv) else inv.contiguous()
+        return ShardLayout("contiguous", 1, padded, padded), [order]
+    size = padded // max(nodes, 1)  # tokens of a node
+    perm = torch.sort(inv // size, dim=-1, stable=True).indices  # by node, then position
+    gathered = inv.gather(-1, perm).unflatten(-1, (nodes, size)).movedim(-2, 0)
+    unions = perm.unflatten(-1, (nodes, size)).movedim(-2, 0)
     orders = []
     for e in range(nodes):
         order = gathered[e] - e * size
         same = bool(torch.equal(order, torch.arange(size).expand_as(order)))
         orders.append(None if same else order.contiguous())
-    if nodes == 1:  # the union is every position
-        return ShardLayout("contiguous", 1, padded, padded), orders
     return ShardLayout(f"{layout.name} by node", nodes, padded, padded, unions.contiguous()), orders
+
+
+def _ascending_shards(layout: ShardLayout, inv: torch.Tensor) -> bool:
+    """Whether the ranks' shards back to back (rank-major: ``inv`` the slot of each position)
+    are already in global order. Carried shards each ascend, so they are exactly when every
+    rank's last position comes before the next rank's first (O(W) per row); a closed form's are
+    compared in full."""
+    idx = layout.local_token_global_indices
+    if isinstance(idx, torch.Tensor) and idx.shape[-1]:
+        return bool((idx[:-1, ..., -1] < idx[1:, ..., 0]).all())
+    return bool(torch.equal(inv, torch.arange(inv.shape[-1]).expand_as(inv)))
 
 
 def head_parallel_kinds(strategy: str, mesh: tuple[int, int] | None) -> tuple[str, ...]:

@@ -68,6 +68,38 @@ def _merge(
     return rank[first], row[first], lo[first], hi[last]
 
 
+class _Coverage:
+    """How many (interval, position) pairs the intervals ``[lo, hi)`` of batch rows ``row``
+    cover below a position of a row: the sum over positions of how many intervals hold each,
+    by binary search over the sorted bounds (no pass over the sequence)."""
+
+    def __init__(self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, padded: int):
+        self.span = padded + 1
+        self.lo, self.lo_sums = self._sorted(row * self.span, lo)
+        self.hi, self.hi_sums = self._sorted(row * self.span, hi)
+
+    @staticmethod
+    def _sorted(base: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = torch.sort(base + bound).values
+        sums = torch.zeros(keys.numel() + 1, dtype=torch.int64)
+        torch.cumsum(keys, 0, out=sums[1:])
+        return keys, sums
+
+    def _beyond(self, keys: torch.Tensor, sums: torch.Tensor, base: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Sum of ``x - bound`` over the row's bounds ``< x``."""
+        first = torch.searchsorted(keys, base)
+        last = torch.searchsorted(keys, base + x)
+        return (last - first) * (base + x) - (sums[last] - sums[first])
+
+    def below(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Per entry: the intervals' covered positions ``< x`` in batch row ``row``."""
+        base = row * self.span
+        return self._beyond(self.lo, self.lo_sums, base, x) - self._beyond(
+            self.hi, self.hi_sums, base, x
+        )
+
+
 def _per_rank(world: int, rank: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.zeros(world, dtype=torch.int64).index_add_(0, rank, values)
 
@@ -84,15 +116,15 @@ def plan_needed_rows(
     end, lo = runs.ends(causal), runs.starts(window)
     mr, mrow, mlo, mhi = _merge(runs.rank, runs.row, lo, end)  # every rank's needed intervals
 
-    # Counted for every rank: rows needed, of them its own, and how many ranks need each row.
+    # Counted for every rank: rows needed, of them its own, and its rows counted once per rank
+    # that needs them (over its runs: padding is never needed).
     needed = _per_rank(world, mr, mhi - mlo)
     own = _per_rank(world, mr, prefix.before(mr, mrow, mhi) - prefix.before(mr, mrow, mlo))
-    delta = torch.zeros(b, padded + 1, dtype=torch.int64)
-    delta.index_put_((mrow, mlo), torch.ones_like(mlo), accumulate=True)
-    delta.index_put_((mrow, mhi), -torch.ones_like(mhi), accumulate=True)
-    needers = delta.cumsum(1)[:, :padded]
-    by_rank = needers.gather(1, positions.permute(1, 0, 2).reshape(b, padded))
-    served = by_rank.view(b, world, length).sum((0, 2))  # its rows, counted once per needer
+    covered = _Coverage(mrow, mlo, mhi, padded)
+    start = runs.begin
+    served = _per_rank(
+        world, runs.rank, covered.below(runs.row, start + runs.n) - covered.below(runs.row, start)
+    )
     received, sent = needed - own, served - own
 
     # This rank's buffer: its intervals back to back per row, in global order.

@@ -17,14 +17,14 @@ class LayoutRuns:
     """The runs of every rank (consecutive global positions of one document on one rank, in one
     batch row), ordered by rank, row and position: ``rank``, ``row``, first local index ``q``,
     length ``n``, document start ``doc_start`` and first global position ``begin`` (int64
-    vectors) and its document's end ``doc_end`` (one past its last token). ``positions``
-    ``[W, B, L]`` are every rank's positions and :attr:`prefix` counts them below a position
-    (made when a plan first asks: the halo of contiguous shards never does)."""
+    vectors) and its document's end ``doc_end`` (one past its last token). :attr:`positions`
+    ``[W, B, L]`` are every rank's positions under ``layout`` and :attr:`prefix` counts them
+    below a position (made when a plan first asks: the halo of contiguous shards never does)."""
 
     world: int
     rows: int
     padded: int
-    positions: torch.Tensor
+    layout: ShardLayout
     rank: torch.Tensor
     row: torch.Tensor
     q: torch.Tensor
@@ -32,13 +32,21 @@ class LayoutRuns:
     doc_start: torch.Tensor
     begin: torch.Tensor
     doc_end: torch.Tensor
-    _prefix: list[RankPrefix] = field(default_factory=list, repr=False, compare=False)
+    _made: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[W, B, L]``: every rank's positions (:func:`all_positions`)."""
+        if "positions" not in self._made:
+            self._made["positions"] = all_positions(self.layout, self.rows)
+        return self._made["positions"]  # type: ignore[return-value]
 
     @property
     def prefix(self) -> RankPrefix:
-        if not self._prefix:
-            self._prefix.append(RankPrefix(self.positions, self.padded))
-        return self._prefix[0]
+        """Counts of every rank's positions below a position (:class:`RankPrefix`)."""
+        if "prefix" not in self._made:
+            self._made["prefix"] = RankPrefix(self.positions, self.padded)
+        return self._made["prefix"]  # type: ignore[return-value]
 
     @property
     def local_len(self) -> int:
@@ -64,9 +72,10 @@ def layout_runs(layout: ShardLayout, doc: torch.Tensor) -> LayoutRuns:
     pad) under ``layout`` (equal shards): one pass over the sequence, whatever the world size;
     for contiguous shards, from the documents' bounds alone."""
     b, padded = doc.shape
-    positions = all_positions(layout, b)
+    made: dict[str, object] = {}
     if layout.contiguous_shards:
         runs = contiguous_runs(layout.world_size, doc)
     else:
-        runs = all_rank_runs(positions, doc)
-    return LayoutRuns(layout.world_size, b, padded, positions, *runs)
+        made["positions"] = all_positions(layout, b)
+        runs = all_rank_runs(made["positions"], doc)  # type: ignore[arg-type]
+    return LayoutRuns(layout.world_size, b, padded, layout, *runs, _made=made)
