@@ -28,24 +28,32 @@ def document_runs(row: torch.Tensor) -> list[tuple[int, int, int]]:
 def all_rank_runs(idx: torch.Tensor, doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The runs of every rank's global positions ``idx`` ``[W, B, L]`` (ascending per rank and
     row) over the document ids ``doc`` ``[B, P]`` (0 = pad): maximal stretches of consecutive
-    positions of one document on one rank. One pass over every rank's positions for their
-    stretches of consecutive positions, whatever ``W``, then those cut at the documents' bounds.
+    positions of one document on one rank. One pass over the padded sequence, whatever ``W``.
     Returns rank, row, first local index, length, document start, first global position and
     document end (one past its last token) of each run (int64 vectors, ordered by rank, row and
     local index; pad tokens form no run)."""
     world, b, length = idx.shape
     if idx.numel() == 0:
         return (torch.zeros(0, dtype=torch.int64),) * 7
+    padded = doc.shape[1]
+    boundary = run_starts(doc, torch.ones_like(doc, dtype=torch.bool))  # a document starts
+    by_row = idx.permute(1, 0, 2).reshape(b, world * length)  # every rank's, row by row
+    cut = boundary.gather(1, by_row).view(b, world, length).transpose(0, 1).reshape(-1, length)
     flat_idx = idx.reshape(-1, length)
-    new = torch.ones(flat_idx.shape, dtype=torch.bool)
-    torch.ne(flat_idx[:, 1:], flat_idx[:, :-1] + 1, out=new[:, 1:])
+    new = torch.ones_like(cut)
+    new[:, 1:] = (flat_idx[:, 1:] != flat_idx[:, :-1] + 1) | cut[:, 1:]
     heads = torch.nonzero(new.reshape(-1)).flatten()
     n = torch.diff(heads, append=heads.new_tensor([new.numel()]))
-    rank_row = torch.div(heads, length, rounding_mode="floor")
-    q = heads - rank_row * length
-    return _document_runs_of(
-        rank_row // b, rank_row % b, q, flat_idx.reshape(-1)[heads], n, doc
-    )
+    rank_row, q = heads // length, heads % length
+    row, begin = rank_row % b, flat_idx.reshape(-1)[heads]
+    keep = doc[row, begin] != 0
+    rank_row, row, q, n, begin = (t[keep] for t in (rank_row, row, q, n, begin))
+    # The documents' bounds, flattened over rows: every row's start is one.
+    bounds = torch.nonzero(boundary.reshape(-1)).flatten()
+    at = torch.searchsorted(bounds, row * padded + begin, right=True)
+    doc_start = bounds[at - 1] - row * padded
+    doc_end = torch.cat([bounds, bounds.new_tensor([b * padded])])[at] - row * padded
+    return rank_row // b, row, q, n, doc_start, begin, doc_end
 
 
 def contiguous_runs(world: int, doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -70,8 +78,9 @@ def _document_runs_of(
     doc: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
     """Stretches of consecutive global positions ``[begin, begin + n)`` of batch rows ``row``
-    (rank ``rank``'s, from its local index ``q``; ordered) cut at the bounds of the documents of
-    ``doc`` ``[B, P]``, pad pieces dropped: :func:`all_rank_runs`'s seven vectors."""
+    (rank ``rank``'s, from its local index ``q``; ordered; a few: a binary search each) cut at
+    the bounds of the documents of ``doc`` ``[B, P]``, pad pieces dropped:
+    :func:`all_rank_runs`'s seven vectors."""
     b, padded = doc.shape
     starts = run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1)
     bounds = torch.nonzero(starts).flatten()  # flat; every row's first position is one
@@ -85,7 +94,7 @@ def _document_runs_of(
     lo, row = lo[which], row[which]
     piece_lo = torch.maximum(lo, bounds[j])
     piece_hi = torch.minimum(lo + n[which], after[j])
-    keep = doc.reshape(-1)[bounds[j]] != 0
+    keep = torch.nonzero(doc.reshape(-1)[bounds[j]]).flatten()  # not padding
     origin = row * padded
     cols = (
         rank[which], row, q[which] + piece_lo - lo, piece_hi - piece_lo,

@@ -22,6 +22,10 @@ import torch
 
 from cpshard.planning.runs import LayoutRuns
 
+# Lookups per position above which a running sum over every position beats a binary search per
+# lookup.
+DENSE_LOOKUPS = 8
+
 
 @dataclass(frozen=True)
 class NeededRowsPlan:
@@ -70,13 +74,26 @@ def _merge(
 
 class _Coverage:
     """How many (interval, position) pairs the intervals ``[lo, hi)`` of batch rows ``row``
-    cover below a position of a row: the sum over positions of how many intervals hold each,
-    by binary search over the sorted bounds (no pass over the sequence)."""
+    cover below a position of a row: the sum over positions of how many intervals hold each.
+    For a few lookups, by binary search over the sorted bounds (no pass over the sequence);
+    for about one per position (``lookups``), from the running sum over every position."""
 
-    def __init__(self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, padded: int):
+    def __init__(
+        self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, rows: int, padded: int,
+        lookups: int,
+    ) -> None:  # fmt: skip
         self.span = padded + 1
-        self.lo, self.lo_sums = self._sorted(row * self.span, lo)
-        self.hi, self.hi_sums = self._sorted(row * self.span, hi)
+        self.dense = lookups * DENSE_LOOKUPS > rows * padded
+        if self.dense:
+            delta = torch.zeros(rows * self.span + 1, dtype=torch.int64)
+            delta.index_add_(0, row * self.span + lo, torch.ones_like(lo))
+            delta.index_add_(0, row * self.span + hi, -torch.ones_like(hi))
+            # below[row * span + x]: the covered pairs below x (x = 0..padded) of the row
+            self.below_at = torch.cumsum(torch.cumsum(delta, 0), 0)
+            self.below_at = torch.cat([self.below_at.new_zeros(1), self.below_at[:-1]])
+        else:
+            self.lo, self.lo_sums = self._sorted(row * self.span, lo)
+            self.hi, self.hi_sums = self._sorted(row * self.span, hi)
 
     @staticmethod
     def _sorted(base: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,6 +112,8 @@ class _Coverage:
     def below(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Per entry: the intervals' covered positions ``< x`` in batch row ``row``."""
         base = row * self.span
+        if self.dense:
+            return self.below_at[base + x] - self.below_at[base]
         return self._beyond(self.lo, self.lo_sums, base, x) - self._beyond(
             self.hi, self.hi_sums, base, x
         )
@@ -120,7 +139,7 @@ def plan_needed_rows(
     # that needs them (over its runs: padding is never needed).
     needed = _per_rank(world, mr, mhi - mlo)
     own = _per_rank(world, mr, prefix.before(mr, mrow, mhi) - prefix.before(mr, mrow, mlo))
-    covered = _Coverage(mrow, mlo, mhi, padded)
+    covered = _Coverage(mrow, mlo, mhi, b, padded, runs.n.numel())
     start = runs.begin
     served = _per_rank(
         world, runs.rank, covered.below(runs.row, start + runs.n) - covered.below(runs.row, start)
