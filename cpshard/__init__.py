@@ -25,7 +25,7 @@ from cpshard.ops import (
 )
 from cpshard.parity import ParityReport, run_parity
 from cpshard.planning import StepPlan, plan_step
-from cpshard.sharder import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
+from cpshard.sharder import ContextParallelSharder, StepPlanner, make_cp_blockdiag_batch_and_ctx
 from cpshard.transport import gather_halo, gather_metadata, gather_ragged, gather_sequence
 from cpshard.vision import (
     CpVisionFrameShardingConfig,
@@ -97,6 +97,7 @@ __all__ = [
     "ShardedBatch",
     "ShardLayout",
     "StepPlan",
+    "StepPlanner",
     "unpack_ragged",
     "vision_hidden_size",
     "VisionFramePlan",

@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 examples/cp_plan_ahead.py [--layout balanced] [--steps 3]
 
 Every rank loads the same packed batches (the CP group shares its data). The collate function,
-which runs in a DataLoader worker, calls ``sharder.plan(batch)``: the step's layout and every
+which runs in a DataLoader worker (a spawned process), calls the sharder's picklable planner
+(``sharder.planner()``, the same as ``sharder.plan(batch)``): the step's layout and every
 table its CP attention uses, pure host work that would otherwise run in ``shard()`` while the
 accelerators wait. The training loop hands the plan to ``sharder.shard(batch, plan=plan)``,
 which then does only the step's consensus round and the sharding; a plan made for another
@@ -39,14 +40,15 @@ def packed_batches(count: int, seq_len: int, seed: int = 0) -> list[dict[str, to
 
 
 class PlanningCollate:
-    """The DataLoader's collate function: one packed batch and this rank's plan of its step."""
+    """The DataLoader's collate function: one packed batch and this rank's plan of its step
+    (picklable: a spawned worker gets a copy)."""
 
-    def __init__(self, sharder: cpshard.ContextParallelSharder) -> None:
-        self.sharder = sharder
+    def __init__(self, planner: cpshard.StepPlanner) -> None:
+        self.planner = planner
 
     def __call__(self, items: list[dict[str, torch.Tensor]]) -> tuple[dict[str, Any], Any]:
         batch = items[0]
-        return batch, self.sharder.plan(batch)
+        return batch, self.planner(batch)
 
 
 def main() -> None:
@@ -63,8 +65,8 @@ def main() -> None:
         packed_batches(args.steps, args.seq_len),
         batch_size=1,
         num_workers=1,
-        collate_fn=PlanningCollate(sharder),
-        multiprocessing_context="fork",  # the worker inherits the sharder (its group's rank)
+        collate_fn=PlanningCollate(sharder.planner()),  # this rank's planner, not the group
+        multiprocessing_context="spawn",
     )
     torch.manual_seed(0)  # the same weights on every rank
     embed = torch.nn.Embedding(100, 32)

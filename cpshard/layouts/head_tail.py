@@ -25,12 +25,12 @@ def _indices(rank: int, world: int, padded: int, chunks: int, device: Device) ->
 
 
 def _inverse(world: int, padded: int, chunks: int, device: Device) -> torch.Tensor:
-    p = torch.arange(padded, device=device)
     size = padded // chunks
-    k, offset = p // size, p % size
+    k = torch.arange(chunks, device=device)  # chunk by chunk: its first slot, then consecutive
     t, i = k // world, k % world
     rank = torch.where(t % 2 == 0, i, world - 1 - i)
-    return rank * (padded // world) + t * size + offset
+    first = rank * (padded // world) + t * size
+    return (first[:, None] + torch.arange(size, device=device)).reshape(-1)
 
 
 def _chunk_unit(world: int, chunks: int) -> int:

@@ -19,8 +19,9 @@ def _indices(rank: int, world: int, padded: int, chunks: None, device: Device) -
 
 
 def _inverse(world: int, padded: int, chunks: None, device: Device) -> torch.Tensor:
-    p = torch.arange(padded, device=device)
-    return (p % world) * (padded // world) + p // world
+    length = padded // world  # position j W + r is slot r L + j
+    slots = torch.arange(world, device=device) * length
+    return (torch.arange(length, device=device)[:, None] + slots).reshape(-1)
 
 
 STRIPE = LayoutStrategy("stripe", local_indices=_indices, rank_major_inverse=_inverse)

@@ -40,6 +40,7 @@ block-diagonal batch).
 """
 
 from cpshard.sharder.blockdiag import make_cp_blockdiag_batch_and_ctx
+from cpshard.sharder.planning import StepPlanner
 from cpshard.sharder.sharder import ContextParallelSharder
 
-__all__ = ["ContextParallelSharder", "make_cp_blockdiag_batch_and_ctx"]
+__all__ = ["ContextParallelSharder", "StepPlanner", "make_cp_blockdiag_batch_and_ctx"]

@@ -12,7 +12,9 @@ in ``extra_seq_buffers`` (any seq dim), and every other ``[B, S, ...]`` tensor o
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -123,13 +125,13 @@ class BatchPlanner:
         """This rank's plan of the step for ``batch`` (host work only, no communication): its
         layout and every table its attention uses. Raises ``ValueError`` / ``TypeError`` on a bad
         batch (here, on this rank alone; :meth:`shard_batch` checks it again on every rank)."""
-        try:
-            planned = self._plan_batch(batch, None, 0, world)
-        except Problem as p:
-            raise p.kind(f"{self.what}: rank {rank}: {p}") from None
-        return plan_step(
-            rank, planned.layout, planned.padded_documents(), self.strategy, self._mesh_dims()
-        )
+        return self.step_planner(rank, world)(batch)
+
+    def step_planner(self, rank: int, world: int) -> StepPlanner:
+        """:meth:`plan` for ``rank`` of ``world`` as a picklable callable (no groups held)."""
+        settings = copy.copy(self)
+        settings.mesh = None  # groups do not cross processes; the plan needs only their sizes
+        return StepPlanner(settings, rank, world, self._mesh_dims())
 
     def _mesh_dims(self) -> tuple[int, int] | None:
         return None if self.mesh is None else (self.mesh[0].world, self.mesh[1].world)
@@ -273,6 +275,28 @@ class BatchPlanner:
         except (TypeError, ValueError) as exc:
             raise Problem(str(exc)) from None
         return plan
+
+
+@dataclass(frozen=True)
+class StepPlanner:
+    """One rank's step planning, picklable: ``planner(batch)`` is the rank's
+    :class:`~cpshard.planning.StepPlan` of ``batch`` (host work, no communication), in any
+    process: a ``DataLoader`` worker started by ``spawn`` or ``forkserver`` as well as a forked
+    one. Made by :meth:`cpshard.ContextParallelSharder.planner`."""
+
+    settings: BatchPlanner  # the sharder's batch settings, without its groups
+    rank: int
+    world: int
+    mesh: tuple[int, int] | None  # (nodes, ranks per node) of a 2-D CP mesh
+
+    def __call__(self, batch: object) -> StepPlan:
+        settings = self.settings
+        try:
+            planned = settings._plan_batch(batch, None, 0, self.world)
+        except Problem as p:
+            raise p.kind(f"{settings.what}: rank {self.rank}: {p}") from None
+        documents = planned.padded_documents()
+        return plan_step(self.rank, planned.layout, documents, settings.strategy, self.mesh)
 
 
 class _BatchPlan:

@@ -20,7 +20,7 @@ from cpshard.layouts import (
 )
 from cpshard.planning import StepPlan
 from cpshard.sharder.partition import Partition
-from cpshard.sharder.planning import KNOWN_KEYS, BatchPlanner, check_strategy
+from cpshard.sharder.planning import KNOWN_KEYS, BatchPlanner, StepPlanner, check_strategy
 from cpshard.sharder.token_verbs import TokenVerbs
 from cpshard.validation import check_bool, check_int, is_int
 
@@ -226,6 +226,17 @@ class ContextParallelSharder:
                 "no built-in planning"
             )
         return self._planner.plan(batch, self.rank, self.world_size)
+
+    def planner(self) -> StepPlanner:
+        """:meth:`plan` as a picklable callable for this rank (``planner(batch)`` returns the
+        same plan), for a ``DataLoader`` worker in a process of its own (``spawn``): it holds
+        the sharder's settings and this rank's place in the group, not the group."""
+        if self.shard_batch != self._planner.shard_batch:
+            raise TypeError(
+                f"{self._where('planner')}: a sharder in the direct form (its own shard_batch) "
+                "has no built-in planning"
+            )
+        return self._planner.step_planner(self.rank, self.world_size)
 
     def shard(
         self, batch: dict[str, Any], plan: StepPlan | None = None

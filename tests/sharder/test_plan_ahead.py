@@ -42,12 +42,15 @@ def _attention(ctx, sharded: dict, seed: int) -> tuple[torch.Tensor, ...]:
     return out.detach(), q.grad, k.grad, v.grad
 
 
-def _collate(sharder: ContextParallelSharder):
-    def collate(items: list[dict]) -> tuple[dict, object]:
-        batch = items[0]
-        return batch, sharder.plan(batch)
+class _PlanningCollate:
+    """A collate function a spawned worker can run: the batch and its plan by the sharder's
+    picklable planner."""
 
-    return collate
+    def __init__(self, planner) -> None:
+        self.planner = planner
+
+    def __call__(self, items: list[dict]) -> tuple[dict, object]:
+        return items[0], self.planner(items[0])
 
 
 def _run_plan_ahead(rank: int, world: int) -> list[str]:
@@ -57,18 +60,24 @@ def _run_plan_ahead(rank: int, world: int) -> list[str]:
         for strategy in ("needed_rows", "heads", "auto"):
             sharder = ContextParallelSharder(g, layout, strategy=strategy)
             batch = _batch(3)
-            plan = pickle.loads(pickle.dumps(sharder.plan(batch)))  # it crosses processes
-            ctx_a, a = sharder.shard(batch, plan=plan)
+            planner = pickle.loads(pickle.dumps(sharder.planner()))  # crosses processes
+            plans = {
+                "plan": pickle.loads(pickle.dumps(sharder.plan(batch))),
+                "planner": pickle.loads(pickle.dumps(planner(batch))),
+            }
             ctx_b, b = sharder.shard(batch)
-            tag = f"{layout}/{strategy}"
-            for key, value in b.items():
-                if isinstance(value, torch.Tensor) and not torch.equal(a[key], value):
-                    bad.append(f"{tag}: {key} differs")
-            if a.targets.labels is None or not torch.equal(a.targets.labels, b.targets.labels):
-                bad.append(f"{tag}: labels differ")
-            got, want = _attention(ctx_a, a, 5), _attention(ctx_b, b, 5)
-            if any(not torch.equal(x, y) for x, y in zip(got, want, strict=True)):
-                bad.append(f"{tag}: attention or its gradients differ")
+            want = _attention(ctx_b, b, 5)
+            for how, plan in plans.items():
+                ctx_a, a = sharder.shard(batch, plan=plan)
+                tag = f"{layout}/{strategy} by {how}"
+                for key, value in b.items():
+                    if isinstance(value, torch.Tensor) and not torch.equal(a[key], value):
+                        bad.append(f"{tag}: {key} differs")
+                if a.targets.labels is None or not torch.equal(a.targets.labels, b.targets.labels):
+                    bad.append(f"{tag}: labels differ")
+                got = _attention(ctx_a, a, 5)
+                if any(not torch.equal(x, y) for x, y in zip(got, want, strict=True)):
+                    bad.append(f"{tag}: attention or its gradients differ")
     return bad
 
 
@@ -115,13 +124,15 @@ def test_a_step_planned_ahead_equals_one_planned_inline(pools, world):
     assert_no_mismatches(pools(world).run(_run_plan_ahead, timeout=300))
 
 
-def test_a_dataloader_worker_makes_the_plan():
-    """A worker process plans each batch (its collate function); the training loop shards with
-    it (one rank: the pool's ranks cannot start worker processes)."""
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_a_dataloader_worker_makes_the_plan(start: str):
+    """A worker process (forked, or spawned: the planner crosses by pickle) plans each batch in
+    its collate function; the training loop shards with it (one rank: the pool's ranks cannot
+    start worker processes)."""
     sharder = ContextParallelSharder(None, "balanced")
     loader = torch.utils.data.DataLoader(
-        [_batch(s) for s in range(3)], batch_size=1, num_workers=1, collate_fn=_collate(sharder),
-        multiprocessing_context="fork",
+        [_batch(s) for s in range(3)], batch_size=1, num_workers=1,
+        collate_fn=_PlanningCollate(sharder.planner()), multiprocessing_context=start,
     )  # fmt: skip
     for i, (batch, plan) in enumerate(loader):
         ctx_a, a = sharder.shard(batch, plan=plan)
