@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from cpshard.layouts import ShardLayout
+from cpshard.layouts.owners import owner_to_indices
 
 
 def node_layout(layout: ShardLayout, nodes: int, per_node: int) -> tuple[ShardLayout, list]:
@@ -22,7 +23,8 @@ def node_layout(layout: ShardLayout, nodes: int, per_node: int) -> tuple[ShardLa
     ``e * per_node + per_node - 1`` in global order, and every node's ``order``: where each
     token of its gathered (rank-major) shards goes in that order (None: they already are). A
     node's gathered shards are one range of the rank-major order, so its union is the positions
-    whose rank-major slot lies in that range (one stable sort by node, none for one node)."""
+    whose rank-major slot lies in that range (the runs of one node, sorted by node: no sort of
+    the sequence)."""
     padded = layout.padded_seq_len
     if layout.contiguous_shards:  # the unions are contiguous and already in order
         return ShardLayout("contiguous", nodes, padded, padded), [None] * nodes
@@ -31,9 +33,11 @@ def node_layout(layout: ShardLayout, nodes: int, per_node: int) -> tuple[ShardLa
         order = None if _ascending_shards(layout, inv) else inv.contiguous()
         return ShardLayout("contiguous", 1, padded, padded), [order]
     size = padded // max(nodes, 1)  # tokens of a node
-    perm = torch.sort(inv // size, dim=-1, stable=True).indices  # by node, then position
-    gathered = inv.gather(-1, perm).unflatten(-1, (nodes, size)).movedim(-2, 0)
-    unions = perm.unflatten(-1, (nodes, size)).movedim(-2, 0)
+    rows = inv if inv.dim() == 2 else inv[None]
+    per_row = owner_to_indices(rows // size, nodes)  # [nodes, B, size]: by node, then position
+    gathered = rows[None].expand(nodes, -1, -1).gather(-1, per_row)
+    unions = per_row if inv.dim() == 2 else per_row[:, 0]
+    gathered = gathered if inv.dim() == 2 else gathered[:, 0]
     orders = []
     for e in range(nodes):
         order = gathered[e] - e * size

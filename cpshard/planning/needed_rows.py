@@ -181,9 +181,9 @@ def plan_needed_rows(
     send_rows = _ragged_arange(mrow * length + first, count)
     send_counts = _per_rank(world, mr, count)
 
-    k = runs.rank == rank
+    lo_run, hi_run = torch.searchsorted(runs.rank, torch.tensor([rank, rank + 1])).tolist()
     cols = (runs.row, runs.q, runs.n, runs.doc_start, runs.begin, lo, end)
-    row, q, n, ds, begin, lo, end = (t[k] for t in cols)
+    row, q, n, ds, begin, lo, end = (t[lo_run:hi_run] for t in cols)  # its runs: one range
     split = buffer_row(row, begin) if causal else buffer_row(row, end - 1) + 1
     spans = torch.stack((row, q, n, buffer_row(row, lo), split, ds), 1)
     return NeededRowsPlan(
