@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 VOCAB = 64
+CLIP = 0.5  # the gradient norm clipped to: below the first steps' norms
 KINDS = ("sft", "trainer")
 # launcher variables a one-process reference must not inherit
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -65,7 +66,7 @@ def train(
     *,
     steps: int = 4,
     grad_accum: int = 2,
-    max_grad_norm: float = 1.0,
+    max_grad_norm: float = CLIP,
     evaluate: bool = True,
     save_to: str | None = None,
     **arguments: Any,

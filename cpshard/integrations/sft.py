@@ -48,14 +48,14 @@ class CPSFTTrainer(ContextParallelMixin, SFTTrainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ) -> Any:
         """TRL's loss; in training under CP its ``num_tokens`` counts each CP group's full
-        batch once (TRL adds up the shards' padded lengths over every rank)."""
+        batch once, gathered as TRL gathers it (TRL would add up the shards' padded lengths over
+        every rank)."""
         if self.cp_size == 1 or not self.model.training:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         before = self._total_train_tokens
         result = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        full = torch.tensor(self._full_batch_tokens, device=self.args.device)
-        total = self.accelerator.gather_for_metrics(full).sum().item()
-        self._total_train_tokens = before + total // (self.cp_size * self._tp_size)
+        full = torch.tensor([self._full_batch_tokens], device=self.args.device)
+        self._total_train_tokens = before + self._gather_per_cp_group(full).sum().item() // self._tp_size
         self._metrics["train"]["num_tokens"] = [self._total_train_tokens]
         return result
 
