@@ -216,3 +216,13 @@ def test_sft_example_runs_under_torchrun(tmp_path):
         fields = line.split()
         cp, one = float(fields[fields.index("loss") + 1]), float(fields[-1])
         assert abs(cp - one) <= LOSS_TOL * abs(one), line
+
+
+def test_cpsfttrainer_without_trl_says_what_to_install(monkeypatch):
+    """Without TRL, CPSFTTrainer's import says what to install (and that CPTrainer needs none)."""
+    monkeypatch.setitem(sys.modules, "trl", None)
+    monkeypatch.delitem(sys.modules, "cpshard.integrations.sft", raising=False)
+    import cpshard
+
+    with pytest.raises(ImportError, match="CPSFTTrainer needs TRL"):
+        cpshard.CPSFTTrainer  # noqa: B018
