@@ -202,7 +202,8 @@ def render_strategies(rows: list[dict]) -> list[str]:
         f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, head dim "
         f"{HEAD_DIM}; MHA {'/'.join(map(str, grid.HEAD_SHAPES['MHA']))}, GQA "
         f"{'/'.join(map(str, grid.HEAD_SHAPES['GQA']))} query/KV heads",
-        f"#   layouts {', '.join(grid.GRID_LAYOUTS)}; blockdiag: make_cp_blockdiag_batch_and_ctx",
+        f"#   layouts {', '.join(dict.fromkeys(r['layout'] for r in rows))}; blockdiag: "
+        "make_cp_blockdiag_batch_and_ctx",
         "#   on the same batch (contiguous shards); (mesh): on a 2 x 2 (inter, intra) mesh",
         "#   moved MiB: the cost model's bytes of the busiest rank over fwd+bwd (auto: of the one",
         "#   it picked, shown as auto>picked); kv rows: K/V rows received (needed_rows, max over",
