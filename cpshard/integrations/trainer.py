@@ -44,7 +44,6 @@ from cpshard.consensus import agree
 from cpshard.fingerprints import digest
 from cpshard.integrations import transformers as cp_transformers
 from cpshard.sharder import ContextParallelSharder
-from cpshard.validation import check_int
 
 try:
     from transformers import Trainer
