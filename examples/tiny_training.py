@@ -69,6 +69,7 @@ def train(
     max_grad_norm: float = CLIP,
     evaluate: bool = True,
     save_to: str | None = None,
+    model: torch.nn.Module | None = None,
     **arguments: Any,
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps (gradient accumulation ``grad_accum``, clipping at
@@ -79,7 +80,8 @@ def train(
     ``DataCollatorWithFlattening``, three documents per row). ``cp_size``: None for the plain
     class, else the cpshard class with that CP size. ``arguments`` override the training
     arguments. Returns the log history, the eval loss (None without ``evaluate``) and the
-    trained parameters; ``save_to``: a folder for ``save_model``.
+    trained parameters (full tensors); ``save_to``: a folder for ``save_model``; ``model``: the
+    model to train (default :func:`tiny_llama`), e.g. one loaded sharded by FSDP2.
     """
     import datasets
     import transformers
@@ -94,7 +96,7 @@ def train(
     )  # fmt: skip
     common.update(arguments)
     train_docs, eval_docs = documents(48, seed=1), documents(10, seed=2)
-    model = tiny_llama()
+    model = tiny_llama() if model is None else model
     cp = {} if cp_size is None else {"cp_size": cp_size}
     if kind == "sft":
         from trl import SFTConfig
@@ -129,8 +131,15 @@ def train(
     eval_loss = trainer.evaluate()["eval_loss"] if evaluate else None
     if save_to is not None:
         trainer.save_model(save_to)
-    params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    params = {n: _full(p).detach().clone() for n, p in trainer.model.named_parameters()}
     return {"log": trainer.state.log_history, "eval_loss": eval_loss, "params": params}
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as one full tensor (FSDP2's DTensor shards gathered)."""
+    from torch.distributed.tensor import DTensor
+
+    return p.full_tensor() if isinstance(p, DTensor) else p
 
 
 def step_losses(log: list[dict[str, Any]]) -> list[float]:

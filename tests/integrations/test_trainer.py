@@ -4,7 +4,8 @@ ranks train and evaluate as the plain trainers do with the same batches.
 
 The training is the examples' (``examples/tiny_training.py``): a tiny random Llama in float64,
 four AdamW steps with gradient accumulation 2 and clipping, then an evaluation. Each CP run at
-(dp, cp) is compared with the plain trainer at dp processes (DDP over all ranks in both):
+(dp, cp) is compared with the plain trainer at dp processes (DDP over all ranks in both, and
+FSDP2 in one CP run):
 
 * every parameter after the last step and every step's gradient norm: relative 1e-9 for
   ``CPTrainer`` (measured: 1e-13); 1e-6 for ``CPSFTTrainer``, because TRL's chunked log-prob
@@ -14,7 +15,8 @@ four AdamW steps with gradient accumulation 2 and clipping, then an evaluation. 
 * every step's logged loss and the evaluation loss: relative 1e-6, since the trainers log the
   loss in float32 (transformers' causal-LM loss casts the logits to float32);
 * the logged token counts exactly;
-* a checkpoint saved under CP loads as a plain model with the trained parameters.
+* a checkpoint saved under CP loads as a plain model with the trained parameters;
+* ``CPTrainer`` on a model loaded sharded by FSDP2 over all four ranks equals the same reference.
 
 The refusals (a cp_size that does not divide the world, accelerate's CP at the same time, a
 model with token mixers cpshard does not shard, label smoothing, a gradient reduction that does
@@ -55,13 +57,37 @@ def _launched(rank: int, world: int) -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+FSDP2 = "trainer-fsdp2"  # CPTrainer on a model transformers loads sharded by FSDP2 over the world
+
+
+def _fsdp2_model(rank: int, world: int, out: str) -> torch.nn.Module:
+    """The tiny Llama saved, then loaded with FSDP2 over every rank (transformers'
+    ``DistributedConfig``: the way FSDP2 trains on CPU, where ``fsdp=`` arguments become DDP)."""
+    import torch.distributed as dist
+    import transformers
+    from transformers.distributed import DistributedConfig
+
+    folder = os.path.join(out, "fsdp2-initial")
+    if rank == 0:
+        tiny_training.tiny_llama().save_pretrained(folder)
+    dist.barrier()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float64, distributed_config=DistributedConfig(fsdp_size=world)
+    )
+
+
 def _runs(rank: int, world: int, runs: list[tuple[str, int | None]], out: str) -> dict:
     """Each ``(kind, cp_size)`` of ``runs`` trained on this rank; rank 0's results."""
     results = {}
     for kind, cp in runs:
         _launched(rank, world)
-        save = os.path.join(out, f"{kind}-{cp}-model") if cp is not None else None
-        results[kind, cp] = tiny_training.train(kind, cp, os.path.join(out, f"{kind}-{cp}"), save_to=save)
+        folder = os.path.join(out, f"{kind}-{cp}")
+        if kind == FSDP2:
+            model = _fsdp2_model(rank, world, out)
+            results[kind, cp] = tiny_training.train("trainer", cp, folder, model=model)
+            continue
+        save = folder + "-model" if cp is not None else None
+        results[kind, cp] = tiny_training.train(kind, cp, folder, save_to=save)
     return results if rank == 0 else {}
 
 
@@ -98,7 +124,7 @@ def trained(pools, tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("trainer"))
     results = {}
     plans = {
-        4: [("sft", 2), ("trainer", 2), ("sft", 4), ("trainer", 4)],
+        4: [("sft", 2), ("trainer", 2), ("sft", 4), ("trainer", 4), (FSDP2, 2)],
         2: [("sft", None), ("trainer", None)],
         1: [("sft", None), ("trainer", None)],
     }
@@ -113,6 +139,12 @@ def trained(pools, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("dp, cp", [(2, 2), (1, 4)])
 def test_cp_trains_and_evaluates_like_the_plain_trainer(trained, kind, dp, cp):
     check_same_training(trained[kind, dp, cp], trained[kind, dp, None], PARAM_TOL[kind])
+
+
+def test_cp_under_fsdp2_trains_like_the_plain_trainer(trained):
+    """FSDP2 over all four ranks (the model loaded sharded) at (dp, cp) = (2, 2) against the
+    plain Trainer at dp = 2 with DDP: FSDP2's averaging over every rank is the reduction."""
+    check_same_training(trained[FSDP2, 2, 2], trained["trainer", 2, None], PARAM_TOL["trainer"])
 
 
 @pytest.mark.parametrize("kind", tiny_training.KINDS)
