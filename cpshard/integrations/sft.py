@@ -19,8 +19,8 @@ try:
     from trl import SFTTrainer
 except ImportError as exc:
     raise ImportError(
-        "cpshard's CPSFTTrainer needs TRL (SFTTrainer): pip install trl (CPTrainer, for "
-        "transformers' Trainer, does not)"
+        "cpshard's CPSFTTrainer needs TRL (SFTTrainer): pip install 'cpshard[trl]' "
+        "(CPTrainer, for transformers' Trainer, does not)"
     ) from exc
 
 __all__ = ["CPSFTTrainer"]
