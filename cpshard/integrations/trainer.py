@@ -79,8 +79,8 @@ class ContextParallelMixin:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _refuse_accelerate_cp(getattr(training_args, "parallelism_config", None))
         cp_transformers.register()
+        self.cp_size = cp_size  # before Trainer's set-up, which may ask get_cp_size()
         super().__init__(*args, **kwargs)
-        self.cp_size = cp_size
         world = self.args.world_size
         problem = self._setup_problem(world)
         if world > 1 and dist.is_initialized():
@@ -96,7 +96,7 @@ class ContextParallelMixin:
             )
         elif problem is not None:
             raise ValueError(f"{_WHAT}: rank {self.args.process_index}: {problem}")
-        self._cp_group, self._dp_group = _dp_cp_groups(world, cp_size, self.args.device.type)
+        self._cp_group = _cp_group(world, cp_size, self.args.device.type)
         self._sharders: dict[bool, ContextParallelSharder] = {}
         self._layout, self._strategy = layout, strategy
         self._reduction_checked = False
@@ -339,15 +339,16 @@ def _refuse_accelerate_cp(parallelism_config: Any) -> None:
         raise ValueError(f"{_WHAT}: rank {rank}: {problem}")
 
 
-def _dp_cp_groups(world: int, cp: int, device_type: str) -> tuple[Group, Group]:
-    """This rank's CP group (``cp`` consecutive ranks) and dp group (the ranks of its CP
-    index), from a ``(dp, cp)`` device mesh over the world."""
+def _cp_group(world: int, cp: int, device_type: str) -> Group:
+    """This rank's CP group (``cp`` consecutive ranks), from a ``(dp, cp)`` device mesh over the
+    world (the dp ranks are those of one CP index: the data loaders and the evaluation gather
+    follow the same rank order)."""
     if world == 1:
-        return resolve_group(None, _WHAT), resolve_group(None, _WHAT)
+        return resolve_group(None, _WHAT)
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (world // cp, cp), mesh_dim_names=("dp", "cp"))
-    return resolve_group(mesh["cp"], _WHAT), resolve_group(mesh["dp"], _WHAT)
+    return resolve_group(mesh["cp"], _WHAT)
 
 
 def _reduced_ranks(model: torch.nn.Module) -> set[int] | None:
