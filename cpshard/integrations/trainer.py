@@ -369,11 +369,3 @@ class CPTrainer(ContextParallelMixin, Trainer):
     """``transformers.Trainer`` under cpshard CP (``cp_size``, ``layout``, ``strategy``); use
     it with a padding-free collator such as ``DataCollatorWithFlattening``."""
 
-
-def __getattr__(name: str) -> Any:
-    """``CPSFTTrainer`` from :mod:`cpshard.integrations.sft` (which needs TRL), on demand."""
-    if name == "CPSFTTrainer":
-        from cpshard.integrations.sft import CPSFTTrainer
-
-        return CPSFTTrainer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
