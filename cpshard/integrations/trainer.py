@@ -95,7 +95,7 @@ class ContextParallelMixin:
                 },
             )
         elif problem is not None:
-            raise ValueError(f"{_WHAT}: rank {self.args.process_index}: {problem}")
+            raise ValueError(f"{_WHAT}: rank {_launched_rank()}: {problem}")
         self._cp_group = _cp_group(world, cp_size, self.args.device.type)
         self._sharders: dict[bool, ContextParallelSharder] = {}
         self._layout, self._strategy = layout, strategy
@@ -335,8 +335,13 @@ def _refuse_accelerate_cp(parallelism_config: Any) -> None:
     first, with a message about accelerate alone)."""
     problem = _accelerate_cp_problem(parallelism_config)
     if problem is not None:
-        rank = int(os.environ.get("RANK", "0"))
-        raise ValueError(f"{_WHAT}: rank {rank}: {problem}")
+        raise ValueError(f"{_WHAT}: rank {_launched_rank()}: {problem}")
+
+
+def _launched_rank() -> int:
+    """This process's rank as the launcher numbered it (also where the trainer sees one process,
+    or before it has set up the world)."""
+    return int(os.environ.get("RANK", "0"))
 
 
 def _cp_group(world: int, cp: int, device_type: str) -> Group:

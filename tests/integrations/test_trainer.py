@@ -18,9 +18,10 @@ FSDP2 in one CP run):
 * a checkpoint saved under CP loads as a plain model with the trained parameters;
 * ``CPTrainer`` on a model loaded sharded by FSDP2 over all four ranks equals the same reference.
 
-The refusals (a cp_size that does not divide the world, accelerate's CP at the same time, a
-model with token mixers cpshard does not shard, label smoothing, a gradient reduction that does
-not span every rank) raise on every rank, naming the rank and what to change.
+The refusals (a cp_size that does not divide the world, processes that would train alone,
+accelerate's CP at the same time, a model with token mixers cpshard does not shard, label
+smoothing, a gradient reduction that does not span every rank, evaluation with logits) raise on
+every rank, naming the rank and what to change.
 """
 
 from __future__ import annotations
@@ -182,8 +183,8 @@ def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
     def make(model=None, cp_size=2, **arguments):
         _launched(rank, world)
         args = transformers.TrainingArguments(
-            output_dir=out, use_cpu=True, report_to="none", per_device_train_batch_size=2,
-            **arguments,
+            **{"output_dir": out, "use_cpu": True, "report_to": "none",
+               "per_device_train_batch_size": 2, **arguments},
         )  # fmt: skip
         return CPTrainer(
             model=model if model is not None else tiny_training.tiny_llama(), args=args,
@@ -197,12 +198,19 @@ def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
         batch = transformers.DataCollatorWithFlattening()(data[:2])
         trainer.training_step(ddp, dict(batch))
 
+    def evaluation_with_metrics():
+        trainer = make()
+        trainer.compute_metrics = lambda prediction: {}
+        trainer.evaluate(eval_dataset=data)
+
     cases = {
         "cp_size": lambda: make(cp_size=3),
+        "alone": lambda: make(use_cpu=False),
         "accelerate": lambda: make(parallelism_config=ParallelismConfig(cp_size=2)),
         "mixer": lambda: make(model=_tiny_mamba()),
         "label smoothing": lambda: make(label_smoothing_factor=0.1),
         "reduction": reduction_over_cp_group_only,
+        "metrics": evaluation_with_metrics,
     }
     found = {}
     for name, case in cases.items():
@@ -220,6 +228,8 @@ REFUSALS = {
     "mixer": "MambaForCausalLM cannot train under CP",
     "label smoothing": "set label_smoothing_factor=0",
     "reduction": "not over all 4 ranks",
+    "alone": "each process would train alone. On CPU pass use_cpu=True",
+    "metrics": "reports the loss only",
 }
 
 
