@@ -47,6 +47,23 @@ from cpshard.vision import (
 
 __version__ = "0.1.0"
 
+# The Hugging Face trainers, imported on first use: they need transformers (and TRL for
+# CPSFTTrainer), which ``import cpshard`` must not load. Not in ``__all__`` for the same reason.
+_TRAINERS = {
+    "ContextParallelMixin": "cpshard.integrations.trainer",
+    "CPTrainer": "cpshard.integrations.trainer",
+    "CPSFTTrainer": "cpshard.integrations.sft",
+}
+
+
+def __getattr__(name: str) -> object:
+    """``cpshard.CPTrainer``, ``cpshard.CPSFTTrainer`` and ``cpshard.ContextParallelMixin``."""
+    if name in _TRAINERS:
+        import importlib
+
+        return getattr(importlib.import_module(_TRAINERS[name]), name)
+    raise AttributeError(f"module 'cpshard' has no attribute {name!r}")
+
 __all__ = [
     "__version__",
     "BatchTargets",

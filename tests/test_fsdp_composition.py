@@ -2,7 +2,7 @@
 (float64, AdamW with clipping, packed batches from ``DataCollatorWithFlattening``) equal the
 same training in one process, where each replica's documents run one by one and the replicas'
 losses are averaged. The training loop is the example's (``examples/cp_fsdp.py``), so the
-recipe the README gives is the one tested:
+recipe docs/training.md gives is the one tested:
 
 * FSDP2 over the flattened (dp, cp) mesh and HSDP: ``cp_cross_entropy`` and nothing else;
 * FSDP2 over dp alone: plus ``reduce_cp_gradients(model, cp_group)`` after ``backward()``,

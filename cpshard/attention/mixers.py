@@ -90,20 +90,32 @@ def _walk(root: torch.nn.Module) -> tuple[str, str] | None:
     return None
 
 
+def unsharded_mixer(module: torch.nn.Module) -> str | None:
+    """Why ``module`` cannot train under CP (its first token mixer that CP attention does not
+    shard, by its path), or None: the check a model gets on its first call inside a CP context,
+    for callers that refuse a model before any step (the trainers)."""
+    found = _walk(module)
+    if found is None:
+        return None
+    path, problem = found
+    return (
+        f"its module {path!r} is {problem}: it would mix the tokens of this rank's shard across "
+        "documents and without the other ranks' context, and train wrong. Run such models "
+        "outside CP, or without this layer"
+    )
+
+
 def check_model(module: torch.nn.Module) -> None:
     """Raise ``ValueError`` (naming the rank and the module) when ``module`` has a token mixer
     CP attention does not shard; remember it (and its modules) when it has none."""
     state = active_state()
     if state is None or module in _verified:
         return
-    found = _walk(module)
-    if found is not None:
-        path, problem = found
+    problem = unsharded_mixer(module)
+    if problem is not None:
         raise ValueError(
             f"cpshard CP attention: rank {state.group.rank}: {type(module).__name__} runs "
-            f"inside a CP attention context but its module {path!r} is {problem}: it would mix "
-            "the tokens of this rank's shard across documents and without the other ranks' "
-            "context, and train wrong. Run such models outside CP, or without this layer"
+            f"inside a CP attention context but {problem}"
         )
     _verified.update(module.modules())
 

@@ -3,7 +3,8 @@ sharder layout's context next to the straightforward way.
 
 The baseline all-gathers the full K and V (list all-gather + cat, backward reduce-scatter),
 builds this rank's dense per-document causal mask ``[L, S]`` over the gathered (rank-major)
-keys and calls SDPA. One batch row of S = 16384 tokens (``--quick``: 512) in documents of
+keys and calls SDPA. One batch row of S = 16384 tokens (the default run's one case: 4096;
+``--quick``: 512) in documents of
 256-768 tokens (~512 on average; ``--quick``: 16-48), head dim 64, one step forward + backward,
 and the bytes each forward keeps for its backward.
 
@@ -47,6 +48,7 @@ from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
+SUBSET_SEQ_LEN = 4096  # the default run's one case (the dense baseline grows as S^2)
 DOC_LENS, QUICK_DOC_LENS = (256, 769), (16, 49)
 WINDOW, QUICK_WINDOW = 4096, 64
 SOFTCAP = 50.0  # Gemma 2's attention soft-cap
@@ -54,8 +56,14 @@ VARIANT_SHRINK = 4  # the soft-cap and sinks rows run on the first quarter of th
 LONG_DOC_LENS, QUICK_LONG_DOC_LENS = (6144, 12289), (96, 193)
 
 
+def cases(rt: Runtime) -> list[tuple[str, str]]:
+    """The strategy grid's cases this run: all with ``--full``, else one (``balanced`` layout,
+    GQA heads), which still times every exchange strategy."""
+    return grid.cases() if rt.cfg.full else [("balanced", "GQA")]
+
+
 def steps(rt: Runtime) -> int:
-    return len(grid.cases()) + len(LAYOUTS) + 2
+    return len(cases(rt)) + (len(LAYOUTS) + 2 if rt.cfg.full else 0)
 
 
 def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
@@ -157,20 +165,22 @@ def run_case(
 
 
 def run(rt: Runtime) -> dict:
-    """The strategy grid, then every layout with a sliding window, then the soft-capped and
-    sinks rows, on the whole group, one batch each."""
+    """The strategy grid, then (with ``--full``) every layout with a sliding window and the
+    soft-capped and sinks rows, on the whole group, one batch each."""
     quick = rt.cfg.quick
-    seq_len = QUICK_SEQ_LEN if quick else SEQ_LEN
+    seq_len = QUICK_SEQ_LEN if quick else SEQ_LEN if rt.cfg.full else SUBSET_SEQ_LEN
     doc = documents(seq_len, QUICK_DOC_LENS if quick else DOC_LENS)
     long_doc = documents(seq_len, QUICK_LONG_DOC_LENS if quick else LONG_DOC_LENS)
     window = QUICK_WINDOW if quick else WINDOW
     mesh = grid.cp_mesh(rt)
     strategies = []
-    for layout, heads in grid.cases():
+    for layout, heads in cases(rt):
         rt.progress(f"attention {layout} {heads} S={seq_len} strategies")
         strategies += grid.run_case(rt, layout, heads, doc, mesh)
         release_freed_memory()
     rows = []
+    if not rt.cfg.full:
+        return {"strategies": strategies, "rows": rows}
     for layout in LAYOUTS:
         rt.progress(f"attention {layout} S={seq_len} window={window}")
         rows.append(run_case(rt, layout, long_doc, window))
@@ -192,7 +202,8 @@ def render_strategies(rows: list[dict]) -> list[str]:
         f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, head dim "
         f"{HEAD_DIM}; MHA {'/'.join(map(str, grid.HEAD_SHAPES['MHA']))}, GQA "
         f"{'/'.join(map(str, grid.HEAD_SHAPES['GQA']))} query/KV heads",
-        f"#   layouts {', '.join(grid.GRID_LAYOUTS)}; blockdiag: make_cp_blockdiag_batch_and_ctx",
+        f"#   layouts {', '.join(dict.fromkeys(r['layout'] for r in rows))}; blockdiag: "
+        "make_cp_blockdiag_batch_and_ctx",
         "#   on the same batch (contiguous shards); (mesh): on a 2 x 2 (inter, intra) mesh",
         "#   moved MiB: the cost model's bytes of the busiest rank over fwd+bwd (auto: of the one",
         "#   it picked, shown as auto>picked); kv rows: K/V rows received (needed_rows, max over",
@@ -261,4 +272,5 @@ def render_rows(rows: list[dict]) -> list[str]:
 
 
 def render(result: dict) -> str:
-    return "\n".join([*render_strategies(result["strategies"]), "", *render_rows(result["rows"])])
+    rows = ["", *render_rows(result["rows"])] if result["rows"] else []
+    return "\n".join([*render_strategies(result["strategies"]), *rows])

@@ -20,6 +20,7 @@ from cpshard.bench.config import (
     DEFAULT_OPS,
     DEFAULT_WORLD_CPU,
     DTYPES,
+    FULL_OPS,
     OPS,
     BenchConfig,
 )
@@ -71,7 +72,7 @@ def _ops(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError("--ops: empty list")
     if "all" in names:
-        return DEFAULT_OPS
+        return FULL_OPS
     bad = [n for n in names if n not in OPS]
     if bad:
         raise argparse.ArgumentTypeError(
@@ -124,9 +125,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--ops",
         type=_ops,
-        default=DEFAULT_OPS,
-        help=f"comma-separated subset of {','.join(OPS)} (default and all: every one but "
+        default=None,
+        help=f"comma-separated subset of {','.join(OPS)} (default: {','.join(DEFAULT_OPS)}, "
+        "the attention section on one case; all, and the default with --full: every one but "
         "planning, which runs only when named)",
+    )
+    bench.add_argument(
+        "--full",
+        action="store_true",
+        help="every section's whole grid (the attention section: every layout and head shape, "
+        "sliding windows, soft-capping and sinks); without --ops, every op but planning",
     )
     bench.add_argument(
         "--sizes",
@@ -210,6 +218,8 @@ def parse_config(argv: Sequence[str]) -> BenchConfig:
             "--json writes the same figures"
         )
     fields = {k: v for k, v in vars(args).items() if k != "command"}
+    if fields["ops"] is None:
+        fields["ops"] = FULL_OPS if args.full else DEFAULT_OPS
     return BenchConfig(**fields)
 
 

@@ -9,8 +9,11 @@ from cpshard.validation import is_int
 GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
 SECTION_OPS = ("planner", "vision", "layouts", "blockdiag", "attention", "mixers", "planning")
 OPS = (*GATHER_OPS, "strategies", *SECTION_OPS)
-# ``--ops all`` and the default: every op but those that run only when named (long grids)
-DEFAULT_OPS = tuple(op for op in OPS if op != "planning")
+# ``--full`` and ``--ops all``: every op but those that run only when named (long grids)
+FULL_OPS = tuple(op for op in OPS if op != "planning")
+# the default: a representative subset (the transport, CP attention under each exchange
+# strategy, the vision planner) that finishes in a few minutes on a 2-core CPU machine
+DEFAULT_OPS = ("ragged", "sequence", "halo", "attention", "planner")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -41,6 +44,7 @@ class BenchConfig:
     timeout_s: float = 600.0
     memory: bool = True  # measure peak extra memory (two profiled steps per op)
     quick: bool = False  # smoke-test problem sizes for the sections
+    full: bool = False  # every grid of each section (else the attention section runs one case)
 
     def __post_init__(self) -> None:
         def bad(field: str, value: object, need: str) -> ValueError:

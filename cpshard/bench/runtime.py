@@ -41,6 +41,11 @@ class Runtime:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
 
+    def section(self, name: str, steps: int) -> None:
+        """One line on rank 0's stderr as a section starts: ``== attention: 1 step(s)``."""
+        if self.rank == 0:
+            print(f"== {name}: {steps} step(s)", file=sys.stderr, flush=True)
+
     def progress(self, what: str) -> None:
         """One progress line on rank 0's stderr as a step starts: ``[3/12] 12 s  ragged ...``."""
         self.done_steps += 1

@@ -30,16 +30,20 @@ def run_suite(rt: Runtime) -> dict:
         return f"tokens={tokens} ({human_bytes(tokens * cfg.hidden * elem)}/rank)"
 
     rows, strategy_rows = [], []
+    if ops:
+        rt.section(f"transport ({', '.join(ops)})", len(ops) * len(sizes))
     for op in ops:
         for tokens in sizes:
             rt.progress(f"{op} {size(tokens)}")
             rows.append(run_case(rt, op, tokens))
     if strategies:
+        rt.section("transport strategies", len(PATTERNS) * len(sizes))
         for pattern in PATTERNS:
             for tokens in sizes:
                 rt.progress(f"strategies {pattern} {size(tokens)}")
                 strategy_rows.extend(run_strategies(rt, pattern, tokens))
     results = {"ops": rows, "strategies": strategy_rows}
     for name, sec in sections.items():
+        rt.section(name, sec.steps(rt))
         results[name] = sec.run(rt)
     return results

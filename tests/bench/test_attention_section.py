@@ -1,5 +1,6 @@
-"""The ``attention`` section of ``cpshard bench``: a quick run on two spawned ranks (JSON and the
-rendered block), its strategy grid checked against the cost model's own rule."""
+"""The ``attention`` section of ``cpshard bench``: quick runs on two spawned ranks (JSON and the
+rendered block), its strategy grid checked against the cost model's own rule; ``--full`` runs
+every case, the default one case with every strategy."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from cpshard.bench.attention_strategies import (
 
 def test_quick_run_reports_every_strategy(run_bench):
     proc, data = run_bench(
-        *"--world 2 --ops attention --quick --repeats 1 --warmup 0 --iters 1 --no-memory".split()
+        *"--world 2 --ops attention --quick --full --repeats 1 --warmup 0 --iters 1 --no-memory".split()
     )
     assert "# attention: cp_attention fwd+bwd per exchange strategy" in proc.stdout
     result = data["attention"]
@@ -48,3 +49,14 @@ def test_quick_run_reports_every_strategy(run_bench):
         assert len(r["pairs_per_rank"]) == 2 and r["pairs_max_over_mean"] >= 1
         if r["window"] is not None:  # at most window - 1 rows before each run
             assert r["ours_kv_rows_received_max"] <= r["window_rows_bound_max"]
+
+
+def test_default_run_times_one_case_under_every_strategy(run_bench):
+    proc, data = run_bench(
+        *"--world 2 --ops attention --quick --repeats 1 --warmup 0 --iters 1 --no-memory".split()
+    )
+    result = data["attention"]
+    assert {(r["layout"], r["heads"], r["strategy"]) for r in result["strategies"]} == {
+        ("balanced", "GQA", s) for s in FLAT_STRATEGIES
+    }
+    assert result["rows"] == [] and "sliding window" not in proc.stdout

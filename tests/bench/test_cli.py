@@ -9,7 +9,7 @@ import pytest
 
 from cpshard.bench.cases import halo_windows, ragged_counts
 from cpshard.bench.cli import main, parse_config
-from cpshard.bench.config import BenchConfig
+from cpshard.bench.config import DEFAULT_OPS, FULL_OPS, BenchConfig
 
 
 def test_tiny_run_writes_json_and_plot(run_bench, tmp_path):
@@ -93,7 +93,11 @@ def test_parser_accepts_and_normalises():
         and cfg.sizes == (1024, 64)
         and cfg.iters == 3
     )
-    assert parse_config(["--ops", "all"]).ops == BenchConfig().ops
+    assert parse_config([]).ops == BenchConfig().ops == DEFAULT_OPS and not parse_config([]).full
+    full = parse_config(["--full"])
+    assert full.full and full.ops == parse_config(["--ops", "all"]).ops == FULL_OPS
+    assert set(DEFAULT_OPS) < set(FULL_OPS) and "planning" not in FULL_OPS
+    assert parse_config(["--full", "--ops", "attention"]).ops == ("attention",)
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
