@@ -13,6 +13,7 @@ import torch
 from cpshard.attention.head_attention import head_parallel_attention
 from cpshard.attention.ops import cp_attention_op
 from cpshard.attention.plain import plain_attention
+from cpshard.attention.reach import note_cpshard_mixing
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.strategy import route
 from cpshard.attention.tokens import check_outside, state_for_tokens, token_problem
@@ -113,6 +114,7 @@ def cp_attention(
     # a checkpoint recompute run after the context finds its step by its tokens
     state = state_for_tokens(position_ids, active_state())
     if state is not None:
+        note_cpshard_mixing()
         chosen = state if is_causal else state.bidirectional()
         problem = token_problem(position_ids, state) or _sinks_problem(sinks, query)
         if problem is None and window is not None and not is_causal:

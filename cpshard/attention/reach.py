@@ -1,0 +1,97 @@
+"""Which module calls of an audited forward reached cpshard's token mixing.
+
+While :func:`recording` is active (the one forward of a model that
+:mod:`cpshard.attention.mixers` audits), every module call becomes a :class:`Call` in a tree,
+and each cpshard function that mixes tokens across the CP group (:func:`cpshard.cp_attention`,
+the mixers of :mod:`cpshard.mixers`) reports itself with :func:`note_cpshard_mixing`: the call
+running then, and every call around it, *reached* cpshard. A call that did not may still mix the
+tokens of its shard by its own code; the audit probes those.
+
+Outside a recording :func:`note_cpshard_mixing` reads one attribute and returns: no cost on the
+hot path, and no effect inside a compiled graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cpshard.scoped import ScopedValue
+
+
+@dataclass(eq=False)
+class Call:
+    """One module call of the audited forward: its module, arguments (kept for probing), the
+    calls made inside it, and whether cpshard mixed tokens inside it."""
+
+    module: torch.nn.Module
+    parent: Call | None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    children: list[Call] = field(default_factory=list)
+    reached: bool = False
+
+
+class Recording:
+    """The call tree of one audited forward, built by the module hooks."""
+
+    def __init__(self) -> None:
+        self.root: Call | None = None
+        self.open: Call | None = None  # the innermost call still running
+
+    def enter(self, module: torch.nn.Module) -> None:
+        call = Call(module, self.open)
+        if self.open is None:
+            self.root = call if self.root is None else self.root
+        else:
+            self.open.children.append(call)
+        self.open = call
+
+    def leave(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        call = self.open
+        if call is None or call.module is not module:
+            return  # a call entered before the recording began
+        call.args, call.kwargs = args, kwargs
+        if call.reached and call.parent is not None:
+            call.parent.reached = True
+        self.open = call.parent
+
+    def note(self) -> None:
+        if self.open is not None:
+            self.open.reached = True
+
+
+# The recording of the forward being audited (one of the documented scopes), else None.
+_recording: ScopedValue[Recording | None] = ScopedValue(None, "cpshard.attention.reach")
+
+
+def note_cpshard_mixing() -> None:
+    """Report that cpshard mixes tokens across the CP group here (called by every such
+    function): the running module call, and those around it, reached cpshard."""
+    recording = _recording.get()
+    if recording is not None and not torch.compiler.is_compiling():
+        recording.note()
+
+
+def current_recording() -> Recording | None:
+    """The recording of the forward being audited, if any."""
+    return _recording.get()
+
+
+@contextmanager
+def recording() -> Iterator[Recording]:
+    """Record the module calls of the block (their tree, and which reached cpshard)."""
+    with _recording.scope(Recording()) as value:
+        assert value is not None
+        yield value
+
+
+@contextmanager
+def not_recording() -> Iterator[None]:
+    """No recording inside (a probe's re-runs of a call already recorded)."""
+    with _recording.scope(None):
+        yield
