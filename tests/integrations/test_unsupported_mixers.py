@@ -30,7 +30,7 @@ def _hybrid(name: str) -> torch.nn.Module:
 
 
 HYBRIDS = {  # model -> the module its refusal names
-    "mamba": "backbone.layers.0.mixer",
+    "mamba": "backbone.layers.0.mixer.conv1d",
 }
 
 
