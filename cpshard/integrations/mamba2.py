@@ -1,5 +1,5 @@
-"""transformers' Mamba2 layers (Mamba2, and the Mamba2 layers of the NemotronH hybrids) under CP,
-with no change to the model.
+"""transformers' Mamba2 layers (Mamba2, and the Mamba2 layers of the NemotronH, Bamba,
+GraniteMoeHybrid, Zamba2 and Falcon-H1 hybrids) under CP, with no change to the model.
 
 The layer projects its input, convolves the x, B and C channels causally, runs the state-space
 recurrence (SSD) and a gated norm, all in its own forward, except for the functions of its
@@ -39,6 +39,10 @@ _WHAT = "cpshard.integrations.transformers (Mamba2)"
 MODULES = {
     "transformers.models.mamba2.modeling_mamba2": "Mamba2Mixer",
     "transformers.models.nemotron_h.modeling_nemotron_h": "NemotronHMamba2Mixer",
+    "transformers.models.bamba.modeling_bamba": "BambaMixer",
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid": "GraniteMoeHybridMambaLayer",
+    "transformers.models.zamba2.modeling_zamba2": "Zamba2MambaMixer",
+    "transformers.models.falcon_h1.modeling_falcon_h1": "FalconH1Mixer",
 }
 
 

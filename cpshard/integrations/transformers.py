@@ -193,7 +193,7 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, cpshard_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _cpshard_mask)
     gated_deltanet.install()  # Qwen3.5 / Qwen3-Next linear attention under CP
-    mamba2.install()  # Mamba2 and NemotronH state-space layers under CP
+    mamba2.install()  # the Mamba2 layers of Mamba2 and its hybrids under CP
 
 
 # ------------------------------------------------------------------ the vision tower
