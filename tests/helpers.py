@@ -15,8 +15,9 @@ another. Worker-side functions here pickle by reference, like those of the test 
 * transport: :data:`GATHER_ERROR_CASES` and :func:`call_gather_case` (one rank's bad input to a
   gather, and the words its error must contain), :func:`counting_collectives` (the
   torch.distributed calls made inside a block);
-* parity: :func:`cp_aware_decoder` / :func:`plain_sdpa_decoder` (a user's own decoder) and the
-  broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
+* parity: :func:`cp_aware_decoder` / :func:`plain_sdpa_decoder` /
+  :func:`shard_positions_decoder` (a user's own decoder, the last with positions made from the
+  shard's length) and the broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
   :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
 * sequence mixers, each document alone: :func:`causal_conv_reference`,
   :func:`delta_rule_reference`, :func:`ssd_reference`.
@@ -552,13 +553,27 @@ class _Block(torch.nn.Module):
         return x + self.mlp(x)
 
 
+class _ShardPositions(torch.nn.Module):
+    """Broken: position embeddings of 0..L-1 over the tokens it is given (this rank's shard
+    under CP), not of the model's position ids."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(256, width) * 0.1)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.table[: position_ids.shape[1]].expand(position_ids.shape[0], -1, -1)
+
+
 class OwnDecoder(torch.nn.Module):
     """A user's decoder: ``forward(input_ids, position_ids) -> logits``."""
 
-    def __init__(self, cp_aware: bool, vocab: int = 48, width: int = 16) -> None:
+    def __init__(
+        self, cp_aware: bool, vocab: int = 48, width: int = 16, shard_positions: bool = False
+    ) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, width)
-        self.pos = torch.nn.Embedding(256, width)
+        self.pos = _ShardPositions(width) if shard_positions else torch.nn.Embedding(256, width)
         self.blocks = torch.nn.ModuleList(_Block(width, cp_aware) for _ in range(2))
         self.head = torch.nn.Linear(width, vocab)
 
@@ -575,6 +590,10 @@ def cp_aware_decoder() -> torch.nn.Module:
 
 def plain_sdpa_decoder() -> torch.nn.Module:
     return OwnDecoder(cp_aware=False)
+
+
+def shard_positions_decoder() -> torch.nn.Module:
+    return OwnDecoder(cp_aware=True, shard_positions=True)
 
 
 def labels_shifted_per_shard(logits, batch, group):

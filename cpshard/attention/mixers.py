@@ -26,7 +26,8 @@ two attribute reads and a set lookup per module call, with no device→host sync
 through :mod:`cpshard.mixers`) are declared safe and skipped with their children.
 
 What it cannot see. The audit re-runs the model's forward once, with the same arguments: a
-forward with side effects outside the model (a cache object passed in) sees them twice. Mixing
+forward with side effects outside the model (a cache object passed in, module hooks that count
+calls) sees them again; :func:`auditing` tells such a hook the calls are the audit's. Mixing
 inside a module whose own code also calls cpshard (an attention layer that adds, in the same
 forward, a convolution of its values by ``F.conv1d``) is not separated from the cpshard call.
 The probe's limits are :mod:`cpshard.attention.probe`'s.
@@ -78,6 +79,12 @@ _PENDING = "models awaiting their audit"
 def _pending(state: AttentionState) -> dict[int, tuple[weakref.ref[torch.nn.Module], frozenset[int]]]:
     """``{id(model): (model, ids of its modules)}`` for the step's models awaiting their audit."""
     return state.derived.setdefault(_PENDING, {})  # type: ignore[return-value]
+
+
+def auditing() -> bool:
+    """Whether the running module calls are an audit's re-run of a model (module hooks that
+    count or record a model's calls skip them)."""
+    return _auditing.get()
 
 
 def _declared_safe(module: torch.nn.Module) -> bool:
