@@ -20,7 +20,7 @@ another. Worker-side functions here pickle by reference, like those of the test 
   shard's length) and the broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
   :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
 * sequence mixers, each document alone: :func:`causal_conv_reference`,
-  :func:`delta_rule_reference`, :func:`ssd_reference`.
+  :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`.
 """
 
 from __future__ import annotations
@@ -703,6 +703,32 @@ def ssd_reference(
                 )
                 y = torch.einsum("hpn,hn->hp", state, ct)
                 row[t] = y + D[:, None] * x[b, t] if D is not None else y
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def selective_scan_reference(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    doc: torch.Tensor,
+) -> torch.Tensor:
+    """Mamba's selective scan token by token, each document from a zero state: ``x``, ``dt``
+    ``[B, S, D]`` (the step as used), ``A`` ``[D, N]``, ``B``, ``C`` ``[B, S, N]``, ``D`` ``[D]``
+    or None; ``S_t = exp(dt_t A) * S_{t-1} + (dt_t x_t) B_t^T`` elementwise per channel,
+    ``y_t = S_t C_t + D x_t``; padding rows are zeros."""
+    rows = []
+    for b in range(x.shape[0]):
+        row = [torch.zeros_like(x[b, 0])] * x.shape[1]
+        for s, e in _documents(doc[b]):
+            state = x.new_zeros(A.shape)
+            for t in range(s, e):
+                state = torch.exp(dt[b, t][:, None] * A) * state + torch.outer(dt[b, t] * x[b, t], B[b, t])
+                y = state @ C[b, t]
+                row[t] = y + D * x[b, t] if D is not None else y
         rows.append(torch.stack(row))
     return torch.stack(rows)
 
