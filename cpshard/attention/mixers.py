@@ -13,11 +13,11 @@ what is such a layer; two checks do, the first time a model runs inside a CP con
   raise, naming the module, before anything is computed;
 * **when its forward returns** (the audit): the forward is run again, eagerly and without
   gradient, recording every module call and which of them reached cpshard's token mixing
-  (:mod:`cpshard.attention.reach`). Every call that did not — the direct children of calls that
-  did, or the model itself when nothing did — is probed (:mod:`cpshard.attention.probe`): re-run
-  with one token changed, a call whose other tokens' outputs change mixes tokens without
-  cpshard. The innermost such module is named, and every rank raises (one consensus round over
-  the host channel) instead of returning the step's result.
+  (:mod:`cpshard.attention.reach`). Every call that did not is probed as it returns
+  (:mod:`cpshard.attention.probe`): re-run with one token changed, a call whose other tokens'
+  outputs change mixes tokens without cpshard. Under the calls that reached cpshard (or the
+  model itself when none did) the innermost such call is named, and every rank raises (one
+  consensus round over the host channel) instead of returning the step's result.
 
 A model that passes is remembered and never checked again: after the first call the hooks cost
 two attribute reads and a set lookup per module call, with no device→host sync. Modules marked
@@ -155,27 +155,22 @@ def _eager(module: torch.nn.Module) -> Callable[..., Any]:
     return module
 
 
-def _innermost_mixer(call: Call, length: int) -> Call | None:
+def _innermost_mixer(call: Call) -> Call | None:
     """The innermost call at or under ``call`` (which did not reach cpshard) that mixes tokens,
     or None when ``call`` does not."""
-    if not mixes_tokens(_eager(call.module), call.args, call.kwargs, length):
+    if not call.mixes:
         return None
     for child in call.children:
-        found = None if _declared_safe(child.module) else _innermost_mixer(child, length)
+        found = _innermost_mixer(child)
         if found is not None:
             return found
     return call
 
 
-def _mixer_outside(call: Call, length: int) -> Call | None:
+def _mixer_outside(call: Call) -> Call | None:
     """Under ``call`` (which reached cpshard), the first call that mixes tokens without it."""
     for child in call.children:
-        if _declared_safe(child.module):
-            continue
-        if child.reached:
-            found = _mixer_outside(child, length)
-        else:
-            found = _innermost_mixer(child, length)
+        found = _mixer_outside(child) if child.reached else _innermost_mixer(child)
         if found is not None:
             return found
     return None
@@ -193,17 +188,18 @@ def audit(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     state = active_state()
     if state is None:
         return
-    with _auditing.scope(True):
-        with recording() as record, torch.no_grad():
-            _eager(module)(*args, **kwargs)
-        root = record.root
+    length = state.local_len
+
+    def probe(call: Call, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> bool:
         with not_recording():
-            if root is None:
-                found = None
-            elif root.reached:
-                found = _mixer_outside(root, state.local_len)
-            else:
-                found = _innermost_mixer(root, state.local_len)
+            return mixes_tokens(_eager(call.module), call_args, call_kwargs, length)
+
+    with _auditing.scope(True), recording(_declared_safe, probe) as record, torch.no_grad():
+        _eager(module)(*args, **kwargs)
+    root = record.root
+    found = None
+    if root is not None and not root.skipped:
+        found = _mixer_outside(root) if root.reached else _innermost_mixer(root)
     detail = None
     if found is not None:
         problem = (
