@@ -7,8 +7,9 @@ module for what mixes tokens along the sequence (the short causal convolution, t
 context the original function, inside one cpshard's per-document version over the step's shards
 (:mod:`cpshard.mixers`) — and marks the layer's class ``cpshard_sequence_mixer`` so that the
 check refusing token mixers CP does not shard lets it run. The dispatchers the families share
-are here: the convolution's (:func:`causal_conv`), the padding mask's (:func:`unmasked`) and
-the refusal of token-by-token decoding (:func:`decoding_refused`).
+are here: the convolution's (:func:`causal_conv`), the padding mask's (:func:`unmasked`), a
+fused kernel's (:func:`unfused`) and the refusal of token-by-token decoding
+(:func:`decoding_refused`).
 """
 
 from __future__ import annotations
@@ -132,5 +133,20 @@ def decoding_refused(what: str, layer: str) -> Make:
             return original(*args, **kwargs)
 
         return refused_under_cp
+
+    return make
+
+
+def unfused(what: str) -> Make:
+    """The dispatcher of a fused kernel entry (a whole layer in one kernel, when one is
+    installed, which would mix the shard alone): None under CP, so the layer takes its path
+    through the dispatched functions."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def fused_or_none(*args: Any, **kwargs: Any) -> Any:
+            return None if mixing_state(what) is not None else original(*args, **kwargs)
+
+        return fused_or_none
 
     return make

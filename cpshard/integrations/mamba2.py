@@ -34,6 +34,7 @@ from cpshard.integrations.dispatch import (
     decoding_refused,
     install_dispatchers,
     mixing_state,
+    unfused,
     unmasked,
 )
 from cpshard.mixers import cp_ssd, recurrence_runs
@@ -87,14 +88,6 @@ def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
     return mamba2_chunk_scan
 
 
-def _fused(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def mamba2_split_conv1d_scan_combined(*args: Any, **kwargs: Any) -> Any:
-        return None if mixing_state(_WHAT) is not None else original(*args, **kwargs)
-
-    return mamba2_split_conv1d_scan_combined
-
-
 def install() -> None:
     """Put the dispatchers into every Mamba2 modeling module transformers has and mark its layer
     class (idempotent; modules this transformers lacks are skipped)."""
@@ -103,7 +96,7 @@ def install() -> None:
         {
             "apply_mask_to_padding_states": unmasked(_WHAT),
             "causal_conv1d_fn": causal_conv(_WHAT),
-            "mamba2_split_conv1d_scan_combined": _fused,
+            "mamba2_split_conv1d_scan_combined": unfused(_WHAT),
             "mamba2_chunk_scan": _scan,
             "causal_conv1d_update": decoding_refused(_WHAT, "Mamba2"),
             "mamba2_selective_state_update": decoding_refused(_WHAT, "Mamba2"),
