@@ -20,7 +20,8 @@ another. Worker-side functions here pickle by reference, like those of the test 
   shard's length) and the broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
   :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
 * sequence mixers, each document alone: :func:`causal_conv_reference`,
-  :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`.
+  :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`; for
+  the state-space models' float64 references, :func:`float64_rms` and :class:`CausalLMLogits`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -705,6 +707,27 @@ def ssd_reference(
                 row[t] = y + D[:, None] * x[b, t] if D is not None else y
         rows.append(torch.stack(row))
     return torch.stack(rows)
+
+
+def float64_rms(self, x: torch.Tensor) -> torch.Tensor:
+    """An RMS norm (``weight``, ``variance_epsilon``) in the input's dtype: bound to a model's
+    norms in place of transformers' (which compute in float32) for float64 references."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+class CausalLMLogits(torch.nn.Module):
+    """A causal LM's logits before its head's float32 cast, ``(input_ids, position_ids) ->
+    .logits`` (no cache)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> SimpleNamespace:
+        out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return SimpleNamespace(logits=self.lm.lm_head(out.last_hidden_state))
 
 
 def selective_scan_reference(

@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import importlib
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -27,7 +26,9 @@ import torch.nn.functional as F
 
 from tests.helpers import (
     EXAMPLES,
+    CausalLMLogits,
     check_relative_errors,
+    float64_rms,
     relative_step_errors,
     ssd_reference,
     swapped,
@@ -106,10 +107,6 @@ def _config(family: str):
     raise AssertionError(family)
 
 
-def _rms(self, x: torch.Tensor) -> torch.Tensor:
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
 def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
     """Mamba2's gated norm: gate first, then RMS over each group of channels."""
     if gate is not None:
@@ -117,21 +114,6 @@ def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch
     groups = x.view(*x.shape[:-1], -1, self.group_size)
     normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return self.weight * normed.view(x.shape)
-
-
-class _Logits(torch.nn.Module):
-    """The causal LM's logits before its head's float32 cast, ``(input_ids, position_ids) ->
-    .logits`` (no cache)."""
-
-    def __init__(self, lm: torch.nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> SimpleNamespace:
-        out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return SimpleNamespace(logits=self.lm.lm_head(out.last_hidden_state))
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -145,7 +127,7 @@ def _model(family: str) -> torch.nn.Module:
         if name.endswith("RMSNormGated"):
             module.forward = _gated_rms.__get__(module)
         elif name.endswith("RMSNorm"):
-            module.forward = _rms.__get__(module)
+            module.forward = float64_rms.__get__(module)
         if hasattr(module, "dt_bias"):  # steps of about 0.3 to 1.3: the state carries far
             with torch.no_grad():
                 module.dt_bias.normal_()
@@ -174,14 +156,14 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
     if family != "mamba2":
         reference.set_attn_implementation("sdpa")
     batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
-    logits = _Logits(model)
+    logits = CausalLMLogits(model)
 
     def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
         return logits(local["input_ids"], local["position_ids"]).logits
 
     cp = cp_decoder.cp_loss(group, batch, forward, layout)
     with swapped(MODULES[family], "mamba2_chunk_scan", _reference_scan):
-        ref = cp_decoder.reference_loss(_Logits(reference), cp_decoder.text_documents(batch))
+        ref = cp_decoder.reference_loss(CausalLMLogits(reference), cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
     return relative_step_errors(model, reference, cp, ref, group)
 

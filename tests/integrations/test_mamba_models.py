@@ -24,12 +24,13 @@ import torch.nn.functional as F
 
 from tests.helpers import (
     EXAMPLES,
+    CausalLMLogits,
     check_relative_errors,
+    float64_rms,
     relative_step_errors,
     selective_scan_reference,
     swapped,
 )
-from tests.integrations.test_mamba2_models import ROWS, _Logits, _rms
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES))
@@ -38,6 +39,7 @@ import cp_decoder  # noqa: E402
 
 from cpshard.integrations import transformers as cp_transformers  # noqa: E402
 
+ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
 LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
 MODELS = {
     "mamba": "transformers.models.mamba.modeling_mamba",
@@ -79,7 +81,7 @@ def _model(family: str) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            module.forward = _rms.__get__(module)
+            module.forward = float64_rms.__get__(module)
         if hasattr(module, "dt_proj"):  # steps of about 0.3 to 1.3: the state carries far
             with torch.no_grad():
                 module.dt_proj.bias.normal_()
@@ -107,14 +109,14 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
     if family == "jamba":
         reference.set_attn_implementation("sdpa")
     batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
-    logits = _Logits(model)
+    logits = CausalLMLogits(model)
 
     def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
         return logits(local["input_ids"], local["position_ids"]).logits
 
     cp = cp_decoder.cp_loss(group, batch, forward, layout)
     with swapped(MODELS[family], "mamba_selective_scan", _reference_scan):
-        ref = cp_decoder.reference_loss(_Logits(reference), cp_decoder.text_documents(batch))
+        ref = cp_decoder.reference_loss(CausalLMLogits(reference), cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
     return relative_step_errors(model, reference, cp, ref, group)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import EXAMPLES, check_relative_errors, relative_step_errors
+from tests.helpers import EXAMPLES, check_relative_errors, float64_rms, relative_step_errors
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES))
@@ -56,10 +56,6 @@ def _config(family: str):
     raise AssertionError(family)
 
 
-def _rms(self, x: torch.Tensor) -> torch.Tensor:
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
 def _model(family: str) -> torch.nn.Module:
     import transformers
 
@@ -68,7 +64,7 @@ def _model(family: str) -> torch.nn.Module:
     model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
     for module in model.modules():
         if type(module).__name__.endswith("RMSNorm"):
-            module.forward = _rms.__get__(module)
+            module.forward = float64_rms.__get__(module)
         if isinstance(module, torch.nn.Conv1d):  # taps large enough to carry far
             with torch.no_grad():
                 module.weight.normal_()
