@@ -114,7 +114,6 @@ def cp_attention(
     # a checkpoint recompute run after the context finds its step by its tokens
     state = state_for_tokens(position_ids, active_state())
     if state is not None:
-        note_cpshard_mixing()
         chosen = state if is_causal else state.bidirectional()
         problem = token_problem(position_ids, state) or _sinks_problem(sinks, query)
         if problem is None and window is not None and not is_causal:
@@ -239,6 +238,7 @@ def attend(
     ``sinks`` variants: :func:`cp_attention`): the step's K/V exchange, then the spans'
     attention. ``problem``: the caller's own finding about its arguments, reported like the
     shape checks (locally, or on every rank in checked mode)."""
+    note_cpshard_mixing()
     problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
     fields = _fields(state, query, key, value, window, softcap, sinks)
     check_call(state.group, what, problem, fields)
