@@ -240,6 +240,36 @@ def test_ssd_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words:
     assert words in str(err.value), err.value
 
 
+def _scan_args(**bad: tuple[int, ...] | None) -> dict:
+    """cp_selective_scan's tensors for rank 1's shard of ``[1, 12]`` (6 tokens, 4 channels of
+    state 5), with the shapes ``bad`` names replaced."""
+    shapes = {"x": (1, 6, 4), "dt": (1, 6, 4), "A": (4, 5), "B": (1, 6, 5), "C": (1, 6, 5),
+              "D": (4,)} | bad  # fmt: skip
+    return {k: None if s is None else torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"x": (1, 5, 4)}, "x must be [B, L, channels]"),
+        ({"dt": (1, 6, 3)}, "dt must be (1, 6, 4)"),
+        ({"A": (4,)}, "A must be [4, d_state]"),
+        ({"D": (3,)}, "D must be [4] or None"),
+        ({"B": (1, 6, 4)}, "B must be (1, 6, 5)"),
+        ({"C": (1, 5, 5)}, "C must be (1, 6, 5)"),
+    ],
+)
+def test_selective_scan_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words: str) -> None:
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_selective_scan, plan_recurrence_runs
+
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_selective_scan(**_scan_args(**bad), runs=runs, group=_Solo())
+    assert words in str(err.value), err.value
+
+
 def _rule_args(**bad: tuple[int, ...]) -> dict:
     """cp_gated_delta_rule's tensors for rank 1's shard of ``[1, 12]`` (6 tokens, 2 key heads
     of 3, 4 value heads of 2), with the shapes ``bad`` names replaced."""
