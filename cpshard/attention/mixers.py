@@ -94,6 +94,13 @@ def _declared_safe(module: torch.nn.Module) -> bool:
     )
 
 
+def _compiled_graph(module: torch.nn.Module) -> bool:
+    """A graph torch's compiler made and runs itself (``torch.fx.GraphModule``: it may consume
+    its boxed arguments, so it cannot be run again); what it computes was traced from a model
+    or function the check saw or could not see, not a model of the user's."""
+    return isinstance(module, torch.fx.GraphModule)
+
+
 # ------------------------------------------------------------------ before it runs
 
 
@@ -226,7 +233,7 @@ def _pre_hook(module: torch.nn.Module, args: object) -> None:
     record = current_recording()
     if record is not None:
         record.enter(module)
-    elif not _auditing.get() and module not in _verified:
+    elif not _auditing.get() and module not in _verified and not _compiled_graph(module):
         _start(state, module)
 
 

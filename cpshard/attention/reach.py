@@ -85,8 +85,10 @@ _recording: ScopedValue[Recording | None] = ScopedValue(None, "cpshard.attention
 def note_cpshard_mixing() -> None:
     """Report that cpshard mixes tokens across the CP group here (called by every such
     function): the running module call, and those around it, reached cpshard."""
+    if torch.compiler.is_compiling():  # a compiled graph is never audited: nothing to trace
+        return
     recording = _recording.get()
-    if recording is not None and not torch.compiler.is_compiling():
+    if recording is not None:
         recording.note()
 
 
