@@ -195,11 +195,11 @@ def audit(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     state = active_state()
     if state is None:
         return
-    length = state.local_len
+    tokens = (state.batch_size, state.local_len)
 
     def probe(call: Call, call_args: tuple[Any, ...], call_kwargs: dict[str, Any]) -> bool:
         with not_recording():
-            return mixes_tokens(_eager(call.module), call_args, call_kwargs, length)
+            return mixes_tokens(_eager(call.module), call_args, call_kwargs, tokens)
 
     with _auditing.scope(True), recording(_declared_safe, probe) as record, torch.no_grad():
         _eager(module)(*args, **kwargs)

@@ -3,7 +3,8 @@
 The call is re-run (no gradient, the same random state for every run, so dropout masks agree)
 with one token's row of one input changed — the first token, then the last, along dim 1, the
 sequence dimension of the ``[B, L, ...]`` hidden states, token ids and positions models pass
-between their modules — and it mixes tokens when an output row of ANOTHER token changes. This
+between their modules (only tensors that begin with the step's ``[B, L]`` are read) — and it
+mixes tokens when an output row of ANOTHER token changes. This
 is what attention, linear attention, recurrences and convolutions over time do, whatever their
 class is called and however they are written (an SDPA call, a softmax of ``q @ k``, a scan);
 per-token layers (projections, norms, MLPs, rotary tables) do not.
@@ -21,24 +22,27 @@ from typing import Any
 import torch
 
 
-def _candidates(args: tuple[Any, ...], kwargs: dict[str, Any], length: int) -> Iterator[int | str]:
+Tokens = tuple[int, int]  # (batch rows, tokens per row): the [B, L] a tensor must begin with
+
+
+def _candidates(args: tuple[Any, ...], kwargs: dict[str, Any], tokens: Tokens) -> Iterator[int | str]:
     """The positions (ints) and keywords of the inputs with a sequence dimension."""
     for where, value in (*enumerate(args), *kwargs.items()):
-        if _is_sequence(value, length) and value.dtype != torch.bool:
+        if _is_sequence(value, tokens) and value.dtype != torch.bool:
             yield where
 
 
-def _is_sequence(value: Any, length: int) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[1] == length
+def _is_sequence(value: Any, tokens: Tokens) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == tokens
 
 
-def _outputs(value: Any, length: int) -> list[torch.Tensor]:
+def _outputs(value: Any, tokens: Tokens) -> list[torch.Tensor]:
     """The floating-point tensors with a sequence dimension in a (nested) output."""
     if isinstance(value, dict):
         value = list(value.values())
     if isinstance(value, (tuple, list)):
-        return [t for item in value for t in _outputs(item, length)]
-    if _is_sequence(value, length) and value.is_floating_point():
+        return [t for item in value for t in _outputs(item, tokens)]
+    if _is_sequence(value, tokens) and value.is_floating_point():
         return [value]
     return []
 
@@ -76,12 +80,13 @@ def _others_differ(base: torch.Tensor, other: torch.Tensor, index: int) -> bool:
 
 
 def mixes_tokens(
-    call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], length: int
+    call: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], tokens: Tokens
 ) -> bool:
-    """Whether ``call(*args, **kwargs)`` mixes tokens along dim 1 of its inputs and outputs
-    (``length`` tokens; below two there is nothing to mix)."""
-    inputs = list(_candidates(args, kwargs, length)) if length >= 2 else []
-    base = _outputs(_run(call, args, kwargs), length) if inputs else []
+    """Whether ``call(*args, **kwargs)`` mixes tokens along dim 1 of its inputs and outputs that
+    begin with ``tokens`` = ``[B, L]`` (below two tokens there is nothing to mix)."""
+    length = tokens[1]
+    inputs = list(_candidates(args, kwargs, tokens)) if length >= 2 else []
+    base = _outputs(_run(call, args, kwargs), tokens) if inputs else []
     for where in inputs if base else ():
         for index in (0, length - 1):
             new_args, new_kwargs = list(args), dict(kwargs)
@@ -89,7 +94,7 @@ def mixes_tokens(
                 new_args[where] = _changed(args[where], index)
             else:
                 new_kwargs[where] = _changed(kwargs[where], index)
-            outputs = _outputs(_run(call, tuple(new_args), new_kwargs), length)
+            outputs = _outputs(_run(call, tuple(new_args), new_kwargs), tokens)
             if len(outputs) != len(base) or any(
                 _others_differ(a, b, index) for a, b in zip(base, outputs)
             ):

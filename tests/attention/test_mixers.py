@@ -137,15 +137,31 @@ class _Attention(torch.nn.Module):
     ],
 )
 def test_the_probe_tells_token_mixing_from_per_token_work(module: torch.nn.Module, mixes: bool) -> None:
-    assert mixes_tokens(module, (torch.randn(2, 6, 4),), {}, 6) is mixes
+    assert mixes_tokens(module, (torch.randn(2, 6, 4),), {}, (2, 6)) is mixes
 
 
 def test_the_probe_changes_token_ids_and_needs_two_tokens() -> None:
     embed = torch.nn.Embedding(8, 4)
     ids = torch.tensor([[0, 3, 7, 1, 2, 5]])
-    assert mixes_tokens(embed, (ids,), {}, 6) is False
-    assert mixes_tokens(torch.nn.Sequential(embed, Harmless()), (ids,), {}, 6) is True
-    assert mixes_tokens(Harmless(), (torch.randn(1, 1, 4),), {}, 1) is False
+    assert mixes_tokens(embed, (ids,), {}, (1, 6)) is False
+    assert mixes_tokens(torch.nn.Sequential(embed, Harmless()), (ids,), {}, (1, 6)) is True
+    assert mixes_tokens(Harmless(), (torch.randn(1, 1, 4),), {}, (1, 1)) is False
+
+
+class _Router(torch.nn.Module):
+    """An MoE router: ``[B * L, experts]`` logits of the flattened tokens."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(4, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x.flatten(0, 1))
+
+
+def test_the_probe_reads_only_tensors_of_the_steps_rows_and_tokens() -> None:
+    """A router's logits with as many experts as tokens are not read as a sequence."""
+    assert mixes_tokens(_Router(experts=6), (torch.randn(1, 6, 4),), {}, (1, 6)) is False
 
 
 # --------------------------------------------------------------------------- compiled models
