@@ -224,17 +224,11 @@ def audit(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 def _pre_hook(module: torch.nn.Module, args: object) -> None:
     # Traced inline (a submodule called inside a compiled region): nothing to do, the eager call
     # that entered the region checked. Called as a frame of its own (the eager path, and the
-    # hooks of a model.compile()d module): dynamo never compiles this code (guard_models).
-    if torch.compiler.is_compiling():
-        return
-    state = active_state()
-    if state is None:
-        return
-    record = current_recording()
-    if record is not None:
-        record.enter(module)
-    elif not _auditing.get() and module not in _verified and not _compiled_graph(module):
-        _start(state, module)
+    # hooks of a model.compile()d module): dynamo never compiles this code (guard_models), and
+    # everything it does runs in a torch.compiler.disable'd function (its callees' frames would
+    # be compiled otherwise).
+    if not torch.compiler.is_compiling() and active_state() is not None:
+        _before_eagerly(module)
 
 
 def _post_hook(
@@ -242,21 +236,22 @@ def _post_hook(
 ) -> None:
     if torch.compiler.is_compiling():
         return
+    state = active_state()  # below: nothing to do unless a model is audited or awaits its audit
+    if state is not None and (current_recording() is not None or state.derived.get(_PENDING)):
+        _after_eagerly(module, args, kwargs)
+
+
+def _before(module: torch.nn.Module) -> None:
+    """At a module call inside a CP context: record it when a model is being audited; at a call
+    of an unverified model outside any model awaiting its audit, the check before running, and
+    the audit awaited at its return."""
     state = active_state()
-    if state is None:
-        return
     record = current_recording()
     if record is not None:
-        record.leave(module, args, kwargs)
-    elif not _auditing.get() and _PENDING in state.derived:
-        entry = _pending(state).pop(id(module), None)
-        if entry is not None and entry[0]() is module:
-            _audit_eagerly(module, args, kwargs)
-
-
-def _begin(state: AttentionState, module: torch.nn.Module) -> None:
-    """The checks at a call of an unverified module: inside the forward of a model awaiting its
-    audit, none; otherwise the check before running, and the audit awaited at its return."""
+        record.enter(module)
+        return
+    if state is None or _auditing.get() or module in _verified or _compiled_graph(module):
+        return
     pending = _pending(state)
     if any(id(module) in members for _, members in pending.values()):
         return
@@ -264,8 +259,21 @@ def _begin(state: AttentionState, module: torch.nn.Module) -> None:
     pending[id(module)] = (weakref.ref(module), frozenset(map(id, module.modules())))
 
 
-_audit_eagerly: Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None] = audit
-_start: Callable[[AttentionState, torch.nn.Module], None] = _begin
+def _after(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """At a module call's return inside a CP context: record it when a model is being audited;
+    audit a model awaiting its audit."""
+    state = active_state()
+    record = current_recording()
+    if record is not None:
+        record.leave(module, args, kwargs)
+    elif state is not None and not _auditing.get() and _PENDING in state.derived:
+        entry = _pending(state).pop(id(module), None)
+        if entry is not None and entry[0]() is module:
+            audit(module, args, kwargs)
+
+
+_before_eagerly: Callable[[torch.nn.Module], None] = _before
+_after_eagerly: Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], None] = _after
 _skip_code: Callable[[types.CodeType], None] | None = None
 
 
@@ -274,12 +282,12 @@ def guard_models() -> None:
     inside a CP attention context (a no-op outside one), and keep their code out of dynamo's
     frame compilation (reapplied at every call, so that nothing resetting dynamo's per-code
     state in between undoes it)."""
-    global _audit_eagerly, _start, _skip_code
+    global _before_eagerly, _after_eagerly, _skip_code
     if _skip_code is None:
         from torch._dynamo.eval_frame import skip_code
 
-        _audit_eagerly = torch.compiler.disable(audit)
-        _start = torch.compiler.disable(_begin)
+        _before_eagerly = torch.compiler.disable(_before)
+        _after_eagerly = torch.compiler.disable(_after)
         _skip_code = skip_code
     _skip_code(_pre_hook.__code__)
     _skip_code(_post_hook.__code__)

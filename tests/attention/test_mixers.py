@@ -87,8 +87,8 @@ def test_calls_that_reached_cpshard_pass_and_their_siblings_are_probed() -> None
 
 def test_models_are_audited_once(monkeypatch) -> None:
     audits = []
-    real = mixers._audit_eagerly
-    monkeypatch.setattr(mixers, "_audit_eagerly", lambda m, a, k: audits.append(m) or real(m, a, k))
+    real = mixers.audit
+    monkeypatch.setattr(mixers, "audit", lambda m, a, k: audits.append(m) or real(m, a, k))
     model = _Model(None)
     with _context():
         for _ in range(3):
