@@ -20,7 +20,8 @@ what is such a layer; two checks do, the first time a model runs inside a CP con
   consensus round over the host channel) instead of returning the step's result.
 
 A model that passes is remembered and never checked again: after the first call the hooks cost
-two attribute reads and a set lookup per module call, with no device→host sync. Modules marked
+a few Python calls per module call inside a CP context (a weak-set lookup before it, a dict
+lookup after it), nothing outside one, and never a device→host sync. Modules marked
 ``cpshard_not_sequence = True`` (a vision tower run on the rank's own frames) or whose class says
 ``cpshard_sequence_mixer = True`` (mixers whose convolution and recurrence an integration routes
 through :mod:`cpshard.mixers`) are declared safe and skipped with their children.
