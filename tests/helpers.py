@@ -15,11 +15,13 @@ another. Worker-side functions here pickle by reference, like those of the test 
 * transport: :data:`GATHER_ERROR_CASES` and :func:`call_gather_case` (one rank's bad input to a
   gather, and the words its error must contain), :func:`counting_collectives` (the
   torch.distributed calls made inside a block);
-* parity: :func:`cp_aware_decoder` / :func:`plain_sdpa_decoder` (a user's own decoder) and the
-  broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
+* parity: :func:`cp_aware_decoder` / :func:`plain_sdpa_decoder` /
+  :func:`shard_positions_decoder` (a user's own decoder, the last with positions made from the
+  shard's length) and the broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
   :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
 * sequence mixers, each document alone: :func:`causal_conv_reference`,
-  :func:`delta_rule_reference`, :func:`ssd_reference`.
+  :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`; for
+  the state-space models' float64 references, :func:`float64_rms` and :class:`CausalLMLogits`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -552,13 +555,27 @@ class _Block(torch.nn.Module):
         return x + self.mlp(x)
 
 
+class _ShardPositions(torch.nn.Module):
+    """Broken: position embeddings of 0..L-1 over the tokens it is given (this rank's shard
+    under CP), not of the model's position ids."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(256, width) * 0.1)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return self.table[: position_ids.shape[1]].expand(position_ids.shape[0], -1, -1)
+
+
 class OwnDecoder(torch.nn.Module):
     """A user's decoder: ``forward(input_ids, position_ids) -> logits``."""
 
-    def __init__(self, cp_aware: bool, vocab: int = 48, width: int = 16) -> None:
+    def __init__(
+        self, cp_aware: bool, vocab: int = 48, width: int = 16, shard_positions: bool = False
+    ) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, width)
-        self.pos = torch.nn.Embedding(256, width)
+        self.pos = _ShardPositions(width) if shard_positions else torch.nn.Embedding(256, width)
         self.blocks = torch.nn.ModuleList(_Block(width, cp_aware) for _ in range(2))
         self.head = torch.nn.Linear(width, vocab)
 
@@ -575,6 +592,10 @@ def cp_aware_decoder() -> torch.nn.Module:
 
 def plain_sdpa_decoder() -> torch.nn.Module:
     return OwnDecoder(cp_aware=False)
+
+
+def shard_positions_decoder() -> torch.nn.Module:
+    return OwnDecoder(cp_aware=True, shard_positions=True)
 
 
 def labels_shifted_per_shard(logits, batch, group):
@@ -684,6 +705,53 @@ def ssd_reference(
                 )
                 y = torch.einsum("hpn,hn->hp", state, ct)
                 row[t] = y + D[:, None] * x[b, t] if D is not None else y
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def float64_rms(self, x: torch.Tensor) -> torch.Tensor:
+    """An RMS norm (``weight``, ``variance_epsilon``) in the input's dtype: bound to a model's
+    norms in place of transformers' (which compute in float32) for float64 references."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+class CausalLMLogits(torch.nn.Module):
+    """A causal LM's logits before its head's float32 cast, ``(input_ids, position_ids) ->
+    .logits`` (no cache)."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> SimpleNamespace:
+        out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return SimpleNamespace(logits=self.lm.lm_head(out.last_hidden_state))
+
+
+def selective_scan_reference(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    doc: torch.Tensor,
+) -> torch.Tensor:
+    """Mamba's selective scan token by token, each document from a zero state: ``x``, ``dt``
+    ``[B, S, D]`` (the step as used), ``A`` ``[D, N]``, ``B``, ``C`` ``[B, S, N]``, ``D`` ``[D]``
+    or None; ``S_t = exp(dt_t A) * S_{t-1} + (dt_t x_t) B_t^T`` elementwise per channel,
+    ``y_t = S_t C_t + D x_t``; padding rows are zeros."""
+    rows = []
+    for b in range(x.shape[0]):
+        row = [torch.zeros_like(x[b, 0])] * x.shape[1]
+        for s, e in _documents(doc[b]):
+            state = x.new_zeros(A.shape)
+            for t in range(s, e):
+                state = torch.exp(dt[b, t][:, None] * A) * state + torch.outer(dt[b, t] * x[b, t], B[b, t])
+                y = state @ C[b, t]
+                row[t] = y + D * x[b, t] if D is not None else y
         rows.append(torch.stack(row))
     return torch.stack(rows)
 

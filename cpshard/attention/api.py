@@ -13,6 +13,7 @@ import torch
 from cpshard.attention.head_attention import head_parallel_attention
 from cpshard.attention.ops import cp_attention_op
 from cpshard.attention.plain import plain_attention
+from cpshard.attention.reach import note_cpshard_mixing
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.strategy import route
 from cpshard.attention.tokens import check_outside, state_for_tokens, token_problem
@@ -237,6 +238,7 @@ def attend(
     ``sinks`` variants: :func:`cp_attention`): the step's K/V exchange, then the spans'
     attention. ``problem``: the caller's own finding about its arguments, reported like the
     shape checks (locally, or on every rank in checked mode)."""
+    note_cpshard_mixing()
     problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
     fields = _fields(state, query, key, value, window, softcap, sinks)
     check_call(state.group, what, problem, fields)

@@ -1,6 +1,8 @@
 """Hybrid-model layers under CP: a Gated DeltaNet layer's short causal convolution and gated
 delta rule on this rank's contiguous shard (:func:`cpshard.mixers.cp_causal_conv1d`,
-:func:`cpshard.mixers.cp_gated_delta_rule`) next to the straightforward way.
+:func:`cpshard.mixers.cp_gated_delta_rule`) next to the straightforward way; and a second row,
+Mamba's selective scan (:func:`cpshard.mixers.cp_selective_scan`, ``CHANNELS`` channels of state
+``D_STATE``) against the same baseline.
 
 The baseline all-gathers the layer's inputs (the convolution's channels, then q, k, v, the
 decays and rates; backward reduce-scatter), runs the convolution and the recurrence over the
@@ -30,14 +32,16 @@ from cpshard.bench.attention import documents
 from cpshard.bench.blockdiag import check_output, fwd_bwd_figures
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.mixers import cp_causal_conv1d, cp_gated_delta_rule, recurrence_runs
-from cpshard.mixers.chunks import CHUNK, chunk_table
+from cpshard.mixers import cp_causal_conv1d, cp_gated_delta_rule, cp_selective_scan, recurrence_runs
+from cpshard.mixers.chunks import CHUNK, ChunkTable, chunk_table
 from cpshard.mixers.delta_rule import chunked_delta_rule, l2_normalise
-from cpshard.mixers.runs import Run
+from cpshard.mixers.runs import RecurrenceRuns, Run
+from cpshard.mixers.selective_scan import scanned
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
 DOC_LENS, QUICK_DOC_LENS = (2048, 6145), (64, 193)
 KEY_HEADS, VALUE_HEADS, DIM, QUICK_DIM, KERNEL = 2, 4, 64, 16, 4
+CHANNELS, QUICK_CHANNELS, D_STATE = 128, 16, 16  # the selective scan's
 
 
 def steps(rt: Runtime) -> int:
@@ -63,13 +67,19 @@ def _inputs(rt: Runtime, local: int, dim: int) -> tuple[torch.Tensor, ...]:
     return x, q, k, v, g.requires_grad_(), beta.requires_grad_(), weight.to(rt.device, rt.dtype)
 
 
-def _full_sequence_layer(doc: torch.Tensor, weight: torch.Tensor):
-    """The layer over the whole sequence, every document from a zero state (what each rank of
-    the baseline runs on the gathered inputs)."""
+def _documents_table(doc: torch.Tensor) -> tuple[list[int], list[int], ChunkTable]:
+    """The documents' starts and ends in the one row of ``doc``, and their chunk table over the
+    whole sequence."""
     starts = [0] + [i for i in range(1, doc.shape[1]) if doc[0, i] != doc[0, i - 1]]
     ends = starts[1:] + [doc.shape[1]]
     runs = tuple(Run(0, s, e - s, s, s, e) for s, e in zip(starts, ends, strict=True))
-    table = chunk_table(runs, doc.shape[1], 1, CHUNK)
+    return starts, ends, chunk_table(runs, doc.shape[1], 1, CHUNK)
+
+
+def _full_sequence_layer(doc: torch.Tensor, weight: torch.Tensor):
+    """The layer over the whole sequence, every document from a zero state (what each rank of
+    the baseline runs on the gathered inputs)."""
+    starts, ends, table = _documents_table(doc)
 
     def layer(x, q, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor]:
         kernel = weight.shape[1]
@@ -85,6 +95,58 @@ def _full_sequence_layer(doc: torch.Tensor, weight: torch.Tensor):
         return y, o
 
     return layer
+
+
+def _carry_bytes(runs: RecurrenceRuns, state_numel: int, transition_numel: int, itemsize: int) -> int:
+    """What the carry's one ragged all-gather brings every rank: each rank's end states and
+    transitions."""
+    return itemsize * sum(
+        len(ex) * state_numel + sum(rs[i].incoming for i in ex) * transition_numel
+        for rs, ex in zip(runs.runs, runs.exported, strict=True)
+    )
+
+
+def _selective_scan_row(rt: Runtime, doc: torch.Tensor, ctx, runs: RecurrenceRuns) -> dict:
+    """Mamba's selective scan on this rank's contiguous shard against the all-gather baseline:
+    its figures, bytes received and the check that both agree."""
+    seq_len = doc.shape[1]
+    local = seq_len // rt.world
+    channels = QUICK_CHANNELS if rt.cfg.quick else CHANNELS
+    gen = torch.Generator().manual_seed(11 + rt.rank)
+
+    def make(*shape: int, low: float | None = None) -> torch.Tensor:
+        t = torch.rand(*shape, generator=gen) + low if low is not None else torch.randn(*shape, generator=gen)
+        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_()
+
+    x, dt = make(1, local, channels), make(1, local, channels, low=0.01)
+    b, c = make(1, local, D_STATE), make(1, local, D_STATE)
+    rates = -torch.linspace(0.5, 4.0, channels * D_STATE).view(channels, D_STATE)
+    a = rates.to(device=rt.device, dtype=rt.dtype)
+    leaves = (x, dt, b, c)
+    table = _documents_table(doc)[2].to(rt.device)
+    mine = slice(rt.rank * local, (rt.rank + 1) * local)
+
+    def ours(x, dt, b, c) -> torch.Tensor:
+        with ctx():
+            return cp_selective_scan(x, dt, a, b, c, None, runs, active_state().group).sum()
+
+    def base(x, dt, b, c) -> torch.Tensor:
+        gathered = [gather_sequence(t.contiguous(), rt.pg, 1) for t in (x, dt, b, c)]
+        y, _ = scanned(*gathered[:2], a, *gathered[2:], table, None)
+        return y.view(1, seq_len, channels)[:, mine].sum()
+
+    check_output(rt, ours, base, leaves, "mixers (selective scan)")
+    itemsize = torch.empty((), dtype=rt.dtype).element_size()
+    one = torch.ones((), device=rt.device, dtype=rt.dtype)
+    unprofiled = dataclasses.replace(rt, cfg=dataclasses.replace(rt.cfg, memory=False))
+    out = {
+        "channels": channels,
+        "d_state": D_STATE,
+        "ours_carry_bytes_received": _carry_bytes(runs, channels * D_STATE, channels * D_STATE, itemsize),
+        "base_bytes_received": (seq_len - local) * (2 * channels + 2 * D_STATE) * itemsize,
+    }
+    out.update(fwd_bwd_figures(unprofiled, {"ours": ours, "base": base}, leaves, one))
+    return out
 
 
 def run(rt: Runtime) -> dict:
@@ -118,11 +180,7 @@ def run(rt: Runtime) -> dict:
         halo_rows = torch.tensor([state.windowed(KERNEL).exchange.received_rows])
     dist.all_reduce(halo_rows, op=dist.ReduceOp.MAX, group=rt.pg)  # the most any rank receives
     itemsize = torch.empty((), dtype=rt.dtype).element_size()
-    state_numel, transition_numel = VALUE_HEADS * dim * dim, VALUE_HEADS * dim * dim
-    carry = sum(
-        len(ex) * state_numel + sum(rs[i].incoming for i in ex) * transition_numel
-        for rs, ex in zip(runs.runs, runs.exported, strict=True)
-    )  # every rank receives every other rank's payload
+    state_numel = VALUE_HEADS * dim * dim  # a state and a transition alike
     inputs_per_token = x.shape[2] + 2 * KEY_HEADS * dim + VALUE_HEADS * dim + 2 * VALUE_HEADS
     out = {
         "world": rt.world,
@@ -134,7 +192,7 @@ def run(rt: Runtime) -> dict:
         "kernel": KERNEL,
         "dtype": rt.cfg.dtype,
         "ours_conv_bytes_received": int(halo_rows) * x.shape[2] * itemsize,
-        "ours_carry_bytes_received": carry * itemsize,
+        "ours_carry_bytes_received": _carry_bytes(runs, state_numel, state_numel, itemsize),
         "base_bytes_received": (seq_len - local) * inputs_per_token * itemsize,
     }
     check_output(rt, ours, base, leaves, "mixers")
@@ -162,11 +220,14 @@ def run(rt: Runtime) -> dict:
     )["alone"]  # fmt: skip
     out["recurrence_alone_s"] = timing.median_s
     out["sequential_estimate_s"] = rt.world * timing.median_s
+    rt.progress(f"mixers: Mamba selective scan S={seq_len}")
+    out["selective_scan"] = _selective_scan_row(rt, doc, ctx, runs)
     return out
 
 
 def render(r: dict) -> str:
     mib = 1 << 20
+    m = r["selective_scan"]
     return "\n".join(
         [
             "# mixers: a Gated DeltaNet layer's causal conv + gated delta rule fwd+bwd on the",
@@ -187,5 +248,12 @@ def render(r: dict) -> str:
             "#   payloads, which every rank receives);",
             "#   alone = this rank's recurrence with no carry (median, max over ranks); seq. est =",
             "#   W x alone, the latency a sequential pass over ranks would add up to (derived)",
+            f"# mixers: Mamba's selective scan fwd+bwd, {m['channels']} channels of state "
+            f"{m['d_state']} (one ragged all-gather of end states and transitions)  vs  the same "
+            "baseline",
+            f"#{'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'carry KiB':>10} {'base MiB':>9}",
+            f" {m['ours_fwd_bwd_s'] * 1e3:>11.1f} {m['base_fwd_bwd_s'] * 1e3:>9.1f} "
+            f"{m['speedup']:>8.2f} {m['ours_carry_bytes_received'] / 1024:>10.1f} "
+            f"{m['base_bytes_received'] / mib:>9.1f}",
         ]
     )

@@ -6,8 +6,10 @@ module for what mixes tokens along the sequence (the short causal convolution, t
 :func:`install_dispatchers` puts a dispatcher in each one's place — outside a CP attention
 context the original function, inside one cpshard's per-document version over the step's shards
 (:mod:`cpshard.mixers`) — and marks the layer's class ``cpshard_sequence_mixer`` so that the
-check refusing token mixers CP does not shard lets it run. :func:`causal_conv` is the
-convolution's dispatcher, which both families share.
+check refusing token mixers CP does not shard lets it run. The dispatchers the families share
+are here: the convolution's (:func:`causal_conv`), the padding mask's (:func:`unmasked`), a
+fused kernel's (:func:`unfused`) and the refusal of token-by-token decoding
+(:func:`decoding_refused`).
 """
 
 from __future__ import annotations
@@ -85,5 +87,66 @@ def causal_conv(what: str) -> Make:
             return y.transpose(1, 2).to(hidden_states.dtype)
 
         return causal_conv1d_fn
+
+    return make
+
+
+def cache_refused(state: AttentionState, what: str, layer: str) -> ValueError:
+    """The refusal of a cached (generation) call of ``layer`` under CP."""
+    return ValueError(
+        f"{what}: rank {state.group.rank}: a {layer} layer ran with a cache inside a CP context; "
+        "CP shards training steps: call the model with use_cache=False"
+    )
+
+
+def unmasked(what: str) -> Make:
+    """The dispatcher of ``apply_mask_to_padding_states``: under CP the hidden states unmasked.
+    The step's documents say which tokens are padding and padding belongs to no document, so
+    zeroing it changes no other token; the layer's 2-D mask is the caller's trimmed to the local
+    length, which for a full-sequence mask would zero other tokens (as the attention layers'
+    masks, it is not read under CP)."""
+
+    def make(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        @functools.wraps(original)
+        def apply_mask_to_padding_states(
+            hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
+        ) -> torch.Tensor:
+            if mixing_state(what) is not None:
+                return hidden_states
+            return original(hidden_states, attention_mask)
+
+        return apply_mask_to_padding_states
+
+    return make
+
+
+def decoding_refused(what: str, layer: str) -> Make:
+    """The dispatcher of a token-by-token decoding function (``causal_conv1d_update``, a
+    selective state update): refused under CP, which shards training steps."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def refused_under_cp(*args: Any, **kwargs: Any) -> Any:
+            state = mixing_state(what)
+            if state is not None:
+                raise cache_refused(state, what, layer)
+            return original(*args, **kwargs)
+
+        return refused_under_cp
+
+    return make
+
+
+def unfused(what: str) -> Make:
+    """The dispatcher of a fused kernel entry (a whole layer in one kernel, when one is
+    installed, which would mix the shard alone): None under CP, so the layer takes its path
+    through the dispatched functions."""
+
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(original)
+        def fused_or_none(*args: Any, **kwargs: Any) -> Any:
+            return None if mixing_state(what) is not None else original(*args, **kwargs)
+
+        return fused_or_none
 
     return make

@@ -1,5 +1,5 @@
-"""transformers' Mamba2 layers (Mamba2, and the Mamba2 layers of the NemotronH hybrids) under CP,
-with no change to the model.
+"""transformers' Mamba2 layers (Mamba2, and the Mamba2 layers of the NemotronH, Bamba,
+GraniteMoeHybrid, Zamba2 and Falcon-H1 hybrids) under CP, with no change to the model.
 
 The layer projects its input, convolves the x, B and C channels causally, runs the state-space
 recurrence (SSD) and a gated norm, all in its own forward, except for the functions of its
@@ -13,10 +13,8 @@ function, inside one:
   the layer's limits), then :func:`cpshard.mixers.cp_ssd`, states carried across ranks;
 * ``mamba2_split_conv1d_scan_combined`` (a fused kernel, when one is installed, that would scan
   the shard alone): None, so the layer takes the path above;
-* ``apply_mask_to_padding_states``: the hidden states unmasked. The step's documents say which
-  tokens are padding and padding belongs to no document, so zeroing it changes no other token;
-  the layer's 2-D mask is the caller's trimmed to the local length, which for a full-sequence
-  mask would zero other tokens (as the attention layers' masks, it is not read under CP);
+* ``apply_mask_to_padding_states``: the hidden states unmasked (the step's documents say which
+  tokens are padding: :func:`~cpshard.integrations.dispatch.unmasked`);
 * ``causal_conv1d_update`` and ``mamba2_selective_state_update`` (token-by-token decoding), and
   ``mamba2_chunk_scan`` with a cache's state: refused, CP shards training steps.
 """
@@ -30,8 +28,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cpshard.attention.state import AttentionState
-from cpshard.integrations.dispatch import causal_conv, install_dispatchers, mixing_state
+from cpshard.integrations.dispatch import (
+    cache_refused,
+    causal_conv,
+    decoding_refused,
+    install_dispatchers,
+    mixing_state,
+    unfused,
+    unmasked,
+)
 from cpshard.mixers import cp_ssd, recurrence_runs
 
 _WHAT = "cpshard.integrations.transformers (Mamba2)"
@@ -39,14 +44,11 @@ _WHAT = "cpshard.integrations.transformers (Mamba2)"
 MODULES = {
     "transformers.models.mamba2.modeling_mamba2": "Mamba2Mixer",
     "transformers.models.nemotron_h.modeling_nemotron_h": "NemotronHMamba2Mixer",
+    "transformers.models.bamba.modeling_bamba": "BambaMixer",
+    "transformers.models.granitemoehybrid.modeling_granitemoehybrid": "GraniteMoeHybridMambaLayer",
+    "transformers.models.zamba2.modeling_zamba2": "Zamba2MambaMixer",
+    "transformers.models.falcon_h1.modeling_falcon_h1": "FalconH1Mixer",
 }
-
-
-def _cache_refused(state: AttentionState) -> ValueError:
-    return ValueError(
-        f"{_WHAT}: rank {state.group.rank}: a Mamba2 layer ran with a cache inside a CP context; "
-        "CP shards training steps: call the model with use_cache=False"
-    )
 
 
 def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -74,7 +76,7 @@ def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
                 return_final_states=return_final_states, **kwargs,
             )  # fmt: skip
         if initial_states is not None or return_final_states:
-            raise _cache_refused(state)
+            raise cache_refused(state, _WHAT, "Mamba2")
         runs = recurrence_runs(state, _WHAT)
         if dt_bias is not None:
             dt = dt + dt_bias.to(dt.dtype)
@@ -86,49 +88,18 @@ def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
     return mamba2_chunk_scan
 
 
-def _fused(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def mamba2_split_conv1d_scan_combined(*args: Any, **kwargs: Any) -> Any:
-        return None if mixing_state(_WHAT) is not None else original(*args, **kwargs)
-
-    return mamba2_split_conv1d_scan_combined
-
-
-def _mask(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    @functools.wraps(original)
-    def apply_mask_to_padding_states(
-        hidden_states: torch.Tensor, attention_mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        if mixing_state(_WHAT) is not None:
-            return hidden_states
-        return original(hidden_states, attention_mask)
-
-    return apply_mask_to_padding_states
-
-
-def _decode(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def refused_under_cp(*args: Any, **kwargs: Any) -> Any:
-        state = mixing_state(_WHAT)
-        if state is not None:
-            raise _cache_refused(state)
-        return original(*args, **kwargs)
-
-    return refused_under_cp
-
-
 def install() -> None:
     """Put the dispatchers into every Mamba2 modeling module transformers has and mark its layer
     class (idempotent; modules this transformers lacks are skipped)."""
     install_dispatchers(
         MODULES,
         {
-            "apply_mask_to_padding_states": _mask,
+            "apply_mask_to_padding_states": unmasked(_WHAT),
             "causal_conv1d_fn": causal_conv(_WHAT),
-            "mamba2_split_conv1d_scan_combined": _fused,
+            "mamba2_split_conv1d_scan_combined": unfused(_WHAT),
             "mamba2_chunk_scan": _scan,
-            "causal_conv1d_update": _decode,
-            "mamba2_selective_state_update": _decode,
+            "causal_conv1d_update": decoding_refused(_WHAT, "Mamba2"),
+            "mamba2_selective_state_update": decoding_refused(_WHAT, "Mamba2"),
         },
         _WHAT,
     )

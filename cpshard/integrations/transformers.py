@@ -26,7 +26,7 @@ from cpshard.attention.api import cp_attention
 from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
-from cpshard.integrations import gated_deltanet, mamba2
+from cpshard.integrations import gated_deltanet, mamba, mamba2, short_conv
 from cpshard.integrations.masks import mask_problem
 from cpshard.vision import maybe_distribute_visual
 
@@ -181,8 +181,10 @@ def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 def register() -> None:
     """Register the attention implementation ``"cpshard"`` (and its mask builder) with
     transformers, so that ``model.set_attn_implementation("cpshard")`` selects it, and make the
-    Gated DeltaNet layers of its hybrid models (:mod:`cpshard.integrations.gated_deltanet`) and
-    its Mamba2 layers (:mod:`cpshard.integrations.mamba2`) shard-aware under CP. Idempotent."""
+    Gated DeltaNet layers of its hybrid models (:mod:`cpshard.integrations.gated_deltanet`), its
+    Mamba layers (:mod:`cpshard.integrations.mamba`, :mod:`cpshard.integrations.mamba2`) and its
+    short convolutions
+    (:mod:`cpshard.integrations.short_conv`) shard-aware under CP. Idempotent."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -193,7 +195,9 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, cpshard_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _cpshard_mask)
     gated_deltanet.install()  # Qwen3.5 / Qwen3-Next linear attention under CP
-    mamba2.install()  # Mamba2 and NemotronH state-space layers under CP
+    mamba.install()  # the Mamba (v1) layers of Mamba, Falcon-Mamba and Jamba under CP
+    mamba2.install()  # the Mamba2 layers of Mamba2 and its hybrids under CP
+    short_conv.install()  # LFM2's short convolutions under CP
 
 
 # ------------------------------------------------------------------ the vision tower

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpshard.attention.reach import note_cpshard_mixing
 from cpshard.attention.state import AttentionState
 
 
@@ -50,6 +51,7 @@ def cp_causal_conv1d(
     group: ``y[t] = bias + sum_j weight[:, j] * x[t - K + 1 + j]`` over taps in ``t``'s document,
     then ``activation`` (``"silu"``/``"swish"`` or None). ``weight`` ``[C, K]``. Collective over
     the state's group (the window exchange) when ``K > 1``."""
+    note_cpshard_mixing()
     where = f"cpshard CP convolution: rank {state.group.rank}"
     if x.dim() != 3 or tuple(x.shape[:2]) != (state.batch_size, state.local_len):
         raise ValueError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from cpshard.attention.reach import note_cpshard_mixing
 from cpshard.comm import Group
 from cpshard.mixers.carry import carry_states
 from cpshard.mixers.chunks import ChunkTable, from_chunks, run_table, to_chunks
@@ -140,6 +141,7 @@ def cp_gated_delta_rule(
     spans ranks (every rank calls it alike). Raises ``ValueError`` (naming the argument and the
     rank) for shapes that are not this rank's shard."""
     _check(query, key, value, g, beta, runs)
+    note_cpshard_mixing()
     out_dtype = value.dtype
     work = torch.promote_types(value.dtype, torch.float32)
     b, length, hk, _ = key.shape

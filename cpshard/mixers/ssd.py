@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from cpshard.attention.reach import note_cpshard_mixing
 from cpshard.comm import Group
 from cpshard.mixers.carry import carry_states
 from cpshard.mixers.chunks import ChunkTable, from_chunks, run_table, to_chunks
@@ -133,6 +134,7 @@ def cp_ssd(
     dividing ``H``: head ``h`` reads group ``h // (H / G)``); ``D`` ``[H]`` or None. Returns
     ``y`` ``[B, L, H, P]`` in the working dtype, float32 at least (what Mamba2's gated norm
     reads). Collective over ``group`` when a document spans ranks (every rank calls it alike)."""
+    note_cpshard_mixing()
     _check(x, dt, A, B, C, D, runs)
     work = torch.promote_types(x.dtype, torch.float32)
     heads, groups = x.shape[2], B.shape[2]

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from cpshard.attention.mixers import auditing
+
 
 @dataclass
 class Call:
@@ -63,11 +65,15 @@ def _aligned(t: Any, batch: int, tokens: int) -> bool:
 
 @contextmanager
 def recording(model: torch.nn.Module, batch: int, tokens: int) -> Iterator[Record]:
-    """Record every submodule call of ``model`` whose tensors are ``[batch, tokens, ...]``."""
+    """Record every submodule call of ``model`` whose tensors are ``[batch, tokens, ...]`` (not
+    the calls of cpshard's check of a model's first CP forward, :mod:`cpshard.attention.mixers`,
+    which re-runs it)."""
     record = Record()
 
     def hook(name: str) -> Callable[..., None]:
         def after(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            if auditing():  # cpshard re-running the model to check it: not the model's call
+                return
             out = _first_tensor(output)
             ins = [t for t in (*args, *kwargs.values()) if _aligned(t, batch, tokens)]
             record.calls.append(

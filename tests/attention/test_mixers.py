@@ -1,7 +1,8 @@
-"""The refusal of token mixers CP attention does not shard (:mod:`cpshard.attention.mixers`):
-what counts as one, that a model with one raises naming it (once per model, nothing computed),
-that a model without one is walked once and then passes, and that nothing is checked outside a
-CP attention context."""
+"""The refusal of models that mix tokens without cpshard (:mod:`cpshard.attention.mixers`): a
+mixer by its parameters raises before running; a module mixing tokens by its own code, whatever
+its class is called, is found by the audit and named (the innermost one); calls that reached
+cpshard pass; each model is audited once; declared-safe modules are skipped; nothing is checked
+outside a CP attention context. And the probe itself (:mod:`cpshard.attention.probe`)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,31 @@ import pytest
 import torch
 
 from cpshard.attention import activated, mixers, step_state
+from cpshard.attention.probe import mixes_tokens
+from cpshard.attention.reach import note_cpshard_mixing
+from cpshard.comm.group import Group
 from cpshard.layouts import make_layout
 
 
-class _Solo:  # the one rank of a world-2 group whose state is planned (no communication)
-    world, rank, name = 2, 1, "solo"
-
-
 def _context():
+    """Rank 1 of an offline world-2 group, 6 local tokens (planned without communication)."""
     doc = torch.tensor([[1] * 6 + [2] * 6])
-    return activated(step_state(_Solo(), make_layout("contiguous", 2, 12), doc))
+    return activated(step_state(Group(None, 1, 2), make_layout("contiguous", 2, 12), doc))
 
 
-class GatedDeltaNetLike(torch.nn.Module):
+class Harmless(torch.nn.Module):
+    """Mixes tokens (a running sum over the sequence) under a name that says nothing."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.cumsum(1)
+
+
+class Routed(torch.nn.Module):
+    """Stands for a layer that mixes tokens through cpshard (it reports the call as cpshard's
+    functions do)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        note_cpshard_mixing()
         return x.cumsum(1)
 
 
@@ -38,43 +50,118 @@ class _Model(torch.nn.Module):
         return self.block(self.proj(x))
 
 
-def test_what_is_a_token_mixer() -> None:
+def test_what_is_a_mixer_by_its_parameters() -> None:
     assert mixers.mixer_problem(torch.nn.Conv1d(4, 4, 3)) is not None
     assert mixers.mixer_problem(torch.nn.Conv1d(4, 4, 1)) is None  # a per-token projection
     assert mixers.mixer_problem(torch.nn.Conv3d(3, 4, 2)) is None  # image patches
     assert mixers.mixer_problem(torch.nn.LSTM(4, 4)) is not None
-    assert mixers.mixer_problem(GatedDeltaNetLike()) is not None
     assert mixers.mixer_problem(torch.nn.Linear(4, 4)) is None
 
 
-@pytest.mark.parametrize("mixer", [torch.nn.Conv1d(6, 6, 3, padding=1), GatedDeltaNetLike()])
-def test_a_model_with_a_mixer_raises_before_running(mixer: torch.nn.Module) -> None:
-    model = _Model(mixer)
+def test_a_model_with_a_sequence_convolution_raises_before_running() -> None:
+    model = _Model(torch.nn.Conv1d(6, 6, 3, padding=1))
     x = torch.randn(1, 6, 4)
-    with _context(), pytest.raises(ValueError, match=r"rank 1: _Model .* module 'block.1'"):
+    with _context(), pytest.raises(ValueError, match=r"rank 1: _Model .* module 'block.1' is a conv"):
         model(x)
     assert model.ran == 0
     model(x)  # outside CP: runs
     assert model.ran == 1
 
 
-def test_models_without_mixers_are_walked_once(monkeypatch) -> None:
-    walks = []
-    real = mixers._walk
-    monkeypatch.setattr(mixers, "_walk", lambda m: walks.append(m) or real(m))
+def test_a_module_mixing_tokens_by_its_own_code_is_named() -> None:
+    model = _Model(Harmless())
+    x = torch.randn(1, 6, 4)
+    with _context(), pytest.raises(ValueError, match=r"rank 1: _Model .* module 'block.1' is Harmless"):
+        model(x)
+    model(x)  # outside CP: runs
+
+
+def test_calls_that_reached_cpshard_pass_and_their_siblings_are_probed() -> None:
+    routed = _Model(Routed())
+    with _context():
+        routed(torch.randn(1, 6, 4))
+    both = torch.nn.Sequential(Routed(), Harmless())
+    with _context(), pytest.raises(ValueError, match=r"module '1' is Harmless"):
+        both(torch.randn(1, 6, 4))
+
+
+def test_models_are_audited_once(monkeypatch) -> None:
+    audits = []
+    real = mixers.audit
+    monkeypatch.setattr(mixers, "audit", lambda m, a, k: audits.append(m) or real(m, a, k))
     model = _Model(None)
     with _context():
         for _ in range(3):
             model(torch.randn(1, 6, 4))
-    assert walks == [model]
+    assert audits == [model]
+    assert model.ran == 3 + 1 + 3  # three calls, the audit's re-run, its probe's three runs
 
 
-def test_marked_modules_are_skipped() -> None:
-    tower = torch.nn.Sequential(torch.nn.Conv1d(4, 4, 3))
+def test_declared_safe_modules_are_skipped() -> None:
+    tower = torch.nn.Sequential(torch.nn.Conv1d(6, 6, 3, padding=1), Harmless())
     tower.cpshard_not_sequence = True
-    model = _Model(tower)
+    model = _Model(None)
+    model.tower = tower
     with _context():
         mixers.check_model(model)  # no error: the marked subtree is not the sharded sequence
+        mixers.audit(model, (torch.randn(1, 6, 4),), {})
+        model.tower(torch.randn(1, 6, 4))
+
+
+def test_nothing_is_checked_outside_a_context() -> None:
+    model = _Model(Harmless())
+    model(torch.randn(1, 6, 4))
+    assert model.ran == 1
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, causal: bool) -> None:
+        super().__init__()
+        self.causal = causal
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=self.causal)[:, 0]
+
+
+@pytest.mark.parametrize(
+    "module, mixes",
+    [
+        (_Attention(causal=True), True),
+        (_Attention(causal=False), True),
+        (Harmless(), True),
+        (torch.nn.Conv1d(6, 6, 1), True),  # [B, C, L] read as [B, L, ...]: mixes dim 1
+        (torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.GELU(), torch.nn.Linear(8, 4)), False),
+        (torch.nn.LayerNorm(4), False),
+        (torch.nn.Dropout(0.5), False),  # the same random state in every run
+    ],
+)
+def test_the_probe_tells_token_mixing_from_per_token_work(module: torch.nn.Module, mixes: bool) -> None:
+    assert mixes_tokens(module, (torch.randn(2, 6, 4),), {}, (2, 6)) is mixes
+
+
+def test_the_probe_changes_token_ids_and_needs_two_tokens() -> None:
+    embed = torch.nn.Embedding(8, 4)
+    ids = torch.tensor([[0, 3, 7, 1, 2, 5]])
+    assert mixes_tokens(embed, (ids,), {}, (1, 6)) is False
+    assert mixes_tokens(torch.nn.Sequential(embed, Harmless()), (ids,), {}, (1, 6)) is True
+    assert mixes_tokens(Harmless(), (torch.randn(1, 1, 4),), {}, (1, 1)) is False
+
+
+class _Router(torch.nn.Module):
+    """An MoE router: ``[B * L, experts]`` logits of the flattened tokens."""
+
+    def __init__(self, experts: int) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(4, experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x.flatten(0, 1))
+
+
+def test_the_probe_reads_only_tensors_of_the_steps_rows_and_tokens() -> None:
+    """A router's logits with as many experts as tokens are not read as a sequence."""
+    assert mixes_tokens(_Router(experts=6), (torch.randn(1, 6, 4),), {}, (1, 6)) is False
 
 
 # --------------------------------------------------------------------------- compiled models

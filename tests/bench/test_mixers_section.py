@@ -15,3 +15,7 @@ def test_quick_run_reports_the_mixers_section(run_bench):
     assert 0 < r["ours_conv_bytes_received"] < r["base_bytes_received"]
     assert 0 < r["ours_carry_bytes_received"] < r["base_bytes_received"]
     assert r["sequential_estimate_s"] == 2 * r["recurrence_alone_s"] > 0
+    assert "# mixers: Mamba's selective scan" in proc.stdout
+    scan = r["selective_scan"]
+    assert scan["ours_fwd_bwd_s"] > 0 and scan["base_fwd_bwd_s"] > 0
+    assert 0 < scan["ours_carry_bytes_received"] < scan["base_bytes_received"]

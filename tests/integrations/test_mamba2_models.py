@@ -1,7 +1,9 @@
-"""Mamba2 models through transformers under CP: Mamba2 (state-space layers only) and NemotronH (a
-Mamba2-attention hybrid), tiny random configs, float64, one packed row of documents longer than
+"""Mamba2 models through transformers under CP: Mamba2 (state-space layers only) and the
+Mamba2-attention hybrids NemotronH, Bamba, GraniteMoeHybrid (with MoE), Zamba2 (a shared attention
+block) and Falcon-H1 (Mamba2 in parallel with attention in each layer), tiny random configs, float64, one packed row of documents longer than
 the convolution with interior padding, every layout that keeps documents in few pieces per rank
-and the block-diagonal batch, W = 1..4; ``stripe`` refused on every rank before the model's
+and the block-diagonal batch, W = 1..4 (the four newer hybrids: every layout at W = 2, one or
+two at W = 1, 3 and 4, to keep the suite affordable); ``stripe`` refused on every rank before the model's
 head; a cached call refused on every rank; a padding mask not read under CP (the step's
 documents say what is padding); outside CP the layers run transformers' own code.
 
@@ -16,7 +18,6 @@ from __future__ import annotations
 import copy
 import importlib
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,9 @@ import torch.nn.functional as F
 
 from tests.helpers import (
     EXAMPLES,
+    CausalLMLogits,
     check_relative_errors,
+    float64_rms,
     relative_step_errors,
     ssd_reference,
     swapped,
@@ -44,6 +47,13 @@ MODELS = {
     "mamba2": "transformers.models.mamba2.modeling_mamba2",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h",
 }
+HYBRIDS = {
+    "bamba": "transformers.models.bamba.modeling_bamba",
+    "granitemoehybrid": "transformers.models.granitemoehybrid.modeling_granitemoehybrid",
+    "zamba2": "transformers.models.zamba2.modeling_zamba2",
+    "falcon_h1": "transformers.models.falcon_h1.modeling_falcon_h1",
+}
+MODULES = {**MODELS, **HYBRIDS}
 
 
 def _config(family: str):
@@ -63,11 +73,38 @@ def _config(family: str):
             ssm_state_size=4, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, conv_kernel=4,
             initializer_range=0.1, use_cache=False,
         )  # fmt: skip
+    attention = dict(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        max_position_embeddings=256, use_cache=False, tie_word_embeddings=False,
+    )  # fmt: skip
+    mamba = dict(
+        mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=4, mamba_d_conv=4,
+        mamba_expand=2, time_step_limit=(0.0, 0.3),
+    )  # fmt: skip
+    if family == "bamba":
+        return T.BambaConfig(
+            **attention, **mamba, num_key_value_heads=2, num_hidden_layers=2, attn_layer_indices=[1]
+        )
+    if family == "granitemoehybrid":
+        return T.GraniteMoeHybridConfig(
+            **attention, **mamba, num_key_value_heads=2, num_hidden_layers=2,
+            layer_types=["mamba", "attention"], num_local_experts=2, num_experts_per_tok=1,
+            shared_intermediate_size=32, position_embedding_type="rope",
+            experts_implementation="eager",
+        )  # fmt: skip
+    if family == "falcon_h1":
+        return T.FalconH1Config(
+            **attention, **mamba, num_key_value_heads=2, num_hidden_layers=2, mamba_d_ssm=64,
+            mamba_rms_norm=False,
+        )
+    if family == "zamba2":  # layer 1 is the shared attention block's with its Mamba2 layer
+        return T.Zamba2Config(
+            **attention, num_key_value_heads=4, num_hidden_layers=3,
+            layers_block_type=["mamba", "hybrid", "mamba"], mamba_d_state=4, mamba_d_conv=4,
+            mamba_expand=2, mamba_ngroups=2, n_mamba_heads=4, num_mem_blocks=1,
+            use_mem_rope=True,
+        )  # fmt: skip
     raise AssertionError(family)
-
-
-def _rms(self, x: torch.Tensor) -> torch.Tensor:
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
 def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,21 +114,6 @@ def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch
     groups = x.view(*x.shape[:-1], -1, self.group_size)
     normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
     return self.weight * normed.view(x.shape)
-
-
-class _Logits(torch.nn.Module):
-    """The causal LM's logits before its head's float32 cast, ``(input_ids, position_ids) ->
-    .logits`` (no cache)."""
-
-    def __init__(self, lm: torch.nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> SimpleNamespace:
-        out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return SimpleNamespace(logits=self.lm.lm_head(out.last_hidden_state))
 
 
 def _model(family: str) -> torch.nn.Module:
@@ -105,11 +127,11 @@ def _model(family: str) -> torch.nn.Module:
         if name.endswith("RMSNormGated"):
             module.forward = _gated_rms.__get__(module)
         elif name.endswith("RMSNorm"):
-            module.forward = _rms.__get__(module)
+            module.forward = float64_rms.__get__(module)
         if hasattr(module, "dt_bias"):  # steps of about 0.3 to 1.3: the state carries far
             with torch.no_grad():
                 module.dt_bias.normal_()
-    if family == "nemotron_h":
+    if family != "mamba2":
         model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
     return model
 
@@ -131,25 +153,27 @@ def _step(family: str, layout: str, group) -> tuple[float, float, float]:
     loss, worst gradient difference relative to the largest gradient)."""
     model = _model(family)
     reference = copy.deepcopy(model)
-    if family == "nemotron_h":
+    if family != "mamba2":
         reference.set_attn_implementation("sdpa")
     batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
-    logits = _Logits(model)
+    logits = CausalLMLogits(model)
 
     def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
         return logits(local["input_ids"], local["position_ids"]).logits
 
     cp = cp_decoder.cp_loss(group, batch, forward, layout)
-    with swapped(MODELS[family], "mamba2_chunk_scan", _reference_scan):
-        ref = cp_decoder.reference_loss(_Logits(reference), cp_decoder.text_documents(batch))
+    with swapped(MODULES[family], "mamba2_chunk_scan", _reference_scan):
+        ref = cp_decoder.reference_loss(CausalLMLogits(reference), cp_decoder.text_documents(batch))
     cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
     return relative_step_errors(model, reference, cp, ref, group)
 
 
-def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
+def _cases(
+    rank: int, world: int, families: list[str], layouts: list[str]
+) -> dict[str, tuple[float, float, float]]:
     return {
         f"{family} {layout}": _step(family, layout, dist.group.WORLD)
-        for family in MODELS
+        for family in families
         for layout in layouts
     }
 
@@ -157,7 +181,16 @@ def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_mamba2_models_match_each_document_alone(pools, world: int) -> None:
     layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
-    check_relative_errors(pools(world).run(_cases, layouts, timeout=900), world)
+    check_relative_errors(pools(world).run(_cases, list(MODELS), layouts, timeout=900), world)
+
+
+HYBRID_LAYOUTS = {1: ["contiguous"], 2: LAYOUTS, 3: ["balanced"], 4: ["head_tail", "blockdiag"]}
+
+
+@pytest.mark.parametrize("world", list(HYBRID_LAYOUTS))
+def test_mamba2_hybrids_match_each_document_alone(pools, world: int) -> None:
+    cases = pools(world).run(_cases, list(HYBRIDS), HYBRID_LAYOUTS[world], timeout=900)
+    check_relative_errors(cases, world)
 
 
 def _refusals(rank: int, world: int) -> list[str]:
@@ -166,7 +199,7 @@ def _refusals(rank: int, world: int) -> list[str]:
     import cpshard
 
     out = []
-    for family in MODELS:
+    for family in MODULES:
         for layout, use_cache in (("stripe", False), ("balanced", True)):
             model = _model(family)
             ran = []
@@ -194,13 +227,13 @@ def test_stripe_and_a_cache_are_refused_on_every_rank(pools) -> None:
             assert "model computed" not in msg, msg
 
 
-@pytest.mark.parametrize("family", list(MODELS))
+@pytest.mark.parametrize("family", list(MODULES))
 def test_outside_cp_the_layers_run_transformers_code(family: str) -> None:
     """With cpshard's dispatchers installed, a model outside CP gives exactly what it gives with
     transformers' own functions, in training (the fused-kernel entry taken first) and with a
     padding mask."""
     model = _model(family).train()
-    module = importlib.import_module(MODELS[family])
+    module = importlib.import_module(MODULES[family])
     ids = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0

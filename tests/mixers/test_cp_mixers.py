@@ -1,7 +1,8 @@
-"""The CP causal convolution, the CP gated delta rule and the CP SSD (Mamba2) against each
-document run alone (:func:`tests.helpers.causal_conv_reference`,
-:func:`tests.helpers.delta_rule_reference`, :func:`tests.helpers.ssd_reference`: a plain conv1d
-and the token-by-token recurrences), every layout that keeps documents in few pieces per rank
+"""The CP causal convolution, the CP gated delta rule, the CP SSD (Mamba2) and the CP selective
+scan (Mamba) against each document run alone (:func:`tests.helpers.causal_conv_reference`,
+:func:`tests.helpers.delta_rule_reference`, :func:`tests.helpers.ssd_reference`,
+:func:`tests.helpers.selective_scan_reference`: a plain conv1d and the token-by-token
+recurrences), every layout that keeps documents in few pieces per rank
 and the block-diagonal batch, W = 1..4, forward and float64 backward; ``stripe`` refused on
 every rank; bad shapes raise naming the argument and the rank."""
 
@@ -14,6 +15,7 @@ from tests.helpers import (
     causal_conv_reference,
     delta_rule_reference,
     packed_doc_ids,
+    selective_scan_reference,
     ssd_reference,
     step_context,
 )
@@ -137,6 +139,67 @@ def test_every_layout_matches_each_document_alone(pools, world: int) -> None:
             at += 1
 
 
+def _scan_inputs(case: tuple) -> tuple[torch.Tensor, ...]:
+    """The selective scan's arguments for ``case``: its conv channels as channels, its d_k as
+    state size; and the output's weights (0 on padding)."""
+    packing, b, s, _, _, dk, _, c, kernel = case
+    doc = packed_doc_ids(packing, b, s)
+    f64 = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(5 * s + b + kernel))
+    x, dt = torch.randn(b, s, c, **f64), torch.rand(b, s, c, **f64)
+    a, d = -0.1 - 2 * torch.rand(c, dk, **f64), torch.randn(c, **f64)
+    bm, cm = torch.randn(b, s, dk, **f64), torch.randn(b, s, dk, **f64)
+    weight = torch.randn(b, s, c, **f64) * (doc != 0).to(torch.float64)[..., None]
+    return doc, x, dt, a, bm, cm, d, weight
+
+
+def _scan_distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
+    from cpshard.attention import active_state
+    from cpshard.mixers import cp_selective_scan, recurrence_runs
+
+    results = []
+    for layout in layouts:
+        for case in CASES:
+            doc, *full, weight = _scan_inputs(case)
+            leaves = [t.requires_grad_() for t in full]
+            x, dt, a, bm, cm, d = leaves
+            ctx, sharder = step_context(layout, doc)
+
+            def shard(t: torch.Tensor) -> torch.Tensor:
+                return sharder.shard_token_tensor(t, seq_dim=1, fill=0.0)
+
+            with ctx():
+                state = active_state()
+                runs = recurrence_runs(state, "test")
+                y = cp_selective_scan(shard(x), shard(dt), a, shard(bm), shard(cm), d, runs, state.group)
+            (y * shard(weight)).sum().backward()
+            results.append((sharder.gather_token_tensor(y.detach(), 1, trim=True), *(t.grad for t in leaves)))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_selective_scan_matches_each_document_alone(pools, world: int) -> None:
+    layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
+    got = pools(world).run(_scan_distributed, layouts, timeout=600)
+    at = 0
+    for layout in layouts:
+        for case in CASES:
+            doc, *full, weight = _scan_inputs(case)
+            leaves = [t.requires_grad_() for t in full]
+            want = selective_scan_reference(*leaves, doc)
+            grads = torch.autograd.grad((want * weight).sum(), leaves)
+            where = f"{layout} W={world} {case[0]}"
+            pad = doc == 0
+            for r in range(world):
+                torch.testing.assert_close(
+                    got[r][at][0][~pad], want[~pad], rtol=0, atol=1e-12, msg=f"{where} rank {r}"
+                )
+            for j, name in enumerate(["x", "dt", "A", "B", "C", "D"]):
+                parts = [got[r][at][1 + j] for r in range(world)]  # None: rank held no token
+                total = sum(p for p in parts if p is not None)
+                torch.testing.assert_close(total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}")
+            at += 1
+
+
 def test_stripe_is_refused_on_every_rank(pools) -> None:
     messages = pools(2).run(_refused, timeout=120)
     for r, msg in enumerate(messages):
@@ -174,6 +237,36 @@ def test_ssd_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words:
     runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
     with pytest.raises(ValueError, match="rank 1") as err:
         cp_ssd(**_ssd_args(**bad), runs=runs, group=_Solo())
+    assert words in str(err.value), err.value
+
+
+def _scan_args(**bad: tuple[int, ...] | None) -> dict:
+    """cp_selective_scan's tensors for rank 1's shard of ``[1, 12]`` (6 tokens, 4 channels of
+    state 5), with the shapes ``bad`` names replaced."""
+    shapes = {"x": (1, 6, 4), "dt": (1, 6, 4), "A": (4, 5), "B": (1, 6, 5), "C": (1, 6, 5),
+              "D": (4,)} | bad  # fmt: skip
+    return {k: None if s is None else torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"x": (1, 5, 4)}, "x must be [B, L, channels]"),
+        ({"dt": (1, 6, 3)}, "dt must be (1, 6, 4)"),
+        ({"A": (4,)}, "A must be [4, d_state]"),
+        ({"D": (3,)}, "D must be [4] or None"),
+        ({"B": (1, 6, 4)}, "B must be (1, 6, 5)"),
+        ({"C": (1, 5, 5)}, "C must be (1, 6, 5)"),
+    ],
+)
+def test_selective_scan_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words: str) -> None:
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_selective_scan, plan_recurrence_runs
+
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_selective_scan(**_scan_args(**bad), runs=runs, group=_Solo())
     assert words in str(err.value), err.value
 
 

@@ -83,17 +83,22 @@ def test_exact_models(pools, tmp_path: Path) -> None:
 
 
 def test_plain_sdpa_attention_is_located(pools) -> None:
+    """A decoder whose attention calls SDPA itself is refused under CP, naming that module."""
     report = _run(
         pools, "tests.helpers:plain_sdpa_decoder", [Case("blockdiag", 2), Case("stripe", 2)]
     )
     assert not report.exact
     for r in report.results:
-        assert r.verdict == "differs" and r.first_layer == "blocks.0.attn", (
-            r.case,
-            r.first_layer,
-            r.diagnosis,
-        )
-        assert "forward differs first at module 'blocks.0.attn'" in r.diagnosis, r.diagnosis
+        assert r.verdict == "refused", (r.case, r.verdict, r.diagnosis)
+        assert "module 'blocks.0.attn'" in r.diagnosis, r.diagnosis
+        assert "mixes tokens along the sequence without cpshard" in r.diagnosis, r.diagnosis
+
+
+def test_the_first_module_that_differs_is_located(pools) -> None:
+    report = _run(pools, "tests.helpers:shard_positions_decoder", [Case("blockdiag", 2)])
+    (r,) = report.results
+    assert r.verdict == "differs" and r.first_layer == "pos", (r.case, r.first_layer, r.diagnosis)
+    assert "forward differs first at module 'pos'" in r.diagnosis, r.diagnosis
 
 
 def test_labels_shifted_per_shard_name_the_count(pools) -> None:
@@ -192,14 +197,15 @@ def test_console_script_is_the_entry_point_run_here() -> None:
     assert 'cpshard = "cpshard.bench.cli:main"' in (REPO / "pyproject.toml").read_text()
 
 
-def test_command_exits_1_naming_the_module_that_differs() -> None:
+def test_command_exits_1_naming_the_module_that_mixes_without_cpshard() -> None:
     done = _command(
         "parity", "--model", "tests.helpers:plain_sdpa_decoder", "--worlds", "2",
         "--layouts", "blockdiag",
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr[-3000:]
-    said = "blockdiag W=2: differs: forward differs first at module 'blocks.0.attn'"
+    said = "blockdiag W=2: refused: rank 0: ValueError: cpshard CP attention: rank 0:"
     assert said in done.stdout and "0/1 cases exact" in done.stdout, done.stdout
+    assert "its module 'blocks.0.attn' is" in done.stdout, done.stdout
 
 
 def test_command_exits_2_for_a_bad_argument() -> None:

@@ -1,0 +1,195 @@
+"""Mamba (v1) models through transformers under CP: Mamba (selective-scan layers only) and Jamba
+(Mamba layers, attention and MoE), tiny random configs, float64, one packed row of documents
+longer than the convolution with interior padding: every layout that keeps documents in few
+pieces per rank and the block-diagonal batch at W = 2, one or two at W = 1, 3 and 4 (Jamba at
+W = 2 and 4); ``stripe`` and a cache refused on every rank before the model's head; outside CP
+the layers run transformers' own code.
+
+The reference runs each document alone through a copy of the model (plain SDPA attention) with,
+for the scan, the token-by-token selective scan of :mod:`tests.helpers` (transformers' own
+computes in float32), the ``D`` term and gate applied as the layer's own function applies them.
+RMS norms are their float64 statements, the logits read before the head's float32 cast. Bounds:
+loss relative error < 1e-9, every gradient within 1e-8 of the largest."""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from tests.helpers import (
+    EXAMPLES,
+    CausalLMLogits,
+    check_relative_errors,
+    float64_rms,
+    relative_step_errors,
+    selective_scan_reference,
+    swapped,
+)
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(EXAMPLES))
+
+import cp_decoder  # noqa: E402
+
+from cpshard.integrations import transformers as cp_transformers  # noqa: E402
+
+ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
+LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
+MODELS = {
+    "mamba": "transformers.models.mamba.modeling_mamba",
+    "jamba": "transformers.models.jamba.modeling_jamba",
+}
+GRID = {  # world -> (family, layouts)
+    1: [("mamba", ["contiguous"])],
+    2: [("mamba", LAYOUTS), ("jamba", ["head_tail", "blockdiag"])],
+    3: [("mamba", ["balanced"])],
+    4: [("mamba", ["per_document_head_tail"]), ("jamba", ["balanced"])],
+}
+
+
+def _config(family: str):
+    import transformers as T
+
+    if family == "mamba":
+        return T.MambaConfig(
+            vocab_size=64, hidden_size=32, state_size=4, num_hidden_layers=2, expand=2,
+            conv_kernel=4, residual_in_fp32=False, use_cache=False, tie_word_embeddings=False,
+        )  # fmt: skip
+    if family == "jamba":
+        return T.JambaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+            attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=2,
+            num_experts_per_tok=1, mamba_d_state=4, mamba_d_conv=4, mamba_expand=2,
+            mamba_dt_rank=8, max_position_embeddings=256, use_cache=False,
+            tie_word_embeddings=False, experts_implementation="eager",
+        )  # fmt: skip
+    raise AssertionError(family)
+
+
+def _model(family: str) -> torch.nn.Module:
+    import transformers
+
+    cp_transformers.register()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            module.forward = float64_rms.__get__(module)
+        if hasattr(module, "dt_proj"):  # steps of about 0.3 to 1.3: the state carries far
+            with torch.no_grad():
+                module.dt_proj.bias.normal_()
+    if family == "jamba":
+        model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
+    return model
+
+
+def _reference_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
+                    delta_softplus=False, return_last_state=False, **kwargs):  # fmt: skip
+    """One document's selective scan, token by token in float64, from the step the layer's own
+    scan makes (bias, softplus), ``[B, channels, L]`` in and out as the layer's."""
+    assert not return_last_state
+    dt = dt + delta_bias[..., None] if delta_bias is not None else dt
+    dt = F.softplus(dt) if delta_softplus else dt
+    x, step, b, c = (t.transpose(1, 2) for t in (hidden_states, dt, B, C))
+    doc = torch.ones(x.shape[:2], dtype=torch.int64)
+    y = selective_scan_reference(x, step, A, b, c, D, doc).transpose(1, 2)
+    return y * F.silu(z) if z is not None else y
+
+
+def _step(family: str, layout: str, group) -> tuple[float, float, float]:
+    model = _model(family)
+    reference = copy.deepcopy(model)
+    if family == "jamba":
+        reference.set_attn_implementation("sdpa")
+    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
+    logits = CausalLMLogits(model)
+
+    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
+        return logits(local["input_ids"], local["position_ids"]).logits
+
+    cp = cp_decoder.cp_loss(group, batch, forward, layout)
+    with swapped(MODELS[family], "mamba_selective_scan", _reference_scan):
+        ref = cp_decoder.reference_loss(CausalLMLogits(reference), cp_decoder.text_documents(batch))
+    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
+    return relative_step_errors(model, reference, cp, ref, group)
+
+
+def _cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
+    return {
+        f"{family} {layout}": _step(family, layout, dist.group.WORLD)
+        for family, layouts in GRID[world]
+        for layout in layouts
+    }
+
+
+@pytest.mark.parametrize("world", sorted(GRID))
+def test_mamba_models_match_each_document_alone(pools, world: int) -> None:
+    check_relative_errors(pools(world).run(_cases, timeout=900), world)
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    """Under ``stripe``, and with a cache under ``balanced``: each model's error on this rank
+    (``" (model computed)"`` appended when its head ran)."""
+    import cpshard
+
+    out = []
+    for family in MODELS:
+        for layout, use_cache in (("stripe", False), ("balanced", True)):
+            model = _model(family)
+            ran = []
+            model.lm_head.register_forward_hook(lambda *a: ran.append(True))
+            batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=1)
+            ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, layout).shard(batch)
+            with ctx():
+                try:
+                    model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                          use_cache=use_cache)  # fmt: skip
+                    out.append("no error")
+                except ValueError as exc:
+                    out.append(str(exc) + (" (model computed)" if ran else ""))
+    return out
+
+
+def test_stripe_and_a_cache_are_refused_on_every_rank(pools) -> None:
+    for rank, messages in enumerate(pools(2).run(_refusals, timeout=300)):
+        stripes, caches = messages[0::2], messages[1::2]
+        for msg in stripes:
+            assert f"rank {rank}" in msg and "'stripe'" in msg, msg
+            assert "model computed" not in msg, msg
+        for msg in caches:
+            assert f"rank {rank}" in msg and "use_cache=False" in msg, msg
+            assert "model computed" not in msg, msg
+
+
+@pytest.mark.parametrize("family", list(MODELS))
+def test_outside_cp_the_layers_run_transformers_code(family: str) -> None:
+    """With cpshard's dispatchers installed, a model outside CP gives exactly what it gives with
+    transformers' own functions, in training (the fused-kernel entry taken first) and with a
+    padding mask."""
+    model = _model(family).train()
+    module = importlib.import_module(MODELS[family])
+    ids = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+
+    def logits() -> torch.Tensor:
+        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+
+    dispatched = logits()
+    replaced = {name: fn for name, fn in vars(module).items() if hasattr(fn, "cpshard_original")}
+    assert len(replaced) == 6, sorted(replaced)
+    try:
+        for name, fn in replaced.items():
+            setattr(module, name, fn.cpshard_original)
+        original = logits()
+    finally:
+        for name, fn in replaced.items():
+            setattr(module, name, fn)
+    torch.testing.assert_close(dispatched, original, rtol=0, atol=0)
