@@ -138,7 +138,9 @@ def plan_needed_rows(
     # Counted for every rank: rows needed, of them its own, and its rows counted once per rank
     # that needs them (over its runs: padding is never needed).
     needed = _per_rank(world, mr, mhi - mlo)
-    own = _per_rank(world, mr, prefix.before(mr, mrow, mhi) - prefix.before(mr, mrow, mlo))
+    # Its own rows among them: all its document tokens (each run lies in its own interval, and
+    # the intervals hold document positions only).
+    own = _per_rank(world, runs.rank, runs.n)
     covered = _Coverage(mrow, mlo, mhi, b, padded, runs.n.numel())
     start = runs.begin
     served = _per_rank(
@@ -175,9 +177,8 @@ def plan_needed_rows(
     recv_counts = _per_rank(world, sources, count)
 
     # What it sends: its positions inside every rank's intervals, a range of its slots each.
-    me = torch.full_like(mr, rank)
-    first = prefix.before(me, mrow, mlo)
-    count = prefix.before(me, mrow, mhi) - first
+    first = prefix.before_on(rank, mrow, mlo)
+    count = prefix.before_on(rank, mrow, mhi) - first
     send_rows = _ragged_arange(mrow * length + first, count)
     send_counts = _per_rank(world, mr, count)
 
