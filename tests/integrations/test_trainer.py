@@ -162,12 +162,12 @@ def test_a_checkpoint_saved_under_cp_loads_as_a_plain_model(trained, kind):
 # ------------------------------------------------------------------ refusals
 
 
-def _tiny_mamba() -> torch.nn.Module:
-    import transformers
-
-    config = transformers.MambaConfig(vocab_size=64, hidden_size=16, state_size=4,
-                                      num_hidden_layers=1, expand=2, conv_kernel=3)  # fmt: skip
-    return transformers.MambaForCausalLM(config).to(torch.float64)
+def _llama_with_a_token_shift() -> torch.nn.Module:
+    """The tiny Llama with a user's layer cpshard does not shard: a convolution over the
+    sequence in its first decoder layer."""
+    model = tiny_training.tiny_llama()
+    model.model.layers[0].token_shift = torch.nn.Conv1d(32, 32, 3, padding=2, groups=32)
+    return model.to(torch.float64)
 
 
 def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
@@ -207,7 +207,7 @@ def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
         "cp_size": lambda: make(cp_size=3),
         "alone": lambda: make(use_cpu=False),
         "accelerate": lambda: make(parallelism_config=ParallelismConfig(cp_size=2)),
-        "mixer": lambda: make(model=_tiny_mamba()),
+        "mixer": lambda: make(model=_llama_with_a_token_shift()),
         "label smoothing": lambda: make(label_smoothing_factor=0.1),
         "reduction": reduction_over_cp_group_only,
         "metrics": evaluation_with_metrics,
@@ -225,7 +225,7 @@ def _refusals(rank: int, world: int, out: str) -> dict[str, str]:
 REFUSALS = {
     "cp_size": "cp_size=3 must divide the world size 4",
     "accelerate": "set its cp_size to 1",
-    "mixer": "MambaForCausalLM cannot train under CP",
+    "mixer": "LlamaForCausalLM cannot train under CP: its module 'model.layers.0.token_shift'",
     "label smoothing": "set label_smoothing_factor=0",
     "reduction": "not over all 4 ranks",
     "alone": "each process would train alone. On CPU pass use_cpu=True",
