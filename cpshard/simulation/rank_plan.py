@@ -104,17 +104,38 @@ def _head_parallel_bytes(
     return (moved + (2 * received + sent) * kv_count * width) * shape.dtype_bytes
 
 
+# The last job's per-rank costs: (its document ids, layout key) -> costs. Every rank of a job
+# plans the same layout from the same ids, so the simulated ranks share them.
+_last_job: list[tuple[torch.Tensor, tuple, torch.Tensor]] = []
+
+
+def _job_costs(doc_ids: torch.Tensor, shard_layout: ShardLayout) -> torch.Tensor:
+    """Every rank's causal attention cost under ``shard_layout`` (one pass over the sequence per
+    job, not per simulated rank)."""
+    lay = shard_layout
+    key = (lay.name, lay.world_size, lay.original_seq_len, lay.padded_seq_len, lay.num_chunks)
+    if _last_job and _last_job[0][0] is doc_ids and _last_job[0][1] == key:
+        return _last_job[0][2]
+    padded = torch.cat([doc_ids, doc_ids.new_zeros(1, lay.padded_seq_len - doc_ids.shape[1])], 1)
+    costs = layouts.rank_costs(padded, owner_ranks(lay).view(1, -1), lay.world_size)
+    _last_job[:] = [(doc_ids, key, costs)]
+    return costs
+
+
+def _own_tokens(state: AttentionState) -> int:
+    """The real (document) tokens this rank holds: the lengths of its runs."""
+    runs = state.runs
+    assert runs is not None
+    return int(runs.n[runs.rank == state.group.rank].sum())
+
+
 def rank_plan(
     state: AttentionState, shard_layout: ShardLayout, doc_ids: torch.Tensor, shape: HeadShape,
     plan_ms: float,
 ) -> RankPlan:  # fmt: skip
     """The figures of this rank's ``state`` for a model of ``shape``."""
     rank, world = state.group.rank, state.group.world
-    padded = torch.cat(
-        [doc_ids, doc_ids.new_zeros(1, shard_layout.padded_seq_len - doc_ids.shape[1])], 1
-    )
-    owner = owner_ranks(shard_layout).view(1, -1)
-    costs = layouts.rank_costs(padded, owner, world)
+    costs = _job_costs(doc_ids, shard_layout)
     mean = float(costs.double().mean())
     windowed = state.windowed(shape.window)
     received, sent = rows_moved(windowed.exchange)
@@ -126,7 +147,7 @@ def rank_plan(
     key_rows = windowed.exchange.key_len * state.batch_size
     return RankPlan(
         rank=rank,
-        tokens=int(((owner == rank) & (padded != 0)).sum()),
+        tokens=_own_tokens(state),
         local_len=state.local_len,
         cost=int(costs[rank]),
         cost_over_mean=float(costs[rank]) / mean if mean > 0 else 1.0,
