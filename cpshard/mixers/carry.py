@@ -44,11 +44,12 @@ def carry_states(
     transitions: torch.Tensor,
     compose: Compose,
     source: torch.Tensor,
-) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
-    """The state each of this rank's incoming runs starts from, by run index into
-    ``runs.mine``, and a zero scalar ``tie`` the caller adds to its output: a rank none of
-    whose runs continue a document uses nothing it received, yet its backward must still run
-    the gather's adjoint (a collective) with the others.
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The state each of this rank's runs starts from, ``[R, *state]`` in ``runs.mine`` order
+    (zeros for a run that starts its document; None when none continues one), and a zero scalar
+    ``tie`` the caller adds to its output: a rank none of whose runs continue a document uses
+    nothing it received, yet its backward must still run the gather's adjoint (a collective)
+    with the others.
 
     ``ends``: ``[E, *state]``, the zero-start end states of this rank's exported runs (in
     ``runs.exported[rank]`` order); ``transitions``: ``[M, *transition]``, the transitions of
@@ -96,5 +97,8 @@ def carry_states(
         return memo[key]
 
     mine: tuple[Run, ...] = runs.mine
-    starts = {i: end_state(*runs.previous(run)) for i, run in enumerate(mine) if run.incoming}
-    return starts, tie
+    if not any(run.incoming for run in mine):
+        return None, tie
+    zero = ends.new_zeros(state_shape)
+    starts = [end_state(*runs.previous(run)) if run.incoming else zero for run in mine]
+    return torch.stack(starts), tie

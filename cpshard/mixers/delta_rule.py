@@ -163,10 +163,7 @@ def cp_gated_delta_rule(
         _, transitions = chunked_delta_rule(
             q, k, torch.zeros_like(k), gg, bb, middle, eye.contiguous(), want_output=False
         )
-        starts, tie = carry_states(runs, group, ends, transitions, lambda t, s: t @ s, v)
-        if starts:
-            zero = ends.new_zeros(ends.shape[1:])
-            initial = torch.stack([starts.get(i, zero) for i in range(len(runs.mine))])
+        initial, tie = carry_states(runs, group, ends, transitions, lambda t, s: t @ s, v)
     out, _ = chunked_delta_rule(q, k, v, gg, bb, run_table(runs, "all", device), initial)
     if tie is not None:
         out = out + tie

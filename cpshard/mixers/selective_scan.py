@@ -123,10 +123,7 @@ def cp_selective_scan(
         per_chunk = to_chunks(dd, middle).sum(1)  # [chunks, D]: each chunk's summed step
         steps = per_chunk.new_zeros(middle.runs, xx.shape[2]).index_add(0, middle.owners, per_chunk)
         transitions = (steps[:, :, None] * aa).exp()  # [M, D, N]
-        starts, tie = carry_states(runs, group, ends, transitions, torch.mul, xx)
-        if starts:
-            zero = ends.new_zeros(ends.shape[1:])
-            initial = torch.stack([starts.get(i, zero) for i in range(len(runs.mine))])
+        initial, tie = carry_states(runs, group, ends, transitions, torch.mul, xx)
     out, _ = scanned(xx, dd, aa, bb, cc, run_table(runs, "all", device), initial)
     y = out.view(*xx.shape)
     if D is not None:

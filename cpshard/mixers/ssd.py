@@ -153,12 +153,9 @@ def cp_ssd(
         transitions = per_chunk.new_zeros(middle.runs, heads).index_add(
             0, middle.owners, per_chunk
         ).exp()  # [M, H]
-        starts, tie = carry_states(
+        initial, tie = carry_states(
             runs, group, ends, transitions, lambda t, s: t[:, None, None] * s, xx
         )
-        if starts:
-            zero = ends.new_zeros(ends.shape[1:])
-            initial = torch.stack([starts.get(i, zero) for i in range(len(runs.mine))])
     out, _ = chunked_ssd(xx, dd, a, bb, cc, run_table(runs, "all", device), initial)
     y = out.view(*xx.shape)
     if D is not None:
