@@ -24,6 +24,7 @@ import torch
 
 from cpshard.attention.placement import pinned
 from cpshard.planning.spans import Span, spans_of
+from cpshard.ranges import ragged_arange
 
 SHORT_SPAN = 32  # spans with fewer queries are grouped into blocks
 BLOCK_QUERIES = 256  # the most queries of one block
@@ -64,13 +65,6 @@ class Blocks:
         )
         zeros = torch.zeros(b.n, b.width, dtype=dtype, device=self.ends.device)
         return zeros.masked_fill_(hidden, float("-inf"))[None, None]
-
-
-def _ragged_arange(first: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``[first[i], first[i] + lengths[i])`` back to back."""
-    total = int(lengths.sum())
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(first - offsets, lengths, output_size=total) + torch.arange(total)
 
 
 def plan_blocks(table: torch.Tensor, causal: bool, window: int | None = None) -> Blocks:
@@ -144,7 +138,7 @@ def _group_blocks(
         return [], empty, empty
     first, end, offset, queries = torch.tensor(groups, dtype=torch.int64).unbind(1)
     members = end - first
-    span = _ragged_arange(first, members)  # each group's spans, group by group
+    span = ragged_arange(first, members)  # each group's spans, group by group
     gid = torch.repeat_interleave(torch.arange(len(groups)), members)
     tiled = members == 1  # a one-span group: a tile, or a whole short span (offset 0)
     i0 = offset[gid]
@@ -152,7 +146,7 @@ def _group_blocks(
     k, split = table[span, 3], table[span, 4]
     per_query = int(n.sum())
     # query index within its span of every query, group by group
-    i = _ragged_arange(i0, n)
+    i = ragged_arange(i0, n)
     gid, k, split = (torch.repeat_interleave(t, n, output_size=per_query) for t in (gid, k, split))
     end_key = split + i + 1 if causal else split
     first_key = k if window is None else torch.maximum(k, end_key - window)

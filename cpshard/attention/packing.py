@@ -9,6 +9,7 @@ import torch
 
 from cpshard.attention.placement import pinned
 from cpshard.planning.spans import Span
+from cpshard.ranges import ragged_arange
 
 # The most packed key rows per key buffer row: beyond it the varlen packing is not built (the
 # loop's blocks serve the step). Each span packs its document's whole prefix, so layouts with
@@ -55,10 +56,7 @@ def _runs(first: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Ten
     lens = torch.tensor(lengths, dtype=torch.int64)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(lens, 0, out=cu[1:])
-    rows = torch.repeat_interleave(
-        torch.tensor(first, dtype=torch.int64) - cu[:-1], lens
-    ) + torch.arange(int(cu[-1]))
-    return rows, cu.to(torch.int32)
+    return ragged_arange(torch.tensor(first, dtype=torch.int64), lens), cu.to(torch.int32)
 
 
 def pack(

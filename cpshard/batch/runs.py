@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from cpshard.ranges import ragged_arange
+
 
 def run_starts(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` True where a run of equal ``ids`` begins among the ``valid`` tokens (a row's
@@ -89,8 +91,7 @@ def _document_runs_of(
     first = torch.searchsorted(bounds, lo, right=True) - 1
     pieces = torch.searchsorted(bounds, lo + n - 1, right=True) - first
     which = torch.repeat_interleave(torch.arange(n.numel()), pieces)
-    offsets = torch.cumsum(pieces, 0) - pieces
-    j = first[which] + torch.arange(which.numel()) - offsets[which]  # each piece's document
+    j = ragged_arange(first, pieces)  # each piece's document
     lo, row = lo[which], row[which]
     piece_lo = torch.maximum(lo, bounds[j])
     piece_hi = torch.minimum(lo + n[which], after[j])

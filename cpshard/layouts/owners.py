@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from cpshard.ranges import ragged_arange
 from cpshard.validation import is_int
 
 __all__ = ["Piece", "check_doc_ids", "owner_row", "owner_to_indices", "stack_rows"]
@@ -81,7 +82,4 @@ def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
         raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
     order = torch.argsort(rank * rows + row, stable=True)
     starts, sizes, row = starts[order], sizes[order], row[order]
-    firsts = torch.cumsum(sizes, 0) - sizes
-    flat = torch.repeat_interleave(starts - row * length - firsts, sizes, output_size=owner.numel())
-    flat += torch.arange(owner.numel())
-    return flat.view(world, rows, per_rank)
+    return ragged_arange(starts - row * length, sizes).view(world, rows, per_rank)

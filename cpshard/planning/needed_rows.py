@@ -20,11 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from cpshard.planning.positions import DENSE_LOOKUPS
 from cpshard.planning.runs import LayoutRuns
-
-# Lookups per position above which a running sum over every position beats a binary search per
-# lookup.
-DENSE_LOOKUPS = 8
+from cpshard.ranges import ragged_arange
 
 
 @dataclass(frozen=True)
@@ -49,13 +47,6 @@ class NeededRowsPlan:
     received: tuple[int, ...]
     sent: tuple[int, ...]
     reach: int
-
-
-def _ragged_arange(first: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """``[first[i], first[i] + lengths[i])`` back to back."""
-    total = int(lengths.sum())
-    offsets = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(first - offsets, lengths, output_size=total) + torch.arange(total)
 
 
 def _merge(
@@ -169,7 +160,7 @@ def plan_needed_rows(
     prow, plo, phi = (t.repeat(world) for t in (irow, ilo, ihi))
     first = prefix.before(sources, prow, plo)
     count = prefix.before(sources, prow, phi) - first
-    slot = _ragged_arange(first, count)
+    slot = ragged_arange(first, count)
     src, srow = (torch.repeat_interleave(t, count) for t in (sources, prow))
     pos = positions[src, srow, slot]
     base = torch.repeat_interleave((offset - ilo).repeat(world), count)
@@ -179,7 +170,7 @@ def plan_needed_rows(
     # What it sends: its positions inside every rank's intervals, a range of its slots each.
     first = prefix.before_on(rank, mrow, mlo)
     count = prefix.before_on(rank, mrow, mhi) - first
-    send_rows = _ragged_arange(mrow * length + first, count)
+    send_rows = ragged_arange(mrow * length + first, count)
     send_counts = _per_rank(world, mr, count)
 
     lo_run, hi_run = torch.searchsorted(runs.rank, torch.tensor([rank, rank + 1])).tolist()

@@ -8,6 +8,10 @@ import torch
 from cpshard.layouts import ShardLayout
 from cpshard.layouts.closed_form import check_closed_form
 
+# With more than one lookup per DENSE_LOOKUPS positions, a running count over every position
+# beats a binary search per lookup (the planners' choice between the two exact ways to count).
+DENSE_LOOKUPS = 8
+
 
 def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
     """``[W, B, L]`` int64: every rank's global positions of every batch row (ascending), for a
@@ -53,12 +57,12 @@ class RankPrefix:
         return torch.searchsorted(self.keys, block * self.span + position) - block * self.length
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """:meth:`before` for one ``rank``: a search of its own positions only, or, for more
-        lookups than a sixteenth of the positions, a read of its running count at every
-        position (made once)."""
+        """:meth:`before` for one ``rank``: a search of its own positions only, or, for many
+        lookups (:data:`DENSE_LOOKUPS`), a read of its running count at every position (made
+        once)."""
         first = rank * self.rows * self.length
         mine = self.keys[first : first + self.rows * self.length]  # row * span + position
-        if row.numel() * 16 > self.rows * self.span:
+        if row.numel() * DENSE_LOOKUPS > self.rows * self.span:
             counts = self._running.get(rank)
             if counts is None:
                 counts = torch.zeros(self.rows * self.span + 1, dtype=torch.int64)
