@@ -25,6 +25,7 @@ import itertools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -166,38 +167,41 @@ class AttentionState:
         """Adjoint of :meth:`extend`."""
         return self.exchange.restore(grad, self.key, length)
 
+    def _made(self, name: str, make: Callable[[], object]) -> Any:
+        """The host view ``name``, made by ``make`` on first use and kept for the step."""
+        if name not in self._host:
+            self._host[name] = make()
+        return self._host[name]
+
     @property
     def spans(self) -> tuple[Span, ...]:
         """The spans each query run attends (host objects, made from :attr:`span_table` on
         first use)."""
-        if "spans" not in self._host:
-            self._host["spans"] = spans_of(self.span_table)
-        return self._host["spans"]  # type: ignore[return-value]
+        return self._made("spans", lambda: spans_of(self.span_table))
 
     @property
     def packing(self) -> Packing | None:
         """The spans' varlen packing (host; None: the step has none, see
         :func:`~cpshard.attention.packing.pack`), made on first use."""
-        if "packing" not in self._host:
-            seen_views.add("packing")
-            self._host["packing"] = pack(
+        seen_views.add("packing")
+        return self._made(
+            "packing",
+            lambda: pack(
                 self.spans,
                 self.local_len,
                 self.exchange.key_len,
                 self.causal,
                 self.batch_size,
                 self.window,
-            )
-        return self._host["packing"]  # type: ignore[return-value]
+            ),
+        )
 
     @property
     def blocks(self) -> Blocks:
         """The loop's view of the spans (host, :func:`~cpshard.attention.blocks.plan_blocks`),
         made on first use."""
-        if "blocks" not in self._host:
-            seen_views.add("blocks")
-            self._host["blocks"] = plan_blocks(self.span_table, self.causal, self.window)
-        return self._host["blocks"]  # type: ignore[return-value]
+        seen_views.add("blocks")
+        return self._made("blocks", lambda: plan_blocks(self.span_table, self.causal, self.window))
 
     def packing_on(self, device: torch.device) -> Packing | None:
         """The packing on ``device``, copied there once per device and cached (None: the step

@@ -121,14 +121,10 @@ class BatchPlanner:
         register_tokens(sharded["position_ids"], state)  # attention checks whose tokens they are
         return lambda: activated(state), sharded, plan.layout
 
-    def plan(self, batch: object, rank: int, world: int) -> StepPlan:
-        """This rank's plan of the step for ``batch`` (host work only, no communication): its
-        layout and every table its attention uses. Raises ``ValueError`` / ``TypeError`` on a bad
-        batch (here, on this rank alone; :meth:`shard_batch` checks it again on every rank)."""
-        return self.step_planner(rank, world)(batch)
-
     def step_planner(self, rank: int, world: int) -> StepPlanner:
-        """:meth:`plan` for ``rank`` of ``world`` as a picklable callable (no groups held)."""
+        """``rank``'s plan of a step, for ``world`` ranks, as a picklable callable (no groups
+        held): host work only, no communication. It raises ``ValueError`` / ``TypeError`` on a
+        bad batch (on this rank alone; :meth:`shard_batch` checks it again on every rank)."""
         settings = copy.copy(self)
         settings.mesh = None  # groups do not cross processes; the plan needs only their sizes
         return StepPlanner(settings, rank, world, self._mesh_dims())

@@ -220,21 +220,20 @@ class ContextParallelSharder:
         the batch is made (in a ``DataLoader`` worker's collate function) and pass it to
         :meth:`shard`, which then does only the step's consensus round and the sharding. A bad
         batch raises here on this rank alone (and again in :meth:`shard`, on every rank)."""
-        if self.shard_batch != self._planner.shard_batch:
-            raise TypeError(
-                f"{self._where('plan')}: a sharder in the direct form (its own shard_batch) has "
-                "no built-in planning"
-            )
-        return self._planner.plan(batch, self.rank, self.world_size)
+        return self._step_planner("plan")(batch)
 
     def planner(self) -> StepPlanner:
         """:meth:`plan` as a picklable callable for this rank (``planner(batch)`` returns the
         same plan), for a ``DataLoader`` worker in a process of its own (``spawn``): it holds
         the sharder's settings and this rank's place in the group, not the group."""
+        return self._step_planner("planner")
+
+    def _step_planner(self, method: str) -> StepPlanner:
+        """This rank's built-in planning (a sharder in the direct form has none)."""
         if self.shard_batch != self._planner.shard_batch:
             raise TypeError(
-                f"{self._where('planner')}: a sharder in the direct form (its own shard_batch) "
-                "has no built-in planning"
+                f"{self._where(method)}: a sharder in the direct form (its own shard_batch) has "
+                "no built-in planning"
             )
         return self._planner.step_planner(self.rank, self.world_size)
 
