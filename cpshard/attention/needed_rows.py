@@ -26,7 +26,7 @@ import torch
 
 from cpshard.attention.exchange import register_exchange_autograd
 from cpshard.attention.placement import cached_on, pinned
-from cpshard.attention.state import state_for
+from cpshard.attention.state import seen_views, state_for
 from cpshard.comm import Group
 from cpshard.comm.collectives import all_to_all_v
 from cpshard.fingerprints import EXCHANGE, call_key
@@ -52,9 +52,11 @@ class Tables:
 @dataclass(frozen=True)
 class NeededRowsExchange:
     """The needed-rows exchange of one step for this rank: rows it sends to (``send_counts``)
-    and receives from (``recv_counts``) each rank, its ``tables`` (host copy) and key buffer
-    width ``buffer_len``; ``received[r]`` / ``sent[r]``: the rows every rank receives from and
-    sends to the others (alike on every rank)."""
+    and receives from (``recv_counts``) each rank, its key buffer width ``buffer_len``;
+    ``received[r]`` / ``sent[r]``: the rows every rank receives from and sends to the others
+    (alike on every rank). Its :attr:`tables` (host, pinned) are made from its ``source`` plan
+    when first used, and placed at a step's setup once a call has used them (a step that
+    attends head-parallel never makes them)."""
 
     group: Group
     buffer_len: int
@@ -62,18 +64,25 @@ class NeededRowsExchange:
     recv_counts: tuple[int, ...]
     received: tuple[int, ...]
     sent: tuple[int, ...]
-    tables: Tables
+    source: NeededRowsPlan = field(repr=False, compare=False)
+    _host: list[Tables] = field(default_factory=list, init=False, repr=False, compare=False)
     _tables_on: dict[torch.device, Tables] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
     @classmethod
     def from_plan(cls, group: Group, plan: NeededRowsPlan) -> NeededRowsExchange:
-        tables = Tables(pinned(plan.send_rows), pinned(plan.recv_rows))
         return cls(
             group, plan.buffer_len, plan.send_counts, plan.recv_counts, plan.received, plan.sent,
-            tables,
+            plan,
         )  # fmt: skip
+
+    @property
+    def tables(self) -> Tables:
+        """The exchange's host tables (pinned), made once."""
+        if not self._host:
+            self._host.append(Tables(pinned(self.source.send_rows), pinned(self.source.recv_rows)))
+        return self._host[0]
 
     @property
     def key_len(self) -> int:
@@ -92,11 +101,14 @@ class NeededRowsExchange:
         return max(2 * got + out for got, out in zip(self.received, self.sent, strict=True))
 
     def tables_on(self, device: torch.device) -> Tables:
-        """The exchange tables on ``device``, copied there once per device and cached."""
+        """The exchange tables on ``device``, copied there once per device and cached (a
+        call's use: later steps' setups place them)."""
+        seen_views.add("needed_rows")
         return cached_on(self._tables_on, device, self.tables)
 
     def place_on(self, device: torch.device) -> None:
-        self.tables_on(device)
+        if "needed_rows" in seen_views:
+            self.tables_on(device)
 
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return kv_needed_rows(kv, key)

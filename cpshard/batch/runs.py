@@ -27,51 +27,20 @@ def document_runs(row: torch.Tensor) -> list[tuple[int, int, int]]:
     return list(zip(starts.tolist(), (ends - starts).tolist(), row[starts].tolist(), strict=True))
 
 
-def all_rank_runs(idx: torch.Tensor, doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The runs of every rank's global positions ``idx`` ``[W, B, L]`` (ascending per rank and
-    row) over the document ids ``doc`` ``[B, P]`` (0 = pad): maximal stretches of consecutive
-    positions of one document on one rank. One pass over the padded sequence, whatever ``W``.
-    Returns rank, row, first local index, length, document start, first global position and
-    document end (one past its last token) of each run (int64 vectors, ordered by rank, row and
-    local index; pad tokens form no run)."""
-    world, b, length = idx.shape
-    if idx.numel() == 0:
-        return (torch.zeros(0, dtype=torch.int64),) * 7
+def document_bounds(doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The documents (maximal runs of one non-zero id) of ``doc`` ``[B, P]``: row, start and
+    end (one past the last token) int64 vectors, ordered by row and start."""
     padded = doc.shape[1]
-    boundary = run_starts(doc, torch.ones_like(doc, dtype=torch.bool))  # a document starts
-    by_row = idx.permute(1, 0, 2).reshape(b, world * length)  # every rank's, row by row
-    cut = boundary.gather(1, by_row).view(b, world, length).transpose(0, 1).reshape(-1, length)
-    flat_idx = idx.reshape(-1, length)
-    new = torch.ones_like(cut)
-    new[:, 1:] = (flat_idx[:, 1:] != flat_idx[:, :-1] + 1) | cut[:, 1:]
-    heads = torch.nonzero(new.reshape(-1)).flatten()
-    n = torch.diff(heads, append=heads.new_tensor([new.numel()]))
-    rank_row, q = heads // length, heads % length
-    row, begin = rank_row % b, flat_idx.reshape(-1)[heads]
-    keep = doc[row, begin] != 0
-    rank_row, row, q, n, begin = (t[keep] for t in (rank_row, row, q, n, begin))
-    # The documents' bounds, flattened over rows: every row's start is one.
-    bounds = torch.nonzero(boundary.reshape(-1)).flatten()
-    at = torch.searchsorted(bounds, row * padded + begin, right=True)
-    doc_start = bounds[at - 1] - row * padded
-    doc_end = torch.cat([bounds, bounds.new_tensor([b * padded])])[at] - row * padded
-    return rank_row // b, row, q, n, doc_start, begin, doc_end
+    bounds = torch.nonzero(run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1))
+    bounds = bounds.flatten()  # every row's first position starts a run
+    after = torch.cat([bounds[1:], bounds.new_tensor([doc.numel()])])
+    keep = doc.reshape(-1)[bounds] != 0
+    bounds, after = bounds[keep], after[keep]
+    row = bounds // max(padded, 1)
+    return row, bounds - row * padded, after - row * padded
 
 
-def contiguous_runs(world: int, doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`all_rank_runs` of contiguous equal shards (rank r holds ``[r L, (r + 1) L)`` of
-    every row): each rank's one stretch per row cut at the documents' bounds."""
-    b, padded = doc.shape
-    if doc.numel() == 0:
-        return (torch.zeros(0, dtype=torch.int64),) * 7
-    length = padded // world
-    rank = torch.arange(world).repeat_interleave(b)
-    row = torch.arange(b).repeat(world)
-    begin = rank * length
-    return _document_runs_of(rank, row, torch.zeros_like(rank), begin, torch.full_like(rank, length), doc)
-
-
-def _document_runs_of(
+def document_runs_of(
     rank: torch.Tensor,
     row: torch.Tensor,
     q: torch.Tensor,
@@ -79,10 +48,12 @@ def _document_runs_of(
     n: torch.Tensor,
     doc: torch.Tensor,
 ) -> tuple[torch.Tensor, ...]:
-    """Stretches of consecutive global positions ``[begin, begin + n)`` of batch rows ``row``
-    (rank ``rank``'s, from its local index ``q``; ordered; a few: a binary search each) cut at
-    the bounds of the documents of ``doc`` ``[B, P]``, pad pieces dropped:
-    :func:`all_rank_runs`'s seven vectors."""
+    """The runs of every rank: its stretches of consecutive global positions ``[begin, begin +
+    n)`` of batch rows ``row`` (rank ``rank``'s, from its local index ``q``; ordered by rank,
+    row and position; a binary search each) cut at the bounds of the documents of ``doc``
+    ``[B, P]`` (0 = pad), pad pieces dropped. Returns rank, row, first local index, length,
+    document start, first global position and document end (one past its last token) of each
+    run (int64 vectors, in that order)."""
     b, padded = doc.shape
     starts = run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1)
     bounds = torch.nonzero(starts).flatten()  # flat; every row's first position is one

@@ -28,7 +28,7 @@ import torch
 from cpshard.batch.runs import document_runs
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.costs import attended_pairs, piece_cost
-from cpshard.layouts.owners import Piece, check_doc_ids, owner_row, stack_rows
+from cpshard.layouts.owners import Piece, RowPieces, check_doc_ids, owner_of_pieces
 from cpshard.layouts.serpentine import (
     chunk_ranks,
     default_num_chunks,
@@ -36,7 +36,7 @@ from cpshard.layouts.serpentine import (
     zigzag_sizes,
 )
 
-__all__ = ["BALANCED", "plan_balanced"]
+__all__ = ["BALANCED", "balanced_pieces", "plan_balanced"]
 
 
 class _Placement(NamedTuple):
@@ -171,9 +171,9 @@ class _Row:
         ratio = max(cost) / target if target > 0 else 1.0
         return _Placement(j, ratio, True, count, pieces)
 
-    def owner(self, placed: _Placement, length: int) -> torch.Tensor:
-        """Owner ranks of a complete placement, padding filling what is left (ranks in order,
-        at no cost)."""
+    def pieces(self, placed: _Placement) -> RowPieces:
+        """The row's pieces under a complete placement, padding filling what is left (ranks in
+        order, at no cost)."""
         per_rank, count, pieces = self.per_rank, list(placed.count), list(placed.pieces)
         r = 0
         for start, n in self.pads:
@@ -194,13 +194,14 @@ class _Row:
             torch.cat([x[keep], y]) for x, y in zip(zigzagged, (starts, sizes, ranks), strict=True)
         )
         order = torch.argsort(starts)
-        return owner_row(starts[order], sizes[order], ranks[order], length)
+        return starts[order], sizes[order], ranks[order]
 
 
-def _balanced_row(row: torch.Tensor, world: int, tolerance: float) -> torch.Tensor:
+def _balanced_row(row: torch.Tensor, world: int, tolerance: float) -> RowPieces:
     length = row.numel()
     if world == 1:
-        return torch.zeros(length, dtype=torch.int64)
+        zero = torch.zeros(1, dtype=torch.int64)
+        return zero, torch.tensor([length]), zero
     plan = _Row(document_runs(row), world, length // world)
     limit = 1.0 + tolerance
     stop_cost = plan.stop_cost(limit)
@@ -222,25 +223,33 @@ def _balanced_row(row: torch.Tensor, world: int, tolerance: float) -> torch.Tens
         while hi - lo > 1:
             mid = (lo + hi) // 2
             lo, hi = (lo, mid) if attempt(mid) else (mid, hi)
-        return plan.owner(found[hi], length)
+        return plan.pieces(found[hi])
     # None passed: the most balanced, each attempt placed to the end.
     exact = {k: p if p.complete else plan.place(k, math.inf) for k, p in found.items()}
-    return plan.owner(exact[min(exact, key=lambda k: (exact[k].ratio, k))], length)
+    return plan.pieces(exact[min(exact, key=lambda k: (exact[k].ratio, k))])
 
 
 def plan_balanced(doc_ids: torch.Tensor, world: int, tolerance: float = 0.02) -> torch.Tensor:
     """Owner rank ``[B, P]`` of every position under ``balanced`` (module doc): equal token
     counts per rank and row, per-rank causal cost within ``1 + tolerance`` of the mean where the
     packing allows, documents split as little as that needs."""
+    return owner_of_pieces(balanced_pieces(doc_ids, world, tolerance), doc_ids.shape)
+
+
+def balanced_pieces(
+    doc_ids: torch.Tensor, world: int, tolerance: float = 0.02
+) -> list[RowPieces]:
+    """Every row's pieces under ``balanced`` (:func:`plan_balanced`)."""
     what = "cpshard.layouts.plan_balanced"
     check_doc_ids(doc_ids, world, what)
     if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
         raise ValueError(f"{what}: tolerance must be a number >= 0, got {tolerance!r}")
-    rows = [_balanced_row(row, world, float(tolerance)) for row in doc_ids]
-    return stack_rows(rows, doc_ids.shape)
+    return [_balanced_row(row, world, float(tolerance)) for row in doc_ids]
 
 
 BALANCED = LayoutStrategy(
     "balanced",
-    plan_owner=lambda doc_ids, world, chunks, tolerance: plan_balanced(doc_ids, world, tolerance),
+    plan_pieces=lambda doc_ids, world, chunks, tolerance: balanced_pieces(
+        doc_ids, world, tolerance
+    ),
 )

@@ -8,9 +8,9 @@ cpshard asks the strategy (or a property of :class:`~cpshard.layouts.ShardLayout
 instead of comparing layout names.
 
 There are two kinds: *closed-form* strategies compute every rank's positions from the sizes
-alone (``local_indices`` and ``rank_major_inverse``); *planned* strategies compute the owner
-rank of every position from a batch's document ids (``plan_owner``), identically on every rank,
-and the result travels in the :class:`~cpshard.layouts.ShardLayout`.
+alone (``local_indices`` and ``rank_major_inverse``); *planned* strategies cut every row of a
+batch's document ids into pieces, each owned by one rank (``plan_pieces``), identically on every
+rank, and the result travels in the :class:`~cpshard.layouts.ShardLayout`.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ Device = torch.device | str | None
 IndicesFormula = Callable[[int, int, int, "int | None", Device], torch.Tensor]
 # (world, padded, num_chunks, device) -> [P]: each position's slot in the rank-major order
 InverseFormula = Callable[[int, int, "int | None", Device], torch.Tensor]
-# (doc_ids [B, P], world, num_chunks, tolerance) -> owner rank [B, P], P / W per rank and row
-Planner = Callable[[torch.Tensor, int, "int | None", float], torch.Tensor]
+# (doc_ids [B, P], world, num_chunks, tolerance) -> every row's pieces (start, length, rank),
+# tiling the row in position order, P / W positions per rank and row
+Planner = Callable[[torch.Tensor, int, "int | None", float], list[tuple[torch.Tensor, ...]]]
 
 
 def per_rank_unit(world: int, num_chunks: int | None) -> int:
@@ -48,8 +49,9 @@ class LayoutStrategy:
             arrive validated (``padded`` a multiple of :attr:`pad_unit`, ``rank`` in range).
         rank_major_inverse: closed form only: the formula of every position's slot in the
             concatenation of the ranks' shards (rank 0's, then rank 1's, ...).
-        plan_owner: planned only: the owner rank of every position of padded document ids
-            ``[B, P]`` (0 = padding); ``tolerance`` is the allowed excess of the most loaded
+        plan_pieces: planned only: every row's pieces ``(start, length, rank)`` (int64 vectors
+            tiling the row in position order) of padded document ids ``[B, P]`` (0 =
+            padding); ``tolerance`` is the allowed excess of the most loaded
             rank's cost over the mean, for planners that balance cost.
         default_num_chunks: the chunk count used when none is given, for a layout
             parameterised by a chunk count ``C``; None for a layout that takes none.
@@ -67,7 +69,7 @@ class LayoutStrategy:
     aliases: tuple[str, ...] = ()
     local_indices: IndicesFormula | None = None
     rank_major_inverse: InverseFormula | None = None
-    plan_owner: Planner | None = None
+    plan_pieces: Planner | None = None
     default_num_chunks: Callable[[int], int] | None = None
     pad_unit: Callable[[int, int | None], int] = per_rank_unit
     moves_whole_chunks: bool = False
@@ -76,7 +78,7 @@ class LayoutStrategy:
 
     def __post_init__(self) -> None:
         formulas = (self.local_indices, self.rank_major_inverse)
-        if (self.plan_owner is None) == any(f is None for f in formulas):
+        if (self.plan_pieces is None) == any(f is None for f in formulas):
             raise TypeError(
                 f"layout strategy {self.name!r}: give both closed-form formulas or a planner"
             )
@@ -84,7 +86,7 @@ class LayoutStrategy:
     @property
     def closed_form(self) -> bool:
         """True when the partition follows from the sizes alone (no planner)."""
-        return self.plan_owner is None
+        return self.plan_pieces is None
 
     @property
     def takes_num_chunks(self) -> bool:

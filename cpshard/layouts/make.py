@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from cpshard.layouts.owners import owner_to_indices
 from cpshard.layouts.record import ShardLayout
 from cpshard.layouts.registry import layout_strategy
 from cpshard.layouts.sizes import padded_seq_len, resolve_num_chunks
@@ -46,6 +45,5 @@ def make_layout(
         )
     ids = doc_ids.detach().to("cpu", torch.int64)
     ids = torch.cat([ids, ids.new_zeros(ids.shape[0], padded - seq_len)], dim=1)
-    owner = strategy.plan_owner(ids, world, chunks, tolerance)
-    indices = owner_to_indices(owner, world)
-    return ShardLayout(name, world, seq_len, padded, indices, num_chunks=chunks)
+    pieces = tuple(strategy.plan_pieces(ids, world, chunks, tolerance))
+    return ShardLayout(name, world, seq_len, padded, num_chunks=chunks, owner_pieces=pieces)

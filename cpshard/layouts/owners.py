@@ -1,7 +1,8 @@
-"""Owner ranks, the common currency of the planned layouts: a plan is the owner rank of every
-padded position, ``[B, P]`` int64, built from *pieces* ``(start, length, rank)`` that tile a
-row, with exactly ``P / W`` positions of every row on every rank; :func:`owner_to_indices`
-turns it into the per-rank positions a :class:`~cpshard.layouts.ShardLayout` carries.
+"""Pieces and owner ranks, the currencies of the planned layouts: a plan is, per batch row, the
+*pieces* ``(start, length, rank)`` that tile the row in position order, with exactly ``P / W``
+positions of the row on every rank (equivalently the owner rank of every padded position,
+``[B, P]`` int64). :func:`pieces_to_indices` and :func:`owner_to_indices` turn either into the
+per-rank positions a :class:`~cpshard.layouts.ShardLayout` carries.
 """
 
 from __future__ import annotations
@@ -13,9 +14,20 @@ import torch
 from cpshard.ranges import ragged_arange
 from cpshard.validation import is_int
 
-__all__ = ["Piece", "check_doc_ids", "owner_row", "owner_to_indices", "stack_rows"]
+__all__ = [
+    "Piece",
+    "RowPieces",
+    "check_doc_ids",
+    "flat_pieces",
+    "owner_of_pieces",
+    "owner_row",
+    "owner_to_indices",
+    "pieces_to_indices",
+]
 
 Piece = tuple[int, int, int]  # (start, length, rank)
+# A row's pieces: start, length and rank int64 vectors in position order (empty pieces allowed)
+RowPieces = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def check_doc_ids(doc_ids: torch.Tensor, world: int, what: str) -> None:
@@ -51,13 +63,34 @@ def owner_row(
     return owner.cumsum_(0)
 
 
-def stack_rows(rows: list[torch.Tensor], shape: Sequence[int]) -> torch.Tensor:
-    """The rows' owners as one ``[B, P]`` tensor (empty of ``shape`` for no rows)."""
+def flat_pieces(rows: Sequence[RowPieces]) -> tuple[torch.Tensor, ...]:
+    """The rows' pieces as one list: row, start, length, rank (ordered by row and start)."""
     if not rows:
-        return torch.empty(tuple(shape), dtype=torch.int64)
-    if len(rows) == 1:
-        return rows[0][None]  # no copy
-    return torch.stack(rows)
+        return (torch.zeros(0, dtype=torch.int64),) * 4
+    row = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(rows)])
+    start, length, rank = (torch.cat(cols) for cols in zip(*rows, strict=True))
+    return row, start, length, rank
+
+
+def owner_of_pieces(rows: Sequence[RowPieces], shape: Sequence[int]) -> torch.Tensor:
+    """The owner ranks ``[B, P]`` of ``shape`` the rows' pieces give."""
+    b, padded = shape
+    if b == 0 or padded == 0:
+        return torch.zeros(tuple(shape), dtype=torch.int64)
+    row, start, length, rank = flat_pieces(rows)
+    return owner_row(row * padded + start, length, rank, b * padded).view(b, padded)
+
+
+def pieces_to_indices(rows: Sequence[RowPieces], world: int, padded: int) -> torch.Tensor:
+    """``[W, B, P/W]``: every rank's positions of every row, ascending, from the rows' pieces,
+    which must tile each row of ``padded`` positions and give every rank ``P / W`` of each
+    (checked on the pieces: no pass over the positions)."""
+    what = "cpshard.layouts.pieces_to_indices"
+    row, start, length, rank = flat_pieces(rows)
+    tiled = int(length.sum()) == len(rows) * padded and bool((length >= 0).all())
+    if not tiled or not torch.equal(row * padded + start, torch.cumsum(length, 0) - length):
+        raise ValueError(f"{what}: the pieces must tile every row of {padded} positions in order")
+    return _indices(row, start, length, rank, world, len(rows), padded // max(world, 1), what)
 
 
 def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
@@ -67,19 +100,25 @@ def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
     if owner.dim() != 2 or owner.shape[1] % world:
         raise ValueError(f"{what}: owner must be [B, P] with P a multiple of world = {world}")
     rows, length = owner.shape
-    per_rank = length // world
-    if owner.numel() and (int(owner.min()) < 0 or int(owner.max()) >= world):
-        raise ValueError(f"{what}: owner ranks must lie in [0, world = {world})")
-    # Runs of one owner (few for planned layouts; a row's first position starts one), sorted by
-    # rank and row: their positions back to back are every rank's positions, rank-major.
+    # Runs of one owner (few for planned layouts; a row's first position starts one).
     new = torch.ones_like(owner, dtype=torch.bool)
     new[:, 1:] = owner[:, 1:] != owner[:, :-1]
     starts = torch.nonzero(new.reshape(-1)).flatten()
     sizes = torch.diff(starts, append=starts.new_tensor([owner.numel()]))
     row, rank = starts // max(length, 1), owner.reshape(-1)[starts]
-    counts = torch.zeros(world * rows, dtype=torch.int64).index_add_(0, rank * rows + row, sizes)
+    return _indices(row, starts - row * length, sizes, rank, world, rows, length // world, what)
+
+
+def _indices(
+    row: torch.Tensor, start: torch.Tensor, length: torch.Tensor, rank: torch.Tensor,
+    world: int, rows: int, per_rank: int, what: str,
+) -> torch.Tensor:  # fmt: skip
+    """The pieces (in row and position order) sorted by rank and row, their positions back to
+    back: every rank's positions, rank-major ``[W, B, per_rank]``."""
+    if rank.numel() and (int(rank.min()) < 0 or int(rank.max()) >= world):
+        raise ValueError(f"{what}: owner ranks must lie in [0, world = {world})")
+    counts = torch.zeros(world * rows, dtype=torch.int64).index_add_(0, rank * rows + row, length)
     if not bool((counts == per_rank).all()):
         raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
     order = torch.argsort(rank * rows + row, stable=True)
-    starts, sizes, row = starts[order], sizes[order], row[order]
-    return ragged_arange(starts - row * length, sizes).view(world, rows, per_rank)
+    return ragged_arange(start[order], length[order]).view(world, rows, per_rank)

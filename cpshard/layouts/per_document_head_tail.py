@@ -18,17 +18,28 @@ import torch
 
 from cpshard.batch.runs import document_runs
 from cpshard.layouts.base import LayoutStrategy
-from cpshard.layouts.owners import check_doc_ids, owner_row, stack_rows
+from cpshard.layouts.owners import RowPieces, check_doc_ids, owner_of_pieces
 from cpshard.layouts.serpentine import default_num_chunks, zigzag_pieces
 from cpshard.validation import is_int
 
-__all__ = ["PER_DOCUMENT_HEAD_TAIL", "plan_per_document_head_tail"]
+__all__ = [
+    "PER_DOCUMENT_HEAD_TAIL",
+    "per_document_head_tail_pieces",
+    "plan_per_document_head_tail",
+]
 
 
 def plan_per_document_head_tail(
     doc_ids: torch.Tensor, world: int, num_chunks: int | None = None
 ) -> torch.Tensor:
     """Owner rank ``[B, P]`` of every position under ``per_document_head_tail`` (module doc)."""
+    return owner_of_pieces(per_document_head_tail_pieces(doc_ids, world, num_chunks), doc_ids.shape)
+
+
+def per_document_head_tail_pieces(
+    doc_ids: torch.Tensor, world: int, num_chunks: int | None = None
+) -> list[RowPieces]:
+    """Every row's pieces under ``per_document_head_tail`` (module doc)."""
     what = "cpshard.layouts.plan_per_document_head_tail"
     check_doc_ids(doc_ids, world, what)
     chunks = default_num_chunks(world) if num_chunks is None else num_chunks
@@ -40,13 +51,13 @@ def plan_per_document_head_tail(
     for row in doc_ids:
         runs = torch.tensor([(s, n) for s, n, _ in document_runs(row)], dtype=torch.int64)
         starts, lengths = runs.reshape(-1, 2).unbind(1)
-        at, sizes, ranks = zigzag_pieces(starts, lengths, world, chunks)
-        rows.append(owner_row(at, sizes, ranks, row.numel()))
-    return stack_rows(rows, doc_ids.shape)
+        rows.append(zigzag_pieces(starts, lengths, world, chunks))
+    return rows
+
 
 PER_DOCUMENT_HEAD_TAIL = LayoutStrategy(
     "per_document_head_tail",
-    plan_owner=lambda doc_ids, world, chunks, tolerance: plan_per_document_head_tail(
+    plan_pieces=lambda doc_ids, world, chunks, tolerance: per_document_head_tail_pieces(
         doc_ids, world, chunks
     ),
     default_num_chunks=default_num_chunks,

@@ -11,6 +11,7 @@ import torch
 
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.closed_form import check_closed_form
+from cpshard.layouts.owners import RowPieces, pieces_to_indices
 from cpshard.layouts.registry import is_closed_form, lookup
 from cpshard.validation import check_int
 
@@ -37,6 +38,10 @@ class ShardLayout:
         position_map: ``[B, S_in]`` or ``[S_in]`` int64: the padded position of every input
             position (``-1``: the token was dropped) for layouts that reposition rows.
         num_chunks: the chunk count of ``head_tail`` / ``per_document_head_tail``.
+        owner_pieces: instead of ``local_token_global_indices``, a planned layout's pieces:
+            per batch row, ``(start, length, rank)`` int64 vectors tiling the row in position
+            order. The record checks them (no pass over the positions), makes the ``[W, B,
+            L]`` indices from them, and keeps them for planners that work on pieces.
     """
 
     name: str
@@ -47,6 +52,7 @@ class ShardLayout:
     input_row_shape: tuple[int, int] | None = None
     position_map: torch.Tensor | None = None
     num_chunks: int | None = None
+    owner_pieces: tuple[RowPieces, ...] | None = None
 
     def __post_init__(self) -> None:
         what = "cpshard.ShardLayout"
@@ -76,6 +82,9 @@ class ShardLayout:
             raise ValueError(
                 f"{what}: original_seq_len = {original} exceeds padded_seq_len = {padded}"
             )
+        if self.owner_pieces is not None:
+            self._take_pieces(what, world, padded)
+            return
         idx = self.local_token_global_indices
         if idx is None:
             if self.closed_form:
@@ -89,6 +98,29 @@ class ShardLayout:
             raise TypeError(
                 f"{what}: local_token_global_indices must be a tensor, a tuple of tensors or None"
             )
+
+    def _take_pieces(self, what: str, world: int, padded: int) -> None:
+        pieces = self.owner_pieces
+        if self.local_token_global_indices is not None:
+            raise ValueError(f"{what}: give local_token_global_indices or owner_pieces, not both")
+        if not isinstance(pieces, Sequence) or not all(
+            isinstance(row, Sequence) and len(row) == 3 and all(
+                isinstance(t, torch.Tensor) and t.dim() == 1 and t.dtype == torch.int64
+                for t in row
+            )
+            for row in pieces
+        ):
+            raise TypeError(
+                f"{what}: owner_pieces must hold, per batch row, (start, length, rank) 1-D int64 "
+                "tensors"
+            )
+        pieces = tuple(tuple(t.cpu() for t in row) for row in pieces)
+        try:
+            idx = pieces_to_indices(pieces, world, padded)
+        except ValueError as err:
+            raise ValueError(f"{what}: owner_pieces: {err}") from None
+        object.__setattr__(self, "owner_pieces", pieces)
+        object.__setattr__(self, "local_token_global_indices", idx)
 
     def _check_position_map(self, what: str, original: int, padded: int) -> None:
         pm = self.position_map

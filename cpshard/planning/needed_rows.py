@@ -16,13 +16,44 @@ grouped by source rank (each source's in global order), and a rank's own rows ar
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from cpshard.planning.positions import DENSE_LOOKUPS
 from cpshard.planning.runs import LayoutRuns
 from cpshard.ranges import ragged_arange
+
+
+# With more than one lookup per DENSE_LOOKUPS positions, a running sum over every position
+# beats a binary search per lookup (the coverage count's choice between two exact ways).
+DENSE_LOOKUPS = 8
+
+
+@dataclass(frozen=True)
+class _TableRecipe:
+    """What :class:`NeededRowsPlan`'s row tables are made from, a range list each: received,
+    for every (source, buffer interval), ``count`` positions of the source from its local index
+    ``first`` on, going to buffer row ``base`` + position of batch row ``row``; sent, its local
+    indices ``[send_first, send_first + send_count)`` per (destination, interval)."""
+
+    runs: LayoutRuns
+    width: int
+    source: torch.Tensor
+    row: torch.Tensor
+    first: torch.Tensor
+    count: torch.Tensor
+    base: torch.Tensor
+    send_first: torch.Tensor
+    send_count: torch.Tensor
+
+    def send_rows(self) -> torch.Tensor:
+        return ragged_arange(self.send_first, self.send_count)
+
+    def recv_rows(self) -> torch.Tensor:
+        slot = ragged_arange(self.first, self.count)
+        cols = (self.source, self.row, self.base)
+        src, row, base = (torch.repeat_interleave(t, self.count) for t in cols)
+        return row * self.width + base + self.runs.position(src, row, slot)
 
 
 @dataclass(frozen=True)
@@ -36,17 +67,30 @@ class NeededRowsPlan:
     received rows go in its flattened ``[B * buffer_len]`` buffer, grouped by source
     (``recv_counts[q]`` from rank q). ``received[r]`` / ``sent[r]``: rows every rank receives
     from / sends to the others (alike on every rank). ``reach``: the most keys a query of the
-    step attends without a window."""
+    step attends without a window. The two row tables, as long as the rows the rank moves,
+    are made when first read (a step whose calls attend head-parallel never reads them)."""
 
     spans: torch.Tensor
     buffer_len: int
-    send_rows: torch.Tensor
-    recv_rows: torch.Tensor
     send_counts: tuple[int, ...]
     recv_counts: tuple[int, ...]
     received: tuple[int, ...]
     sent: tuple[int, ...]
     reach: int
+    recipe: _TableRecipe = field(repr=False, compare=False)
+    _made: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def send_rows(self) -> torch.Tensor:
+        if "send" not in self._made:
+            self._made["send"] = self.recipe.send_rows()
+        return self._made["send"]
+
+    @property
+    def recv_rows(self) -> torch.Tensor:
+        if "recv" not in self._made:
+            self._made["recv"] = self.recipe.recv_rows()
+        return self._made["recv"]
 
 
 def _merge(
@@ -122,26 +166,20 @@ def plan_needed_rows(
     to the document's end; with a (causal) ``window``, from the window's start of its first
     query, at most ``window - 1`` rows before the run."""
     world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
-    positions, prefix = runs.positions, runs.prefix
-    end, lo = runs.ends(causal), runs.starts(window)
-    mr, mrow, mlo, mhi = _merge(runs.rank, runs.row, lo, end)  # every rank's needed intervals
+    prefix = runs.prefix
+    mr, mrow, mlo, mhi = _merge(*runs.intervals(causal, window))  # every rank's needed rows
 
     # Counted for every rank: rows needed, of them its own, and its rows counted once per rank
     # that needs them (over its runs: padding is never needed).
     needed = _per_rank(world, mr, mhi - mlo)
     # Its own rows among them: all its document tokens (each run lies in its own interval, and
     # the intervals hold document positions only).
-    own = _per_rank(world, runs.rank, runs.n)
-    covered = _Coverage(mrow, mlo, mhi, b, padded, runs.n.numel())
-    start = runs.begin
-    served = _per_rank(
-        world, runs.rank, covered.below(runs.row, start + runs.n) - covered.below(runs.row, start)
-    )
-    received, sent = needed - own, served - own
+    own = runs.tokens()
+    received, sent = needed - own, _served(runs, mrow, mlo, mhi) - own
 
     # This rank's buffer: its intervals back to back per row, in global order.
-    mine = mr == rank
-    irow, ilo, ihi = mrow[mine], mlo[mine], mhi[mine]
+    lo_i, hi_i = torch.searchsorted(mr, torch.tensor([rank, rank + 1])).tolist()
+    irow, ilo, ihi = mrow[lo_i:hi_i], mlo[lo_i:hi_i], mhi[lo_i:hi_i]
     size = ihi - ilo
     per_row = _per_rank(b, irow, size)
     width = int(per_row.max()) if b else 0
@@ -160,32 +198,42 @@ def plan_needed_rows(
     prow, plo, phi = (t.repeat(world) for t in (irow, ilo, ihi))
     first = prefix.before(sources, prow, plo)
     count = prefix.before(sources, prow, phi) - first
-    slot = ragged_arange(first, count)
-    src, srow = (torch.repeat_interleave(t, count) for t in (sources, prow))
-    pos = positions[src, srow, slot]
-    base = torch.repeat_interleave((offset - ilo).repeat(world), count)
-    recv_rows = srow * width + base + pos
     recv_counts = _per_rank(world, sources, count)
 
     # What it sends: its positions inside every rank's intervals, a range of its slots each.
-    first = prefix.before_on(rank, mrow, mlo)
-    count = prefix.before_on(rank, mrow, mhi) - first
-    send_rows = ragged_arange(mrow * length + first, count)
-    send_counts = _per_rank(world, mr, count)
+    send_first = prefix.before_on(rank, mrow, mlo)
+    send_count = prefix.before_on(rank, mrow, mhi) - send_first
+    send_counts = _per_rank(world, mr, send_count)
+    recipe = _TableRecipe(
+        runs, width, sources, prow, first, count, (offset - ilo).repeat(world),
+        mrow * length + send_first, send_count,
+    )  # fmt: skip
 
-    lo_run, hi_run = torch.searchsorted(runs.rank, torch.tensor([rank, rank + 1])).tolist()
-    cols = (runs.row, runs.q, runs.n, runs.doc_start, runs.begin, lo, end)
-    row, q, n, ds, begin, lo, end = (t[lo_run:hi_run] for t in cols)  # its runs: one range
+    row, q, n, ds, begin, de = runs.of_rank(rank)
+    end = begin + n if causal else de
+    lo = ds if window is None else torch.maximum(ds, begin - window + 1)
     split = buffer_row(row, begin) if causal else buffer_row(row, end - 1) + 1
     spans = torch.stack((row, q, n, buffer_row(row, lo), split, ds), 1)
     return NeededRowsPlan(
         spans,
         width,
-        send_rows,
-        recv_rows,
         tuple(send_counts.tolist()),
         tuple(recv_counts.tolist()),
         tuple(received.tolist()),
         tuple(sent.tolist()),
         runs.reach(causal),
+        recipe,
     )
+
+
+def _served(
+    runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> torch.Tensor:
+    """``[W]``: every rank's document tokens counted once per interval ``[lo, hi)`` (of batch
+    rows ``row``) that holds them."""
+    if runs.closed is not None:
+        return runs.closed.covered(lo, hi)
+    covered = _Coverage(row, lo, hi, runs.rows, runs.padded, runs.n.numel())
+    start = runs.begin
+    counts = covered.below(runs.row, start + runs.n) - covered.below(runs.row, start)
+    return _per_rank(runs.world, runs.rank, counts)

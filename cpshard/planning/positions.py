@@ -1,5 +1,6 @@
-"""Every rank's positions of a layout at once, and where a position falls among a rank's: the
-inputs the step's planners share (host tensors, one pass over the padded sequence)."""
+"""Every rank's positions and pieces of a layout at once, and where a position falls among a
+rank's: the inputs the step's planners share (host tensors; a planned layout's from its pieces,
+no pass over the padded sequence)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,7 @@ import torch
 
 from cpshard.layouts import ShardLayout
 from cpshard.layouts.closed_form import check_closed_form
-
-# With more than one lookup per DENSE_LOOKUPS positions, a running count over every position
-# beats a binary search per lookup (the planners' choice between the two exact ways to count).
-DENSE_LOOKUPS = 8
-
+from cpshard.layouts.owners import flat_pieces
 
 def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
     """``[W, B, L]`` int64: every rank's global positions of every batch row (ascending), for a
@@ -39,36 +36,67 @@ def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
     return idx.expand(world, rows, length)
 
 
+def layout_pieces(layout: ShardLayout, rows: int) -> tuple[torch.Tensor, ...]:
+    """Every rank's pieces of every row (maximal runs of consecutive positions on one rank):
+    rank, row, start, length and first local index ``q`` (int64 vectors ordered by rank, row
+    and start; none empty). A planned layout's are the pieces it carries; contiguous shards'
+    follow from the sizes; any other's are read from its positions."""
+    world, padded = layout.world_size, layout.padded_seq_len
+    length = padded // max(world, 1)
+    if layout.owner_pieces is not None:
+        row, start, size, rank = flat_pieces(layout.owner_pieces)
+        keep = torch.nonzero(size).flatten()
+        row, start, size, rank = (t[keep] for t in (row, start, size, rank))
+        block = rank * rows + row
+        order = torch.argsort(block, stable=True)  # by rank and row; by start within them
+        row, start, size, rank, block = (t[order] for t in (row, start, size, rank, block))
+        q = torch.cumsum(size, 0) - size - block * length  # every (rank, row) holds `length`
+        # a rank's pieces that meet (a serpentine turn deals it two chunks in a row) are one
+        new = torch.ones_like(start, dtype=torch.bool)
+        new[1:] = (block[1:] != block[:-1]) | (start[1:] != start[:-1] + size[:-1])
+        heads = torch.nonzero(new).flatten()
+        last = torch.cat([heads[1:], heads.new_tensor([start.numel()])]) - 1
+        size = q[last] + size[last] - q[heads]
+        return rank[heads], row[heads], start[heads], size, q[heads]
+    if layout.contiguous_shards:
+        rank = torch.arange(world).repeat_interleave(rows)
+        size = torch.full_like(rank, length)
+        keep = torch.nonzero(size).flatten()
+        return tuple(
+            t[keep] for t in (rank, torch.arange(rows).repeat(world), rank * length, size,
+                              torch.zeros_like(rank))
+        )  # fmt: skip
+    positions = all_positions(layout, rows).reshape(world * rows, length)
+    new = torch.ones_like(positions, dtype=torch.bool)
+    new[:, 1:] = positions[:, 1:] != positions[:, :-1] + 1
+    heads = torch.nonzero(new.reshape(-1)).flatten()
+    size = torch.diff(heads, append=heads.new_tensor([positions.numel()]))
+    block, q = heads // max(length, 1), heads % max(length, 1)
+    return block // rows, block % rows, positions.reshape(-1)[heads], size, q
+
+
 class RankPrefix:
     """How many of a rank's positions (of one batch row) lie before a global position: a binary
-    search over every rank's sorted positions flattened with disjoint offsets, so that one call
-    answers for any mix of ranks, rows and positions."""
+    search over every rank's pieces (:func:`layout_pieces`), keyed by rank, row and start, so
+    that one call answers for any mix of ranks, rows and positions."""
 
-    def __init__(self, positions: torch.Tensor, padded: int) -> None:
-        world, rows, length = positions.shape
-        self.rows, self.length, self.span = rows, length, padded + 1
-        blocks = torch.arange(world * rows).view(world, rows, 1)
-        self.keys = (blocks * self.span + positions).reshape(-1)
-        self._running: dict[int, torch.Tensor] = {}  # rank -> its running count (before_on)
+    def __init__(self, pieces: tuple[torch.Tensor, ...], rows: int, padded: int) -> None:
+        rank, row, self.start, self.size, self.q = pieces
+        self.rows, self.span = rows, padded + 1
+        self.keys = (rank * rows + row) * self.span + self.start
 
     def before(self, rank: torch.Tensor, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Positions of ``rank`` in ``row`` that are ``< position`` (elementwise, int64)."""
-        block = rank * self.rows + row
-        return torch.searchsorted(self.keys, block * self.span + position) - block * self.length
+        """Positions of ``rank`` in ``row`` that are ``< position`` (elementwise, int64): the
+        local index of the last piece of (rank, row) starting below it, plus its part below."""
+        if not self.keys.numel():
+            return torch.zeros_like(position)
+        base = (rank * self.rows + row) * self.span
+        j = torch.searchsorted(self.keys, base + position) - 1
+        at = j.clamp(min=0)
+        held = (j >= 0) & (self.keys[at] >= base)
+        below = self.q[at] + torch.minimum(position - self.start[at], self.size[at])
+        return torch.where(held, below, 0)
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """:meth:`before` for one ``rank``: a search of its own positions only, or, for many
-        lookups (:data:`DENSE_LOOKUPS`), a read of its running count at every position (made
-        once)."""
-        first = rank * self.rows * self.length
-        mine = self.keys[first : first + self.rows * self.length]  # row * span + position
-        if row.numel() * DENSE_LOOKUPS > self.rows * self.span:
-            counts = self._running.get(rank)
-            if counts is None:
-                counts = torch.zeros(self.rows * self.span + 1, dtype=torch.int64)
-                counts[mine - first // self.length * self.span + 1] = 1
-                counts = self._running[rank] = counts.cumsum_(0)  # its positions before each
-            return counts[row * self.span + position] - row * self.length
-        return torch.searchsorted(mine, (rank * self.rows + row) * self.span + position) - (
-            row * self.length
-        )
+        """:meth:`before` for one ``rank``."""
+        return self.before(torch.full_like(row, rank), row, position)

@@ -3,54 +3,110 @@ causal and bidirectional states, each window, the halo) is computed from, once p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from cpshard.batch.runs import all_rank_runs, contiguous_runs
+from cpshard.batch.runs import document_bounds, document_runs_of
 from cpshard.layouts import ShardLayout
-from cpshard.planning.positions import RankPrefix, all_positions
+from cpshard.planning.positions import RankPrefix, all_positions, layout_pieces
+from cpshard.planning.stripe_runs import StripePrefix, StripeRuns
 
 
 @dataclass(frozen=True)
 class LayoutRuns:
     """The runs of every rank (consecutive global positions of one document on one rank, in one
-    batch row), ordered by rank, row and position: ``rank``, ``row``, first local index ``q``,
-    length ``n``, document start ``doc_start`` and first global position ``begin`` (int64
-    vectors) and its document's end ``doc_end`` (one past its last token). :attr:`positions`
-    ``[W, B, L]`` are every rank's positions under ``layout`` and :attr:`prefix` counts them
-    below a position (made when a plan first asks: the halo of contiguous shards never does)."""
+    batch row) of the padded document ids ``documents`` ``[B, P]`` under ``layout``, ordered by
+    rank, row and position: ``rank``, ``row``, first local index ``q``, length ``n``, document
+    start ``doc_start`` and first global position ``begin`` (int64 vectors) and its document's
+    end ``doc_end`` (one past its last token). What the planners ask of them (a rank's own runs,
+    every rank's key intervals and token counts, how intervals cover the runs) is answered from
+    these columns, or in closed form where the layout has one (:mod:`stripe_runs`), so the
+    columns, :attr:`positions` ``[W, B, L]`` and :attr:`prefix` are made when first read."""
 
     world: int
     rows: int
     padded: int
     layout: ShardLayout
-    rank: torch.Tensor
-    row: torch.Tensor
-    q: torch.Tensor
-    n: torch.Tensor
-    doc_start: torch.Tensor
-    begin: torch.Tensor
-    doc_end: torch.Tensor
+    documents: torch.Tensor
+    closed: StripeRuns | None = None
     _made: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+
+    def _get(self, name: str, make: Callable[[], object]) -> Any:
+        if name not in self._made:
+            self._made[name] = make()
+        return self._made[name]
+
+    @property
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        """The seven run columns (module doc), every rank's."""
+
+        def make() -> tuple[torch.Tensor, ...]:
+            rank, row, start, size, q = self.pieces
+            return document_runs_of(rank, row, q, start, size, self.documents)
+
+        return self._get("columns", make)
+
+    rank = property(lambda self: self.columns[0])
+    row = property(lambda self: self.columns[1])
+    q = property(lambda self: self.columns[2])
+    n = property(lambda self: self.columns[3])
+    doc_start = property(lambda self: self.columns[4])
+    begin = property(lambda self: self.columns[5])
+    doc_end = property(lambda self: self.columns[6])
+
+    @property
+    def pieces(self) -> tuple[torch.Tensor, ...]:
+        """Every rank's pieces: rank, row, start, length, first local index
+        (:func:`layout_pieces`)."""
+        return self._get("pieces", lambda: layout_pieces(self.layout, self.rows))
 
     @property
     def positions(self) -> torch.Tensor:
         """``[W, B, L]``: every rank's positions (:func:`all_positions`)."""
-        if "positions" not in self._made:
-            self._made["positions"] = all_positions(self.layout, self.rows)
-        return self._made["positions"]  # type: ignore[return-value]
+        return self._get("positions", lambda: all_positions(self.layout, self.rows))
 
     @property
-    def prefix(self) -> RankPrefix:
-        """Counts of every rank's positions below a position (:class:`RankPrefix`)."""
-        if "prefix" not in self._made:
-            self._made["prefix"] = RankPrefix(self.positions, self.padded)
-        return self._made["prefix"]  # type: ignore[return-value]
+    def prefix(self) -> RankPrefix | StripePrefix:
+        """Counts of every rank's positions below a position, and a rank's position of a local
+        index (:class:`RankPrefix`, or its closed form)."""
+        if self.closed is not None:
+            return StripePrefix(self.world)
+        return self._get("prefix", lambda: RankPrefix(self.pieces, self.rows, self.padded))
+
+    def position(self, rank: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """The global position of ``rank``'s local index ``slot`` in batch row ``row``."""
+        if self.closed is not None:
+            return self.closed.position(rank, slot)
+        return self.positions[rank, row, slot]
 
     @property
     def local_len(self) -> int:
         return self.padded // max(self.world, 1)
+
+    def of_rank(self, rank: int) -> tuple[torch.Tensor, ...]:
+        """Rank ``rank``'s runs: row, ``q``, ``n``, document start, ``begin``, document end."""
+        if self.closed is not None and "columns" not in self._made:
+            return self.closed.rank_runs(rank, self.documents)
+        lo, hi = torch.searchsorted(self.rank, torch.tensor([rank, rank + 1])).tolist()
+        return tuple(t[lo:hi] for t in self.columns[1:])
+
+    def tokens(self) -> torch.Tensor:
+        """``[W]``: every rank's document tokens (the lengths of its runs)."""
+        if self.closed is not None:
+            return self.closed.tokens()
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, self.rank, self.n)
+
+    def intervals(self, causal: bool, window: int | None) -> tuple[torch.Tensor, ...]:
+        """Every rank's key ranges: for each of its runs, from its document's start (or its
+        first query's window's start) to one past its last key (:meth:`ends`); rank, row,
+        start and end, ordered by rank, row and start (adjacent or overlapping ones may
+        follow each other: the caller merges them)."""
+        if self.closed is not None and self.closed.serves(causal, window):
+            return self.closed.intervals(causal, window)
+        return self.rank, self.row, self.starts(window), self.ends(causal)
 
     def ends(self, causal: bool) -> torch.Tensor:
         """One past each run's last visible key: its own end (causal) or its document's."""
@@ -63,19 +119,23 @@ class LayoutRuns:
         return torch.maximum(self.doc_start, self.begin - window + 1)
 
     def reach(self, causal: bool) -> int:
-        """The most keys a query attends without a window (0: no runs)."""
+        """The most keys a query attends without a window (0: no runs): the longest document
+        (a run reaches its document's start, and the run holding its last token its end)."""
+        if self.closed is not None:
+            lengths = self.closed.doc_end - self.closed.doc_start
+            return int(lengths.max()) if lengths.numel() else 0
         return int((self.ends(causal) - self.doc_start).max()) if self.n.numel() else 0
 
 
 def layout_runs(layout: ShardLayout, doc: torch.Tensor) -> LayoutRuns:
     """The :class:`LayoutRuns` of the padded document ids ``doc`` ``[B, P]`` (host int64, 0 =
-    pad) under ``layout`` (equal shards): one pass over the sequence, whatever the world size;
-    for contiguous shards, from the documents' bounds alone."""
+    pad) under ``layout`` (equal shards): its columns made on first use (one pass over the
+    sequence whatever the world size; for contiguous shards, from the documents' bounds alone),
+    the stripe layout's answers in closed form from the documents' bounds."""
     b, padded = doc.shape
-    made: dict[str, object] = {}
-    if layout.contiguous_shards:
-        runs = contiguous_runs(layout.world_size, doc)
-    else:
-        made["positions"] = all_positions(layout, b)
-        runs = all_rank_runs(made["positions"], doc)  # type: ignore[arg-type]
-    return LayoutRuns(layout.world_size, b, padded, layout, *runs, _made=made)
+    world = layout.world_size
+    closed = None
+    if layout.closed_form and layout.name == "stripe" and world > 1:
+        row, start, end = document_bounds(doc)
+        closed = StripeRuns(world, padded, row, start, end)
+    return LayoutRuns(world, b, padded, layout, doc, closed)

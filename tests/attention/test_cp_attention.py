@@ -377,16 +377,20 @@ def test_all_to_all_v_and_its_reverse(pools) -> None:
 
 def _host_reads(rank: int, world: int, path: str) -> list[str]:
     """Host reads of tensor data inside cp_attention and its backward (after the step's setup)
-    under a per-row layout, and whether the kernel was handed the packing built at setup."""
+    under a per-row layout in a model's second step (the first one's calls tell the setup what
+    to make), and whether the kernel was handed the packing built at setup."""
     import torch.distributed as dist
 
     from cpshard import ContextParallelSharder, cp_attention
 
     doc, q, k, v, _ = _batch("random", 2, 37, 4, 2)
     sharder = ContextParallelSharder(dist.group.WORLD, "balanced")
-    ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
-    qkv = tuple(_sharded(sharder, t).detach().requires_grad_() for t in (q, k, v))
-    return record_host_reads(ctx, cp_attention, qkv, path)
+    reads = []
+    for _ in range(2):  # two steps
+        ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+        qkv = tuple(_sharded(sharder, t).detach().requires_grad_() for t in (q, k, v))
+        reads = record_host_reads(ctx, cp_attention, qkv, path)
+    return reads
 
 
 @pytest.mark.parametrize("path", ["per_segment", "varlen"])
@@ -394,6 +398,40 @@ def test_hot_path_reads_no_tensor_data_on_host(pools, path: str) -> None:
     """The exchange and the attention, forward and backward, read no tensor data on the host
     and rebuild no metadata (the step's tables and packing were built at shard time)."""
     assert pools(2).run(_host_reads, path, timeout=120) == [[], []]
+
+
+def _tables_made(rank: int, world: int, strategy: str) -> list[tuple[bool, bool]]:
+    """Per step of two: whether the needed-rows exchange's tables existed after the step's
+    setup, and after a layer's forward and backward."""
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder, cp_attention
+    from cpshard.attention import state as states
+
+    states.seen_views.discard("needed_rows")  # as in a fresh process
+    doc, q, k, v, _ = _batch("random", 2, 37, 4, 2)
+    sharder = ContextParallelSharder(dist.group.WORLD, "stripe", strategy=strategy)
+    made = []
+    for _ in range(2):
+        ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
+        with ctx():
+            exchange = active_state().exchange
+        setup = bool(exchange._host)
+        qkv = tuple(_sharded(sharder, t).requires_grad_() for t in (q, k, v))
+        with ctx():
+            cp_attention(*qkv, enable_gqa=True).sum().backward()
+        made.append((setup, bool(exchange._host)))
+    return made
+
+
+def test_needed_rows_tables_are_made_only_when_a_call_uses_them(pools) -> None:
+    """The needed-rows exchange's row tables (as long as the rows a rank moves) are made by the
+    first call that exchanges needed rows, then at later steps' setups; a step whose calls
+    attend head-parallel never makes them."""
+    used = [(False, True), (True, True)]  # made by the first call, then at the setup
+    assert pools(2).run(_tables_made, "needed_rows", timeout=60) == [used] * 2
+    never = [(False, False), (False, False)]
+    assert pools(2).run(_tables_made, "heads", timeout=60) == [never] * 2
 
 
 def _saved_rows(rank: int, world: int, layout: str) -> list[int]:

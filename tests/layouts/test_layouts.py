@@ -367,6 +367,14 @@ def test_shard_layout_fields_and_validation():
     custom = ShardLayout("mine", 2, 4, 4, good)
     assert not custom.closed_form and custom.indices(1).tolist() == [1, 3]
     assert torch.equal(torch.cat([good[0], good[1]])[custom.rank_major_inverse()], torch.arange(4))
+    # a planned layout's pieces: per row (start, length, rank); the record makes the indices
+    cut = tuple(
+        tuple(torch.tensor(c) for c in row)
+        for row in (([0, 1, 3], [1, 2, 1], [1, 0, 1]), ([0, 2, 2], [2, 0, 2], [0, 1, 1]))
+    )
+    planned = ShardLayout("mine", 2, 4, 4, owner_pieces=cut)
+    assert planned.local_token_global_indices.tolist() == [[[1, 2], [0, 1]], [[0, 3], [2, 3]]]
+    assert planned.indices(0).tolist() == [[1, 2], [0, 1]] and planned.per_row
     ragged = ShardLayout("uneven", 2, 5, 5, (torch.tensor([0, 1, 4]), torch.tensor([2, 3])))
     assert ragged.counts == [3, 2]
     assert torch.cat(ragged.local_token_global_indices)[
@@ -496,6 +504,21 @@ def test_shard_layout_fields_and_validation():
             ValueError,
             "not both",
         ),
+    ]
+    pieces = lambda *rows: tuple(tuple(torch.tensor(c) for c in row) for row in rows)  # noqa: E731
+    base = dict(name="x", world_size=2, original_seq_len=4, padded_seq_len=4)
+    bad += [  # planned layouts' pieces: checked on the pieces
+        (dict(base, owner_pieces=pieces(([0, 1], [1, 2], [0, 1]))), ValueError, "tile every row"),
+        (dict(base, owner_pieces=pieces(([0, 2], [2, 3], [0, 1]))), ValueError, "tile every row"),
+        (dict(base, owner_pieces=pieces(([0, 1], [1, 3], [0, 1]))), ValueError, "exactly 2"),
+        (dict(base, owner_pieces=pieces(([0, 2], [2, 2], [0, 2]))), ValueError, r"\[0, world"),
+        (dict(base, owner_pieces=(([0, 2], [2, 2], [0, 1]),)), TypeError, "1-D int64"),
+        (
+            dict(base, owner_pieces=pieces(([0, 2], [2, 2], [0, 1])),
+                 local_token_global_indices=torch.tensor([[0, 1], [2, 3]])),
+            ValueError,
+            "not both",
+        ),  # fmt: skip
     ]
     for kwargs, exc, match in bad:
         with pytest.raises(exc, match=match):

@@ -233,14 +233,23 @@ def test_head_parallel_node_layouts_equal_the_sorted_union() -> None:
                 assert torch.equal(*torch.broadcast_tensors(merged.indices(e), unions[e]))
 
 
-def test_contiguous_runs_equal_the_pass_over_every_position() -> None:
-    """Contiguous shards' runs from the documents' bounds equal the general per-position pass."""
-    from cpshard.batch.runs import all_rank_runs, contiguous_runs
-    from cpshard.planning import all_positions
-
-    for world, _, doc, _ in _cases(77, 80, (1, 2, 3, 4, 8, 32), 96):
-        layout = make_layout("contiguous", world, doc.shape[1])
+def test_runs_equal_the_pass_over_every_position() -> None:
+    """Every rank's runs, from the layout's pieces (a planned layout's own, contiguous shards'
+    from the sizes, others' read from the positions) or the stripe's closed form, equal a pass
+    over every position of every rank."""
+    for world, name, doc, _ in _cases(77, 80, (1, 2, 3, 4, 8, 32), 96):
+        layout = make_layout(name, world, doc.shape[1], doc_ids=doc)
         padded = _padded(layout, doc)
-        want = all_rank_runs(all_positions(layout, padded.shape[0]), padded)
-        got = contiguous_runs(world, padded)
-        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), padded.tolist()
+        runs = layout_runs(layout, padded)
+        starts = document_starts(padded)
+        ends = padded.shape[1] - document_starts(padded.flip(1)).flip(1)
+        b, length = padded.shape[0], layout.padded_seq_len // world
+        for rank in range(world):
+            row, q, n, ds, begin = rank_runs(layout.indices(rank).expand(b, length), padded, starts)
+            want = (row, q, n, ds, begin, ends[row, begin])
+            got = runs.of_rank(rank)
+            assert all(torch.equal(a, c) for a, c in zip(got, want, strict=True)), (name, world)
+        mine = [torch.full_like(c[0], r) for r, c in enumerate(map(runs.of_rank, range(world)))]
+        every = [torch.cat(c) for c in zip(*map(runs.of_rank, range(world)), strict=True)]
+        want = (torch.cat(mine), every[0], every[1], every[2], every[3], every[4], every[5])
+        assert all(torch.equal(a, c) for a, c in zip(runs.columns, want, strict=True)), name

@@ -332,20 +332,25 @@ def test_compiled_does_not_recompile_per_batch(pools, path: str, backend: str) -
 
 def _host_reads(rank: int, world: int, path: str) -> list[str]:
     """Host reads of tensor data inside cp_blockdiag_sdpa and its backward (after the step's
-    setup), and whether the kernel was handed the packing built at setup."""
+    setup) in a model's second step (the first one's calls tell the setup what to make), and
+    whether the kernel was handed the packing built at setup."""
     import torch.distributed as dist
 
     from cpshard import cp_blockdiag_sdpa, make_cp_blockdiag_batch_and_ctx
 
     doc = packed_doc_ids("random", 2, 37)
-    ctx, batch = make_cp_blockdiag_batch_and_ctx(
-        dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
-    )
-    local = batch["input_ids"].shape[1]
-    q, k, v = (
-        torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2)
-    )
-    return record_host_reads(ctx, cp_blockdiag_sdpa, (q, k, v), path)
+    reads = []
+    for _ in range(2):  # two steps
+        ctx, batch = make_cp_blockdiag_batch_and_ctx(
+            dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+        )
+        local = batch["input_ids"].shape[1]
+        q, k, v = (
+            torch.randn(2, h, local, D, dtype=torch.float64, requires_grad=True)
+            for h in (4, 2, 2)
+        )
+        reads = record_host_reads(ctx, cp_blockdiag_sdpa, (q, k, v), path)
+    return reads
 
 
 @pytest.mark.parametrize("path", PATHS)
