@@ -20,7 +20,8 @@ another. Worker-side functions here pickle by reference, like those of the test 
   shard's length) and the broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
   :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
 * sequence mixers, each document alone: :func:`causal_conv_reference`,
-  :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`; for
+  :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`,
+  :func:`lightning_reference`; for
   the state-space models' float64 references, :func:`float64_rms` and :class:`CausalLMLogits`.
 """
 
@@ -754,6 +755,26 @@ def selective_scan_reference(
                 row[t] = y + D * x[b, t] if D is not None else y
         rows.append(torch.stack(row))
     return torch.stack(rows)
+
+
+def lightning_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor, doc: torch.Tensor
+) -> torch.Tensor:
+    """Lightning attention over the full sequence in its quadratic form, no recurrence: ``q``,
+    ``k`` ``[B, S, H, D]``, ``v`` ``[B, S, H, Dv]``, ``slope`` ``[H]``;
+    ``o_t = sum_s exp(-slope (t - s)) (q_t . k_s) v_s`` over the tokens ``s <= t`` of ``t``'s
+    document (one mask over the packed row: same run of one id, causal); padding rows are
+    zeros."""
+    s = q.shape[1]
+    new_run = torch.ones_like(doc, dtype=torch.bool)
+    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    run = torch.cumsum(new_run.long(), dim=1)
+    pos = torch.arange(s)
+    distance = (pos[:, None] - pos[None, :]).to(q.dtype)  # [t, s]
+    allowed = (run[:, :, None] == run[:, None, :]) & (distance >= 0) & (doc != 0)[:, :, None]
+    decay = torch.exp(-slope[:, None, None] * distance.clamp(min=0))  # [H, t, s]
+    weights = torch.einsum("bthd,bshd->bhts", q, k) * decay * allowed[:, None]
+    return torch.einsum("bhts,bshe->bthe", weights, v)
 
 
 def step_context(layout: str, doc: torch.Tensor, group=None) -> tuple:

@@ -1,8 +1,7 @@
 """Models whose attention does not go through cpshard are refused under a CP context, on every
 rank, naming the module, whatever its class is called: transformers' families with their own
-attention code (BLOOM and MPT with ALiBi, Falcon with RoPE and with ALiBi), MiniMax's lightning
-attention (a linear-attention mixer), and a plain PyTorch decoder that calls
-``F.scaled_dot_product_attention`` itself. A model routed through cpshard at the same W is never
+attention code (BLOOM and MPT with ALiBi, Falcon with RoPE and with ALiBi) and a plain PyTorch
+decoder that calls ``F.scaled_dot_product_attention`` itself. A model routed through cpshard at the same W is never
 refused (tests/integrations/test_model_families.py and the hybrid tests run them exact). W = 2,
 the block-diagonal batch and a sharder layout."""
 
@@ -77,13 +76,6 @@ def _model(name: str) -> torch.nn.Module:
             vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             alibi=name == "falcon_alibi", new_decoder_architecture=False, multi_query=True,
         )  # fmt: skip
-    elif name == "minimax":
-        config = T.MiniMaxConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-            num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"], block_size=4,
-            experts_implementation="eager",
-        )  # fmt: skip
     else:
         raise AssertionError(name)
     torch.manual_seed(0)
@@ -98,7 +90,6 @@ MODELS = {  # model -> the module its refusal names
     "mpt": "transformer.blocks.0.attn",
     "falcon_rope": "transformer.h.0.self_attention",
     "falcon_alibi": "transformer.h.0.self_attention",
-    "minimax": "model.layers.0.self_attn",
     "sdpa_decoder": "layers.0.attention",
 }
 

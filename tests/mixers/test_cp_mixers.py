@@ -1,8 +1,9 @@
-"""The CP causal convolution, the CP gated delta rule, the CP SSD (Mamba2) and the CP selective
-scan (Mamba) against each document run alone (:func:`tests.helpers.causal_conv_reference`,
-:func:`tests.helpers.delta_rule_reference`, :func:`tests.helpers.ssd_reference`,
-:func:`tests.helpers.selective_scan_reference`: a plain conv1d and the token-by-token
-recurrences), every layout that keeps documents in few pieces per rank
+"""The CP causal convolution, the CP gated delta rule, the CP SSD (Mamba2), the CP selective
+scan (Mamba) and the CP lightning attention (MiniMax) against each document run alone
+(:func:`tests.helpers.causal_conv_reference`, :func:`tests.helpers.delta_rule_reference`,
+:func:`tests.helpers.ssd_reference`, :func:`tests.helpers.selective_scan_reference`: a plain
+conv1d and the token-by-token recurrences; :func:`tests.helpers.lightning_reference`: the
+full-sequence quadratic form under a per-document causal mask), every layout that keeps documents in few pieces per rank
 and the block-diagonal batch, W = 1..4, forward and float64 backward; ``stripe`` refused on
 every rank; bad shapes raise naming the argument and the rank."""
 
@@ -14,6 +15,7 @@ import torch
 from tests.helpers import (
     causal_conv_reference,
     delta_rule_reference,
+    lightning_reference,
     packed_doc_ids,
     selective_scan_reference,
     ssd_reference,
@@ -200,6 +202,69 @@ def test_selective_scan_matches_each_document_alone(pools, world: int) -> None:
             at += 1
 
 
+def _lightning_inputs(case: tuple) -> tuple[torch.Tensor, ...]:
+    """Lightning attention's arguments for ``case``: its value heads as heads, d_k and d_v as
+    head sizes, slopes from slow (the state carries across the whole row) to fast; and the
+    output's weights (0 on padding)."""
+    packing, b, s, _, hv, dk, dv, _, kernel = case
+    doc = packed_doc_ids(packing, b, s)
+    f64 = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(3 * s + b + kernel))
+    q, k = torch.randn(b, s, hv, dk, **f64), torch.randn(b, s, hv, dk, **f64)
+    v = torch.randn(b, s, hv, dv, **f64)
+    slope = torch.logspace(-3, 0, hv, dtype=torch.float64)
+    weight = torch.randn(b, s, hv, dv, **f64) * (doc != 0).to(torch.float64)[..., None, None]
+    return doc, q, k, v, slope, weight
+
+
+def _lightning_distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
+    from cpshard.attention import active_state
+    from cpshard.mixers import cp_lightning_attention, recurrence_runs
+
+    results = []
+    for layout in layouts:
+        for case in CASES:
+            doc, *full, weight = _lightning_inputs(case)
+            leaves = [t.requires_grad_() for t in full]
+            q, k, v, slope = leaves
+            ctx, sharder = step_context(layout, doc)
+
+            def shard(t: torch.Tensor) -> torch.Tensor:
+                return sharder.shard_token_tensor(t, seq_dim=1, fill=0.0)
+
+            with ctx():
+                state = active_state()
+                runs = recurrence_runs(state, "test")
+                o = cp_lightning_attention(shard(q), shard(k), shard(v), slope, runs, state.group)
+            (o * shard(weight)).sum().backward()
+            gathered = sharder.gather_token_tensor(o.detach(), 1, trim=True)
+            results.append((gathered, *(t.grad for t in leaves)))
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_lightning_attention_matches_the_full_sequence_form(pools, world: int) -> None:
+    layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
+    got = pools(world).run(_lightning_distributed, layouts, timeout=600)
+    at = 0
+    for layout in layouts:
+        for case in CASES:
+            doc, *full, weight = _lightning_inputs(case)
+            leaves = [t.requires_grad_() for t in full]
+            want = lightning_reference(*leaves, doc)
+            grads = torch.autograd.grad((want * weight).sum(), leaves)
+            where = f"{layout} W={world} {case[0]}"
+            pad = doc == 0
+            for r in range(world):
+                torch.testing.assert_close(
+                    got[r][at][0][~pad], want[~pad], rtol=0, atol=1e-12, msg=f"{where} rank {r}"
+                )
+            for j, name in enumerate(["q", "k", "v", "slope"]):
+                parts = [got[r][at][1 + j] for r in range(world)]  # None: rank held no token
+                total = sum(p for p in parts if p is not None)
+                torch.testing.assert_close(total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}")
+            at += 1
+
+
 def test_stripe_is_refused_on_every_rank(pools) -> None:
     messages = pools(2).run(_refused, timeout=120)
     for r, msg in enumerate(messages):
@@ -267,6 +332,29 @@ def test_selective_scan_bad_shapes_raise_naming_the_argument_and_the_rank(bad: d
     runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
     with pytest.raises(ValueError, match="rank 1") as err:
         cp_selective_scan(**_scan_args(**bad), runs=runs, group=_Solo())
+    assert words in str(err.value), err.value
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"q": (1, 5, 4, 3)}, "q must be [B, L, heads, head_dim]"),
+        ({"k": (1, 6, 4, 2)}, "k must be (1, 6, 4, 3)"),
+        ({"v": (1, 6, 3, 2)}, "v must be [B, L, heads, head_dim_v]"),
+        ({"slope": (4, 1)}, "slope must be [4]"),
+        ({"slope": (3,)}, "slope must be [4]"),
+    ],
+)
+def test_lightning_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words: str) -> None:
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_lightning_attention, plan_recurrence_runs
+
+    shapes = {"q": (1, 6, 4, 3), "k": (1, 6, 4, 3), "v": (1, 6, 4, 2), "slope": (4,)} | bad
+    args = {name: torch.randn(shape, dtype=torch.float64) for name, shape in shapes.items()}
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_lightning_attention(**args, runs=runs, group=_Solo())
     assert words in str(err.value), err.value
 
 
