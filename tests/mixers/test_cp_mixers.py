@@ -3,9 +3,9 @@ scan (Mamba) and the CP lightning attention (MiniMax) against each document run 
 (:func:`tests.helpers.causal_conv_reference`, :func:`tests.helpers.delta_rule_reference`,
 :func:`tests.helpers.ssd_reference`, :func:`tests.helpers.selective_scan_reference`: a plain
 conv1d and the token-by-token recurrences; :func:`tests.helpers.lightning_reference`: the
-full-sequence quadratic form under a per-document causal mask), every layout that keeps documents in few pieces per rank
-and the block-diagonal batch, W = 1..4, forward and float64 backward; ``stripe`` refused on
-every rank; bad shapes raise naming the argument and the rank."""
+full-sequence quadratic form under a per-document causal mask), every layout that keeps
+documents in few pieces per rank and the block-diagonal batch, W = 1..4, forward and float64
+backward; ``stripe`` refused on every rank; bad shapes raise naming the argument and the rank."""
 
 from __future__ import annotations
 
@@ -261,7 +261,9 @@ def test_lightning_attention_matches_the_full_sequence_form(pools, world: int) -
             for j, name in enumerate(["q", "k", "v", "slope"]):
                 parts = [got[r][at][1 + j] for r in range(world)]  # None: rank held no token
                 total = sum(p for p in parts if p is not None)
-                torch.testing.assert_close(total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}")
+                torch.testing.assert_close(
+                    total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}"
+                )
             at += 1
 
 
