@@ -24,8 +24,10 @@ from tests.helpers import (
     EXAMPLES,
     CausalLMLogits,
     check_relative_errors,
+    check_stripe_and_cache_refused,
     float64_rms,
     relative_step_errors,
+    stripe_and_cache_errors,
 )
 
 pytest.importorskip("transformers")
@@ -92,34 +94,14 @@ def test_minimax_matches_each_document_alone(pools, world: int) -> None:
 
 
 def _refusals(rank: int, world: int) -> list[str]:
-    """Under ``stripe``, and with a cache under ``balanced``: the model's error on this rank
-    (``" (model computed)"`` appended when its head ran)."""
-    import cpshard
-
-    out = []
-    for layout, use_cache in (("stripe", False), ("balanced", True)):
-        model = _model()
-        ran = []
-        model.lm_head.register_forward_hook(lambda *a: ran.append(True))
-        batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=1)
-        ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, layout).shard(batch)
-        with ctx():
-            try:
-                model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                      use_cache=use_cache)  # fmt: skip
-                out.append("no error")
-            except ValueError as exc:
-                out.append(str(exc) + (" (model computed)" if ran else ""))
-    return out
+    return stripe_and_cache_errors(_model, ROWS)
 
 
 def test_stripe_and_a_cache_are_refused_on_every_rank(pools) -> None:
-    for rank, (stripe, cache) in enumerate(pools(2).run(_refusals, timeout=300)):
-        assert f"rank {rank}" in stripe and "'stripe'" in stripe, stripe
-        assert "lightning attention" in stripe or "recurren" in stripe, stripe
-        assert f"rank {rank}" in cache and "use_cache=False" in cache, cache
-        for msg in (stripe, cache):
-            assert "model computed" not in msg, msg
+    results = pools(2).run(_refusals, timeout=300)
+    check_stripe_and_cache_refused(results)
+    for stripe, _ in results:
+        assert "lightning attention" in stripe, stripe
 
 
 def test_outside_cp_the_layer_runs_transformers_code() -> None:

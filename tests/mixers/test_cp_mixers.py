@@ -154,54 +154,6 @@ def _scan_inputs(case: tuple) -> tuple[torch.Tensor, ...]:
     return doc, x, dt, a, bm, cm, d, weight
 
 
-def _scan_distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
-    from cpshard.attention import active_state
-    from cpshard.mixers import cp_selective_scan, recurrence_runs
-
-    results = []
-    for layout in layouts:
-        for case in CASES:
-            doc, *full, weight = _scan_inputs(case)
-            leaves = [t.requires_grad_() for t in full]
-            x, dt, a, bm, cm, d = leaves
-            ctx, sharder = step_context(layout, doc)
-
-            def shard(t: torch.Tensor) -> torch.Tensor:
-                return sharder.shard_token_tensor(t, seq_dim=1, fill=0.0)
-
-            with ctx():
-                state = active_state()
-                runs = recurrence_runs(state, "test")
-                y = cp_selective_scan(shard(x), shard(dt), a, shard(bm), shard(cm), d, runs, state.group)
-            (y * shard(weight)).sum().backward()
-            results.append((sharder.gather_token_tensor(y.detach(), 1, trim=True), *(t.grad for t in leaves)))
-    return results
-
-
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_selective_scan_matches_each_document_alone(pools, world: int) -> None:
-    layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
-    got = pools(world).run(_scan_distributed, layouts, timeout=600)
-    at = 0
-    for layout in layouts:
-        for case in CASES:
-            doc, *full, weight = _scan_inputs(case)
-            leaves = [t.requires_grad_() for t in full]
-            want = selective_scan_reference(*leaves, doc)
-            grads = torch.autograd.grad((want * weight).sum(), leaves)
-            where = f"{layout} W={world} {case[0]}"
-            pad = doc == 0
-            for r in range(world):
-                torch.testing.assert_close(
-                    got[r][at][0][~pad], want[~pad], rtol=0, atol=1e-12, msg=f"{where} rank {r}"
-                )
-            for j, name in enumerate(["x", "dt", "A", "B", "C", "D"]):
-                parts = [got[r][at][1 + j] for r in range(world)]  # None: rank held no token
-                total = sum(p for p in parts if p is not None)
-                torch.testing.assert_close(total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}")
-            at += 1
-
-
 def _lightning_inputs(case: tuple) -> tuple[torch.Tensor, ...]:
     """Lightning attention's arguments for ``case``: its value heads as heads, d_k and d_v as
     head sizes, slopes from slow (the state carries across the whole row) to fast; and the
@@ -216,16 +168,38 @@ def _lightning_inputs(case: tuple) -> tuple[torch.Tensor, ...]:
     return doc, q, k, v, slope, weight
 
 
-def _lightning_distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
-    from cpshard.attention import active_state
-    from cpshard.mixers import cp_lightning_attention, recurrence_runs
+def _scan_call(runs, group, shard, x, dt, a, bm, cm, d) -> torch.Tensor:
+    from cpshard.mixers import cp_selective_scan
 
+    return cp_selective_scan(shard(x), shard(dt), a, shard(bm), shard(cm), d, runs, group)
+
+
+def _lightning_call(runs, group, shard, q, k, v, slope) -> torch.Tensor:
+    from cpshard.mixers import cp_lightning_attention
+
+    return cp_lightning_attention(shard(q), shard(k), shard(v), slope, runs, group)
+
+
+# the mixers with one output: mixer -> (its inputs and output weights, its CP call on this
+# rank's shards, its reference over the whole row, the names of its differentiable inputs)
+ONE_OUTPUT = {
+    "selective_scan": (_scan_inputs, _scan_call, selective_scan_reference,
+                       ["x", "dt", "A", "B", "C", "D"]),
+    "lightning": (_lightning_inputs, _lightning_call, lightning_reference,
+                  ["q", "k", "v", "slope"]),
+}  # fmt: skip
+
+
+def _one_output_distributed(rank: int, world: int, mixer: str, layouts: list[str]) -> list[tuple]:
+    from cpshard.attention import active_state
+    from cpshard.mixers import recurrence_runs
+
+    inputs, call, _, _ = ONE_OUTPUT[mixer]
     results = []
     for layout in layouts:
         for case in CASES:
-            doc, *full, weight = _lightning_inputs(case)
+            doc, *full, weight = inputs(case)
             leaves = [t.requires_grad_() for t in full]
-            q, k, v, slope = leaves
             ctx, sharder = step_context(layout, doc)
 
             def shard(t: torch.Tensor) -> torch.Tensor:
@@ -233,32 +207,35 @@ def _lightning_distributed(rank: int, world: int, layouts: list[str]) -> list[tu
 
             with ctx():
                 state = active_state()
-                runs = recurrence_runs(state, "test")
-                o = cp_lightning_attention(shard(q), shard(k), shard(v), slope, runs, state.group)
-            (o * shard(weight)).sum().backward()
-            gathered = sharder.gather_token_tensor(o.detach(), 1, trim=True)
+                y = call(recurrence_runs(state, "test"), state.group, shard, *leaves)
+            (y * shard(weight)).sum().backward()
+            gathered = sharder.gather_token_tensor(y.detach(), 1, trim=True)
             results.append((gathered, *(t.grad for t in leaves)))
     return results
 
 
+@pytest.mark.parametrize("mixer", list(ONE_OUTPUT))
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_lightning_attention_matches_the_full_sequence_form(pools, world: int) -> None:
+def test_one_output_mixers_match_their_reference(pools, world: int, mixer: str) -> None:
+    """The selective scan against each document alone, token by token; lightning attention
+    against the quadratic form over the whole row."""
+    inputs, _, reference, names = ONE_OUTPUT[mixer]
     layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
-    got = pools(world).run(_lightning_distributed, layouts, timeout=600)
+    got = pools(world).run(_one_output_distributed, mixer, layouts, timeout=600)
     at = 0
     for layout in layouts:
         for case in CASES:
-            doc, *full, weight = _lightning_inputs(case)
+            doc, *full, weight = inputs(case)
             leaves = [t.requires_grad_() for t in full]
-            want = lightning_reference(*leaves, doc)
+            want = reference(*leaves, doc)
             grads = torch.autograd.grad((want * weight).sum(), leaves)
-            where = f"{layout} W={world} {case[0]}"
+            where = f"{mixer} {layout} W={world} {case[0]}"
             pad = doc == 0
             for r in range(world):
                 torch.testing.assert_close(
                     got[r][at][0][~pad], want[~pad], rtol=0, atol=1e-12, msg=f"{where} rank {r}"
                 )
-            for j, name in enumerate(["q", "k", "v", "slope"]):
+            for j, name in enumerate(names):
                 parts = [got[r][at][1 + j] for r in range(world)]  # None: rank held no token
                 total = sum(p for p in parts if p is not None)
                 torch.testing.assert_close(
