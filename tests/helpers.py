@@ -20,8 +20,11 @@ another. Worker-side functions here pickle by reference, like those of the test 
   shard's length) and the broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
   :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
 * sequence mixers, each document alone: :func:`causal_conv_reference`,
-  :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`; for
-  the state-space models' float64 references, :func:`float64_rms` and :class:`CausalLMLogits`.
+  :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`,
+  :func:`lightning_reference`; for
+  the state-space models' float64 references, :func:`float64_rms` and :class:`CausalLMLogits`;
+  the recurrent models' refusals, :func:`stripe_and_cache_errors` and
+  :func:`check_stripe_and_cache_refused`.
 """
 
 from __future__ import annotations
@@ -754,6 +757,66 @@ def selective_scan_reference(
                 row[t] = y + D * x[b, t] if D is not None else y
         rows.append(torch.stack(row))
     return torch.stack(rows)
+
+
+def lightning_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor, doc: torch.Tensor
+) -> torch.Tensor:
+    """Lightning attention over the full sequence in its quadratic form, no recurrence: ``q``,
+    ``k`` ``[B, S, H, D]``, ``v`` ``[B, S, H, Dv]``, ``slope`` ``[H]``;
+    ``o_t = sum_s exp(-slope (t - s)) (q_t . k_s) v_s`` over the tokens ``s <= t`` of ``t``'s
+    document (one mask over the packed row: same run of one id, causal); padding rows are
+    zeros."""
+    s = q.shape[1]
+    new_run = torch.ones_like(doc, dtype=torch.bool)
+    new_run[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    run = torch.cumsum(new_run.long(), dim=1)
+    pos = torch.arange(s)
+    distance = (pos[:, None] - pos[None, :]).to(q.dtype)  # [t, s]
+    allowed = (run[:, :, None] == run[:, None, :]) & (distance >= 0) & (doc != 0)[:, :, None]
+    decay = torch.exp(-slope[:, None, None] * distance.clamp(min=0))  # [H, t, s]
+    weights = torch.einsum("bthd,bshd->bhts", q, k) * decay * allowed[:, None]
+    return torch.einsum("bhts,bshe->bthe", weights, v)
+
+
+def stripe_and_cache_errors(make_model, rows) -> list[str]:
+    """On this rank of the default group: the error a fresh ``make_model()`` (a transformers
+    causal LM with a recurrent layer) raises under ``stripe``, then with a cache under
+    ``balanced``, over the packed batch of ``rows`` (``" (model computed)"`` appended when its
+    head ran; ``"no error"`` when none was raised)."""
+    sys.path.insert(0, str(EXAMPLES))
+    import cp_decoder
+
+    from cpshard import ContextParallelSharder
+
+    out = []
+    for layout, use_cache in (("stripe", False), ("balanced", True)):
+        model = make_model()
+        ran = []
+        model.lm_head.register_forward_hook(lambda *a: ran.append(True))
+        batch = cp_decoder.packed_batch(rows, model.config.vocab_size, seed=1)
+        ctx, local = ContextParallelSharder(dist.group.WORLD, layout).shard(batch)
+        with ctx():
+            try:
+                model(input_ids=local["input_ids"], position_ids=local["position_ids"],
+                      use_cache=use_cache)  # fmt: skip
+                out.append("no error")
+            except ValueError as exc:
+                out.append(str(exc) + (" (model computed)" if ran else ""))
+    return out
+
+
+def check_stripe_and_cache_refused(results: list[list[str]]) -> None:
+    """Every rank's :func:`stripe_and_cache_errors` (one pair per model) name the rank and the
+    reason, and none came after the model's head ran."""
+    for rank, messages in enumerate(results):
+        stripes, caches = messages[0::2], messages[1::2]
+        for msg in stripes:
+            assert f"rank {rank}" in msg and "'stripe'" in msg, msg
+        for msg in caches:
+            assert f"rank {rank}" in msg and "use_cache=False" in msg, msg
+        for msg in messages:
+            assert "model computed" not in msg, msg
 
 
 def step_context(layout: str, doc: torch.Tensor, group=None) -> tuple:

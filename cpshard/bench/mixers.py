@@ -1,8 +1,9 @@
 """Hybrid-model layers under CP: a Gated DeltaNet layer's short causal convolution and gated
 delta rule on this rank's contiguous shard (:func:`cpshard.mixers.cp_causal_conv1d`,
-:func:`cpshard.mixers.cp_gated_delta_rule`) next to the straightforward way; and a second row,
-Mamba's selective scan (:func:`cpshard.mixers.cp_selective_scan`, ``CHANNELS`` channels of state
-``D_STATE``) against the same baseline.
+:func:`cpshard.mixers.cp_gated_delta_rule`) next to the straightforward way; then, against the
+same baseline, Mamba's selective scan (:func:`cpshard.mixers.cp_selective_scan`, ``CHANNELS``
+channels of state ``D_STATE``) and MiniMax's lightning attention
+(:func:`cpshard.mixers.cp_lightning_attention`, the value heads and head size of the first row).
 
 The baseline all-gathers the layer's inputs (the convolution's channels, then q, k, v, the
 decays and rates; backward reduce-scatter), runs the convolution and the recurrence over the
@@ -32,11 +33,18 @@ from cpshard.bench.attention import documents
 from cpshard.bench.blockdiag import check_output, fwd_bwd_figures
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
-from cpshard.mixers import cp_causal_conv1d, cp_gated_delta_rule, cp_selective_scan, recurrence_runs
+from cpshard.mixers import (
+    cp_causal_conv1d,
+    cp_gated_delta_rule,
+    cp_lightning_attention,
+    cp_selective_scan,
+    recurrence_runs,
+)
 from cpshard.mixers.chunks import CHUNK, ChunkTable, chunk_table
 from cpshard.mixers.delta_rule import chunked_delta_rule, l2_normalise
 from cpshard.mixers.runs import RecurrenceRuns, Run
 from cpshard.mixers.selective_scan import scanned
+from cpshard.mixers.ssd import chunked_ssd
 
 SEQ_LEN, QUICK_SEQ_LEN = 16384, 512
 DOC_LENS, QUICK_DOC_LENS = (2048, 6145), (64, 193)
@@ -149,6 +157,50 @@ def _selective_scan_row(rt: Runtime, doc: torch.Tensor, ctx, runs: RecurrenceRun
     return out
 
 
+def _lightning_row(rt: Runtime, doc: torch.Tensor, ctx, runs: RecurrenceRuns, dim: int) -> dict:
+    """MiniMax's lightning attention on this rank's contiguous shard against the all-gather
+    baseline (the same chunked recurrence over the whole sequence, per document): its figures,
+    bytes received and the check that both agree."""
+    seq_len = doc.shape[1]
+    local = seq_len // rt.world
+    gen = torch.Generator().manual_seed(13 + rt.rank)
+
+    def make() -> torch.Tensor:
+        t = torch.randn(1, local, VALUE_HEADS, dim, generator=gen) * dim**-0.5
+        return t.to(device=rt.device, dtype=rt.dtype).requires_grad_()
+
+    q, k, v = make(), make(), make()
+    slope = torch.logspace(-3, -1, VALUE_HEADS).to(device=rt.device, dtype=rt.dtype)
+    leaves = (q, k, v)
+    table = _documents_table(doc)[2].to(rt.device)
+    mine = slice(rt.rank * local, (rt.rank + 1) * local)
+
+    def ours(q, k, v) -> torch.Tensor:
+        with ctx():
+            return cp_lightning_attention(q, k, v, slope, runs, active_state().group).sum()
+
+    def base(q, k, v) -> torch.Tensor:
+        qf, kf, vf = (gather_sequence(t.contiguous(), rt.pg, 1) for t in (q, k, v))
+        step = vf.new_ones(vf.shape[:3])
+        y, _ = chunked_ssd(vf, step, -step * slope, kf, qf, table, None)
+        assert y is not None
+        return y.view(1, seq_len, VALUE_HEADS, dim)[:, mine].sum()
+
+    check_output(rt, ours, base, leaves, "mixers (lightning attention)")
+    itemsize = torch.empty((), dtype=rt.dtype).element_size()
+    one = torch.ones((), device=rt.device, dtype=rt.dtype)
+    unprofiled = dataclasses.replace(rt, cfg=dataclasses.replace(rt.cfg, memory=False))
+    state_numel = VALUE_HEADS * dim * dim  # a state; a transition is one decay per head
+    out = {
+        "heads": VALUE_HEADS,
+        "head_dim": dim,
+        "ours_carry_bytes_received": _carry_bytes(runs, state_numel, VALUE_HEADS, itemsize),
+        "base_bytes_received": (seq_len - local) * 3 * VALUE_HEADS * dim * itemsize,
+    }
+    out.update(fwd_bwd_figures(unprofiled, {"ours": ours, "base": base}, leaves, one))
+    return out
+
+
 def run(rt: Runtime) -> dict:
     quick = rt.cfg.quick
     seq_len, dim = (QUICK_SEQ_LEN, QUICK_DIM) if quick else (SEQ_LEN, DIM)
@@ -222,12 +274,14 @@ def run(rt: Runtime) -> dict:
     out["sequential_estimate_s"] = rt.world * timing.median_s
     rt.progress(f"mixers: Mamba selective scan S={seq_len}")
     out["selective_scan"] = _selective_scan_row(rt, doc, ctx, runs)
+    rt.progress(f"mixers: lightning attention S={seq_len}")
+    out["lightning"] = _lightning_row(rt, doc, ctx, runs, dim)
     return out
 
 
 def render(r: dict) -> str:
     mib = 1 << 20
-    m = r["selective_scan"]
+    m, a = r["selective_scan"], r["lightning"]
     return "\n".join(
         [
             "# mixers: a Gated DeltaNet layer's causal conv + gated delta rule fwd+bwd on the",
@@ -255,5 +309,12 @@ def render(r: dict) -> str:
             f" {m['ours_fwd_bwd_s'] * 1e3:>11.1f} {m['base_fwd_bwd_s'] * 1e3:>9.1f} "
             f"{m['speedup']:>8.2f} {m['ours_carry_bytes_received'] / 1024:>10.1f} "
             f"{m['base_bytes_received'] / mib:>9.1f}",
+            f"# mixers: MiniMax's lightning attention fwd+bwd, {a['heads']} heads of "
+            f"{a['head_dim']} (one ragged all-gather of end states and per-head decays)  vs  the "
+            "same baseline",
+            f"#{'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'carry KiB':>10} {'base MiB':>9}",
+            f" {a['ours_fwd_bwd_s'] * 1e3:>11.1f} {a['base_fwd_bwd_s'] * 1e3:>9.1f} "
+            f"{a['speedup']:>8.2f} {a['ours_carry_bytes_received'] / 1024:>10.1f} "
+            f"{a['base_bytes_received'] / mib:>9.1f}",
         ]
     )

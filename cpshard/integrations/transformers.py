@@ -26,7 +26,7 @@ from cpshard.attention.api import cp_attention
 from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
-from cpshard.integrations import gated_deltanet, mamba, mamba2, short_conv
+from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv
 from cpshard.integrations.masks import mask_problem
 from cpshard.vision import maybe_distribute_visual
 
@@ -182,9 +182,9 @@ def register() -> None:
     """Register the attention implementation ``"cpshard"`` (and its mask builder) with
     transformers, so that ``model.set_attn_implementation("cpshard")`` selects it, and make the
     Gated DeltaNet layers of its hybrid models (:mod:`cpshard.integrations.gated_deltanet`), its
-    Mamba layers (:mod:`cpshard.integrations.mamba`, :mod:`cpshard.integrations.mamba2`) and its
-    short convolutions
-    (:mod:`cpshard.integrations.short_conv`) shard-aware under CP. Idempotent."""
+    Mamba layers (:mod:`cpshard.integrations.mamba`, :mod:`cpshard.integrations.mamba2`), its
+    short convolutions (:mod:`cpshard.integrations.short_conv`) and MiniMax's lightning attention
+    (:mod:`cpshard.integrations.minimax`) shard-aware under CP. Idempotent."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -198,6 +198,7 @@ def register() -> None:
     mamba.install()  # the Mamba (v1) layers of Mamba, Falcon-Mamba and Jamba under CP
     mamba2.install()  # the Mamba2 layers of Mamba2 and its hybrids under CP
     short_conv.install()  # LFM2's short convolutions under CP
+    minimax.install()  # MiniMax's lightning attention under CP
 
 
 # ------------------------------------------------------------------ the vision tower

@@ -19,3 +19,7 @@ def test_quick_run_reports_the_mixers_section(run_bench):
     scan = r["selective_scan"]
     assert scan["ours_fwd_bwd_s"] > 0 and scan["base_fwd_bwd_s"] > 0
     assert 0 < scan["ours_carry_bytes_received"] < scan["base_bytes_received"]
+    assert "# mixers: MiniMax's lightning attention" in proc.stdout
+    lightning = r["lightning"]
+    assert lightning["ours_fwd_bwd_s"] > 0 and lightning["base_fwd_bwd_s"] > 0
+    assert 0 < lightning["ours_carry_bytes_received"] < lightning["base_bytes_received"]

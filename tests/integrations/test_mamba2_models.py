@@ -16,6 +16,7 @@ float32) and the logits are read before the heads' float32 cast. Bounds: loss re
 from __future__ import annotations
 
 import copy
+import functools
 import importlib
 import sys
 
@@ -28,9 +29,11 @@ from tests.helpers import (
     EXAMPLES,
     CausalLMLogits,
     check_relative_errors,
+    check_stripe_and_cache_refused,
     float64_rms,
     relative_step_errors,
     ssd_reference,
+    stripe_and_cache_errors,
     swapped,
 )
 
@@ -194,37 +197,15 @@ def test_mamba2_hybrids_match_each_document_alone(pools, world: int) -> None:
 
 
 def _refusals(rank: int, world: int) -> list[str]:
-    """Under ``stripe``, and with a cache under ``balanced``: each model's error on this rank
-    (``" (model computed)"`` appended when its head ran)."""
-    import cpshard
-
+    """Each model's errors under ``stripe`` and with a cache, on this rank."""
     out = []
     for family in MODULES:
-        for layout, use_cache in (("stripe", False), ("balanced", True)):
-            model = _model(family)
-            ran = []
-            model.lm_head.register_forward_hook(lambda *a: ran.append(True))
-            batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=1)
-            ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, layout).shard(batch)
-            with ctx():
-                try:
-                    model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                          use_cache=use_cache)  # fmt: skip
-                    out.append("no error")
-                except ValueError as exc:
-                    out.append(str(exc) + (" (model computed)" if ran else ""))
+        out += stripe_and_cache_errors(functools.partial(_model, family), ROWS)
     return out
 
 
 def test_stripe_and_a_cache_are_refused_on_every_rank(pools) -> None:
-    for rank, messages in enumerate(pools(2).run(_refusals, timeout=300)):
-        stripes, caches = messages[0::2], messages[1::2]
-        for msg in stripes:
-            assert f"rank {rank}" in msg and "'stripe'" in msg, msg
-            assert "model computed" not in msg, msg
-        for msg in caches:
-            assert f"rank {rank}" in msg and "use_cache=False" in msg, msg
-            assert "model computed" not in msg, msg
+    check_stripe_and_cache_refused(pools(2).run(_refusals, timeout=300))
 
 
 @pytest.mark.parametrize("family", list(MODULES))

@@ -1,65 +1,36 @@
 """Models whose attention does not go through cpshard are refused under a CP context, on every
 rank, naming the module, whatever its class is called: transformers' families with their own
-attention code (BLOOM and MPT with ALiBi, Falcon with RoPE and with ALiBi), MiniMax's lightning
-attention (a linear-attention mixer), and a plain PyTorch decoder that calls
-``F.scaled_dot_product_attention`` itself. A model routed through cpshard at the same W is never
-refused (tests/integrations/test_model_families.py and the hybrid tests run them exact). W = 2,
-the block-diagonal batch and a sharder layout."""
+attention code (BLOOM and MPT with ALiBi, Falcon with RoPE and with ALiBi) and a plain PyTorch
+decoder that calls ``F.scaled_dot_product_attention`` itself. A model routed through cpshard at
+the same W is never refused: the same decoder with its attention calling ``cp_attention``, and
+a ``register()``ed transformers model, are exact against each document alone (the
+model-family tests run the others exact). W = 2, the block-diagonal batch and a sharder
+layout."""
 
 from __future__ import annotations
 
+import copy
+import sys
+from types import SimpleNamespace
+
 import pytest
 import torch
-import torch.nn.functional as F
+import torch.distributed as dist
+
+from tests.helpers import (
+    EXAMPLES,
+    check_relative_errors,
+    cp_aware_decoder,
+    plain_sdpa_decoder,
+    relative_step_errors,
+)
 
 pytest.importorskip("transformers")
+sys.path.insert(0, str(EXAMPLES))
+
+import cp_decoder  # noqa: E402
 
 from cpshard.integrations import transformers as cp_transformers  # noqa: E402
-
-
-class _SdpaAttention(torch.nn.Module):
-    """Causal self-attention written the plain PyTorch way (one SDPA call)."""
-
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv = torch.nn.Linear(width, 3 * width)
-        self.out = torch.nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, _ = x.shape
-        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(y.transpose(1, 2).reshape(b, n, -1))
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(width)
-        self.attention = _SdpaAttention(width, heads)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
-                                       torch.nn.Linear(2 * width, width))  # fmt: skip
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.norm(x))
-        return x + self.mlp(x)
-
-
-class SdpaDecoder(torch.nn.Module):
-    """A user's decoder with no transformers in it."""
-
-    def __init__(self, vocab: int = 64, width: int = 32, heads: int = 4, layers: int = 2) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        self.layers = torch.nn.ModuleList(_Block(width, heads) for _ in range(layers))
-        self.head = torch.nn.Linear(width, vocab)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
 
 
 def _model(name: str) -> torch.nn.Module:
@@ -67,7 +38,7 @@ def _model(name: str) -> torch.nn.Module:
 
     if name == "sdpa_decoder":
         torch.manual_seed(0)
-        return SdpaDecoder().to(torch.float64)
+        return plain_sdpa_decoder().to(torch.float64)
     if name == "bloom":
         config = T.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
     elif name == "mpt":
@@ -76,13 +47,6 @@ def _model(name: str) -> torch.nn.Module:
         config = T.FalconConfig(
             vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             alibi=name == "falcon_alibi", new_decoder_architecture=False, multi_query=True,
-        )  # fmt: skip
-    elif name == "minimax":
-        config = T.MiniMaxConfig(
-            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
-            num_experts_per_tok=1, layer_types=["linear_attention", "full_attention"], block_size=4,
-            experts_implementation="eager",
         )  # fmt: skip
     else:
         raise AssertionError(name)
@@ -98,14 +62,11 @@ MODELS = {  # model -> the module its refusal names
     "mpt": "transformer.blocks.0.attn",
     "falcon_rope": "transformer.h.0.self_attention",
     "falcon_alibi": "transformer.h.0.self_attention",
-    "minimax": "model.layers.0.self_attn",
-    "sdpa_decoder": "layers.0.attention",
+    "sdpa_decoder": "blocks.0.attn",
 }
 
 
 def _refused(rank: int, world: int, name: str, layout: str) -> tuple[str, bool]:
-    import torch.distributed as dist
-
     from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
 
     model = _model(name)
@@ -122,7 +83,8 @@ def _refused(rank: int, world: int, name: str, layout: str) -> tuple[str, bool]:
         message = "no error"
     except ValueError as exc:
         message = str(exc)
-    outside = model(input_ids=doc)  # outside CP the model runs unchanged
+    # outside CP the model runs unchanged
+    outside = model(input_ids=doc, position_ids=torch.arange(doc.shape[1])[None])
     logits = outside if isinstance(outside, torch.Tensor) else outside.logits
     return message, bool(torch.isfinite(logits).all())
 
@@ -141,3 +103,58 @@ def test_attention_outside_cpshard_is_refused_on_every_rank(pool2, name: str) ->
             assert f"rank {rank}" in message and repr(MODELS[name]) in message, (layout, message)
             assert "without cpshard" in message and "train wrong" in message, message
             assert finite, f"{name} {layout}: outside CP the model no longer runs"
+
+
+class _Logits(torch.nn.Module):
+    """A model's ``(input_ids, position_ids) -> logits`` as ``.logits`` (positions from 0 when
+    none are given: a document run alone)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None):
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1])[None]
+        out = self.model(input_ids=input_ids, position_ids=position_ids)
+        return SimpleNamespace(logits=out if isinstance(out, torch.Tensor) else out.logits)
+
+
+def _routed_model(name: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(model, reference)``: a user's decoder whose attention calls ``cp_attention`` (outside
+    CP: plain SDPA), or transformers' Llama with the ``"cpshard"`` attention (reference:
+    ``"sdpa"``)."""
+    if name == "own_decoder":
+        torch.manual_seed(0)
+        model = cp_aware_decoder().to(torch.float64)
+        return model, copy.deepcopy(model)
+    model = cp_decoder.tiny_decoder("llama")
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    return model, reference
+
+
+def _routed(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
+    """Each model routed through cpshard, one CP step per layout against each document alone."""
+    out = {}
+    for name in ("own_decoder", "llama"):
+        for layout in LAYOUTS:
+            model, reference = _routed_model(name)
+            batch = cp_decoder.packed_batch([[7, 5, -2, 6]], 48, seed=2)
+            logits = _Logits(model)
+
+            def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
+                return logits(local["input_ids"], local["position_ids"]).logits
+
+            cp = cp_decoder.cp_loss(dist.group.WORLD, batch, forward, layout)
+            ref = cp_decoder.reference_loss(_Logits(reference), cp_decoder.text_documents(batch))
+            cp_decoder.reference_backward(ref, reference, world)
+            errors = relative_step_errors(model, reference, cp, ref, dist.group.WORLD)
+            out[f"{name} {layout}"] = errors
+    return out
+
+
+def test_attention_routed_through_cpshard_is_never_refused(pool2) -> None:
+    """The same user's decoder with its attention calling ``cp_attention``, and a ``register()``ed
+    transformers model, run their step (a refusal would raise here) and are exact."""
+    check_relative_errors(pool2.run(_routed, timeout=300), 2)

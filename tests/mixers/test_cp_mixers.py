@@ -1,10 +1,11 @@
-"""The CP causal convolution, the CP gated delta rule, the CP SSD (Mamba2) and the CP selective
-scan (Mamba) against each document run alone (:func:`tests.helpers.causal_conv_reference`,
-:func:`tests.helpers.delta_rule_reference`, :func:`tests.helpers.ssd_reference`,
-:func:`tests.helpers.selective_scan_reference`: a plain conv1d and the token-by-token
-recurrences), every layout that keeps documents in few pieces per rank
-and the block-diagonal batch, W = 1..4, forward and float64 backward; ``stripe`` refused on
-every rank; bad shapes raise naming the argument and the rank."""
+"""The CP causal convolution, the CP gated delta rule, the CP SSD (Mamba2), the CP selective
+scan (Mamba) and the CP lightning attention (MiniMax) against each document run alone
+(:func:`tests.helpers.causal_conv_reference`, :func:`tests.helpers.delta_rule_reference`,
+:func:`tests.helpers.ssd_reference`, :func:`tests.helpers.selective_scan_reference`: a plain
+conv1d and the token-by-token recurrences; :func:`tests.helpers.lightning_reference`: the
+full-sequence quadratic form under a per-document causal mask), every layout that keeps
+documents in few pieces per rank and the block-diagonal batch, W = 1..4, forward and float64
+backward; ``stripe`` refused on every rank; bad shapes raise naming the argument and the rank."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from tests.helpers import (
     causal_conv_reference,
     delta_rule_reference,
+    lightning_reference,
     packed_doc_ids,
     selective_scan_reference,
     ssd_reference,
@@ -152,16 +154,52 @@ def _scan_inputs(case: tuple) -> tuple[torch.Tensor, ...]:
     return doc, x, dt, a, bm, cm, d, weight
 
 
-def _scan_distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
-    from cpshard.attention import active_state
-    from cpshard.mixers import cp_selective_scan, recurrence_runs
+def _lightning_inputs(case: tuple) -> tuple[torch.Tensor, ...]:
+    """Lightning attention's arguments for ``case``: its value heads as heads, d_k and d_v as
+    head sizes, slopes from slow (the state carries across the whole row) to fast; and the
+    output's weights (0 on padding)."""
+    packing, b, s, _, hv, dk, dv, _, kernel = case
+    doc = packed_doc_ids(packing, b, s)
+    f64 = dict(dtype=torch.float64, generator=torch.Generator().manual_seed(3 * s + b + kernel))
+    q, k = torch.randn(b, s, hv, dk, **f64), torch.randn(b, s, hv, dk, **f64)
+    v = torch.randn(b, s, hv, dv, **f64)
+    slope = torch.logspace(-3, 0, hv, dtype=torch.float64)
+    weight = torch.randn(b, s, hv, dv, **f64) * (doc != 0).to(torch.float64)[..., None, None]
+    return doc, q, k, v, slope, weight
 
+
+def _scan_call(runs, group, shard, x, dt, a, bm, cm, d) -> torch.Tensor:
+    from cpshard.mixers import cp_selective_scan
+
+    return cp_selective_scan(shard(x), shard(dt), a, shard(bm), shard(cm), d, runs, group)
+
+
+def _lightning_call(runs, group, shard, q, k, v, slope) -> torch.Tensor:
+    from cpshard.mixers import cp_lightning_attention
+
+    return cp_lightning_attention(shard(q), shard(k), shard(v), slope, runs, group)
+
+
+# the mixers with one output: mixer -> (its inputs and output weights, its CP call on this
+# rank's shards, its reference over the whole row, the names of its differentiable inputs)
+ONE_OUTPUT = {
+    "selective_scan": (_scan_inputs, _scan_call, selective_scan_reference,
+                       ["x", "dt", "A", "B", "C", "D"]),
+    "lightning": (_lightning_inputs, _lightning_call, lightning_reference,
+                  ["q", "k", "v", "slope"]),
+}  # fmt: skip
+
+
+def _one_output_distributed(rank: int, world: int, mixer: str, layouts: list[str]) -> list[tuple]:
+    from cpshard.attention import active_state
+    from cpshard.mixers import recurrence_runs
+
+    inputs, call, _, _ = ONE_OUTPUT[mixer]
     results = []
     for layout in layouts:
         for case in CASES:
-            doc, *full, weight = _scan_inputs(case)
+            doc, *full, weight = inputs(case)
             leaves = [t.requires_grad_() for t in full]
-            x, dt, a, bm, cm, d = leaves
             ctx, sharder = step_context(layout, doc)
 
             def shard(t: torch.Tensor) -> torch.Tensor:
@@ -169,34 +207,40 @@ def _scan_distributed(rank: int, world: int, layouts: list[str]) -> list[tuple]:
 
             with ctx():
                 state = active_state()
-                runs = recurrence_runs(state, "test")
-                y = cp_selective_scan(shard(x), shard(dt), a, shard(bm), shard(cm), d, runs, state.group)
+                y = call(recurrence_runs(state, "test"), state.group, shard, *leaves)
             (y * shard(weight)).sum().backward()
-            results.append((sharder.gather_token_tensor(y.detach(), 1, trim=True), *(t.grad for t in leaves)))
+            gathered = sharder.gather_token_tensor(y.detach(), 1, trim=True)
+            results.append((gathered, *(t.grad for t in leaves)))
     return results
 
 
+@pytest.mark.parametrize("mixer", list(ONE_OUTPUT))
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_selective_scan_matches_each_document_alone(pools, world: int) -> None:
+def test_one_output_mixers_match_their_reference(pools, world: int, mixer: str) -> None:
+    """The selective scan against each document alone, token by token; lightning attention
+    against the quadratic form over the whole row."""
+    inputs, _, reference, names = ONE_OUTPUT[mixer]
     layouts = LAYOUTS if world > 1 else ["contiguous", "blockdiag"]
-    got = pools(world).run(_scan_distributed, layouts, timeout=600)
+    got = pools(world).run(_one_output_distributed, mixer, layouts, timeout=600)
     at = 0
     for layout in layouts:
         for case in CASES:
-            doc, *full, weight = _scan_inputs(case)
+            doc, *full, weight = inputs(case)
             leaves = [t.requires_grad_() for t in full]
-            want = selective_scan_reference(*leaves, doc)
+            want = reference(*leaves, doc)
             grads = torch.autograd.grad((want * weight).sum(), leaves)
-            where = f"{layout} W={world} {case[0]}"
+            where = f"{mixer} {layout} W={world} {case[0]}"
             pad = doc == 0
             for r in range(world):
                 torch.testing.assert_close(
                     got[r][at][0][~pad], want[~pad], rtol=0, atol=1e-12, msg=f"{where} rank {r}"
                 )
-            for j, name in enumerate(["x", "dt", "A", "B", "C", "D"]):
+            for j, name in enumerate(names):
                 parts = [got[r][at][1 + j] for r in range(world)]  # None: rank held no token
                 total = sum(p for p in parts if p is not None)
-                torch.testing.assert_close(total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}")
+                torch.testing.assert_close(
+                    total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}"
+                )
             at += 1
 
 
@@ -267,6 +311,29 @@ def test_selective_scan_bad_shapes_raise_naming_the_argument_and_the_rank(bad: d
     runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
     with pytest.raises(ValueError, match="rank 1") as err:
         cp_selective_scan(**_scan_args(**bad), runs=runs, group=_Solo())
+    assert words in str(err.value), err.value
+
+
+@pytest.mark.parametrize(
+    ("bad", "words"),
+    [
+        ({"q": (1, 5, 4, 3)}, "q must be [B, L, heads, head_dim]"),
+        ({"k": (1, 6, 4, 2)}, "k must be (1, 6, 4, 3)"),
+        ({"v": (1, 6, 3, 2)}, "v must be [B, L, heads, head_dim_v]"),
+        ({"slope": (4, 1)}, "slope must be [4]"),
+        ({"slope": (3,)}, "slope must be [4]"),
+    ],
+)
+def test_lightning_bad_shapes_raise_naming_the_argument_and_the_rank(bad: dict, words: str) -> None:
+    from cpshard.layouts import make_layout
+    from cpshard.mixers import cp_lightning_attention, plan_recurrence_runs
+
+    shapes = {"q": (1, 6, 4, 3), "k": (1, 6, 4, 3), "v": (1, 6, 4, 2), "slope": (4,)} | bad
+    args = {name: torch.randn(shape, dtype=torch.float64) for name, shape in shapes.items()}
+    doc = torch.tensor([[1] * 7 + [2] * 5])
+    runs = plan_recurrence_runs(1, 2, make_layout("contiguous", 2, 12), doc, "test")
+    with pytest.raises(ValueError, match="rank 1") as err:
+        cp_lightning_attention(**args, runs=runs, group=_Solo())
     assert words in str(err.value), err.value
 
 
