@@ -137,11 +137,12 @@ def _why(path: str, problem: str) -> str:
     )
 
 
+def _detail(root: torch.nn.Module, path: str, problem: str) -> str:
+    return f"{type(root).__name__} runs inside a CP attention context but {_why(path, problem)}"
+
+
 def _refusal(state: AttentionState, root: torch.nn.Module, path: str, problem: str) -> str:
-    return (
-        f"{_WHAT}: rank {state.group.rank}: {type(root).__name__} runs inside a CP attention "
-        f"context but {_why(path, problem)}"
-    )
+    return f"{_WHAT}: rank {state.group.rank}: {_detail(root, path, problem)}"
 
 
 def unsharded_mixer(module: torch.nn.Module) -> str | None:
@@ -229,8 +230,8 @@ def audit(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             f"{type(found.module).__name__}, which mixes tokens along the sequence without "
             "cpshard (its own attention or recurrence code)"
         )
-        detail = _refusal(state, module, _name(module, found.module), problem)
-    agree(state.group, _WHAT, detail)
+        detail = _detail(module, _name(module, found.module), problem)
+    agree(state.group, _WHAT, detail)  # names this rank (or the failed ones) before the detail
     _verified.update(module.modules())
 
 

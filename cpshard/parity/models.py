@@ -32,6 +32,29 @@ _TINY = {
     "tie_word_embeddings": False,
 }
 _TINY_WINDOW = 8
+# The state-space layers' sizes (Mamba, Mamba2 and the hybrids that use them), under each name a
+# config gives them: a small state, and heads that tile the layer's inner width (expand x
+# hidden_size = 64, as head_dim 8 x 8 heads for Mamba2, 4 x 16 for the hybrids).
+_TINY_SSM = {
+    "state_size": 4,
+    "mamba_d_state": 4,
+    "ssm_state_size": 4,
+    "n_groups": 2,
+    "mamba_n_groups": 2,
+    "mamba_ngroups": 2,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_num_heads": 4,
+    "mamba_head_dim": 16,
+    "n_mamba_heads": 4,
+    "mamba_headdim": 16,
+    "mamba_d_ssm": 64,
+    "time_step_rank": 8,
+    "mamba_dt_rank": 8,
+    "attention_hidden_size": 64,  # Zamba2's shared block: attention over [hidden, embeddings]
+    "attention_head_dim": 16,
+}
+_MAMBA2_HEADS = 8  # Mamba2's own config: num_heads x head_dim (8) = 64
 _TINY_VISION = {
     "depth": 1,
     "hidden_size": 16,
@@ -85,15 +108,25 @@ def load_object(text: str, what: str) -> Any:
     return obj
 
 
+def _settable(config: Any, name: str) -> bool:
+    """Whether ``config.name`` can be set (not a property derived from other fields, under its
+    own name or the one the config's ``attribute_map`` gives it)."""
+    name = getattr(config, "attribute_map", {}).get(name, name)
+    attr = getattr(type(config), name, None)
+    return not isinstance(attr, property) or attr.fset is not None
+
+
 def _shrink(config: Any) -> Any:
     """``config`` with tiny sizes (text and, for a VLM, vision), attention features kept."""
     text = getattr(config, "text_config", None) or config
-    for key, value in _TINY.items():
-        if hasattr(text, key):
+    for key, value in (*_TINY.items(), *_TINY_SSM.items()):
+        if hasattr(text, key) and _settable(text, key):
             setattr(text, key, value)
     if isinstance(getattr(text, "sliding_window", None), int):  # a window documents exceed
         text.sliding_window = min(text.sliding_window, _TINY_WINDOW)
-    if getattr(text, "layer_types", None) is not None:
+    if hasattr(text, "num_heads") and hasattr(text, "n_groups") and hasattr(text, "head_dim"):
+        text.num_heads = _MAMBA2_HEADS
+    if getattr(text, "layer_types", None) is not None and _settable(text, "layer_types"):
         text.layer_types = list(text.layer_types)[: text.num_hidden_layers]
         while len(text.layer_types) < text.num_hidden_layers:
             text.layer_types.append(text.layer_types[-1] if text.layer_types else "full_attention")
@@ -159,6 +192,8 @@ def _transformers_model(spec: ModelSpec) -> torch.nn.Module:
         config = kind.from_dict(data)
         archs = data.get("architectures") or []
         cls = getattr(transformers, archs[0]) if archs else transformers.AutoModelForCausalLM
+    # MoE layers' grouped kernels take no float64: their per-expert loop, the same arithmetic
+    config._experts_implementation = "eager"
     torch.manual_seed(spec.seed)
     if cls is transformers.AutoModelForCausalLM:
         model = cls.from_config(config)

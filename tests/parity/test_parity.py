@@ -3,7 +3,9 @@ in one process, and the diagnoses of set-ups that do not.
 
 * transformers Llama (through the command, with ``--json`` and its exit code), Qwen3-VL and a
   user's own decoder calling ``cpshard.cp_attention``: exact;
-* a user's decoder whose attention calls plain SDPA: differs, first at its attention module;
+* a user's decoder whose attention calls plain SDPA, and BLOOM (its own attention code):
+  refused, naming the attention module;
+* Mamba2 and Bamba (Mamba2 and attention), tiny from their default configs: exact;
 * labels shifted per shard: differs, the labelled-token count named;
 * a per-rank mean loss: differs, the loss named while the logits and count are exact;
 * FSDP2 over the flattened (2, 2) mesh with a loss lacking the CP factor: gradients 1/cp;
@@ -145,6 +147,28 @@ def test_sliding_window_and_hybrid_models_exact(pools) -> None:
     report = _run(pools, "Qwen3_5ForCausalLM", [Case("blockdiag", 2)])
     assert not report.exact  # at float64's 1e-9 the float32 internals show, first in a norm
     assert "layernorm" in report.results[0].diagnosis, report.results[0].diagnosis
+
+
+def test_models_with_their_own_attention_are_refused_naming_the_module(pools) -> None:
+    """BLOOM (its own ALiBi attention code, not transformers' attention functions) is refused
+    under CP, the diagnosis naming its attention module and class, the rank said once."""
+    report = _run(pools, "BloomForCausalLM", [Case("blockdiag", 2), Case("head_tail", 2)])
+    assert not report.exact
+    for r in report.results:
+        assert r.verdict == "refused", (r.case, r.verdict, r.diagnosis)
+        said = "module 'transformer.h.0.self_attention' is BloomAttention, which mixes tokens"
+        assert said in r.diagnosis, r.diagnosis
+        assert r.diagnosis.count("rank 0:") == 2, r.diagnosis  # the case's rank, the error's
+
+
+def test_mamba2_hybrids_exact(pools) -> None:
+    """Mamba2 and a Mamba2-attention hybrid (Bamba), built tiny from their default configs, check
+    exact within transformers' float32 internals (its own scan and norms compute in float32
+    whatever the model's dtype)."""
+    for model in ("Mamba2ForCausalLM", "BambaForCausalLM"):
+        setup = Setup(ModelSpec.parse(model), BATCH, None, tol=1e-6)
+        report = run_parity(setup, [Case("balanced", 2)], pools=pools)
+        assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
 
 
 def test_refusals_and_crashes_are_reported_as_such() -> None:
