@@ -2,7 +2,9 @@
 mixer by its parameters raises before running; a module mixing tokens by its own code, whatever
 its class is called, is found by the audit and named (the innermost one); calls that reached
 cpshard pass; each model is audited once; declared-safe modules are skipped; nothing is checked
-outside a CP attention context. And the probe itself (:mod:`cpshard.attention.probe`)."""
+outside a CP attention context; compiled models (``torch.compile(model)``, ``model.compile()``)
+are checked and audited as eager ones, and a compiled step runs a model checked eagerly first.
+And the probe itself (:mod:`cpshard.attention.probe`)."""
 
 from __future__ import annotations
 
@@ -242,3 +244,79 @@ def test_compiled_models_are_checked_on_every_rank(pool2) -> None:
             message, inside, after, finite = cases[f"{how} kernel 1"]
             assert message == "no error", (rank, how, message)
             assert inside == 1 and finite, (rank, how, inside, finite)
+
+
+# The audit (a module mixing by its own code, found when the first forward returns) of compiled
+# models, and a model checked eagerly then called inside a compiled function.
+AUDITED = ["torch.compile fullgraph", "module.compile fullgraph"]
+
+
+def _compiled_audit(rank: int, world: int) -> dict[str, tuple[str, list[float]]]:
+    """Per way of compiling, per decoder (attention by plain SDPA, or through ``cp_attention``):
+    this rank's error or 'no error', and the logits' largest difference from the eager decoder's
+    in the same context (for a decoder that ran); and a compiled step (``torch.compile(step)``)
+    calling the cp-aware decoder after its first, eager call inside the context."""
+    import copy
+
+    import torch._dynamo
+    import torch.distributed as dist
+
+    from cpshard import ContextParallelSharder
+    from tests.helpers import cp_aware_decoder, plain_sdpa_decoder
+
+    doc = torch.tensor([[1] * 7 + [2] * 5 + [0] * 2 + [3] * 6])
+    batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    out: dict[str, tuple[str, list[float]]] = {}
+
+    def run(name: str, call, eager: torch.nn.Module) -> None:
+        ctx, local = ContextParallelSharder(dist.group.WORLD, "head_tail").shard(dict(batch))
+        args = (local["input_ids"], local["position_ids"])
+        try:
+            with ctx():
+                got, want = call(*args), eager(*args)
+            out[name] = "no error", [float((got - want).abs().max())]
+        except ValueError as exc:
+            out[name] = str(exc), []
+
+    cases = [(how, plain_sdpa_decoder) for how in AUDITED] + [(AUDITED[0], cp_aware_decoder)]
+    for how, make in cases:  # (model.compile() of a model that passes: the test above)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = make()
+        eager = copy.deepcopy(model)
+        if how.startswith("torch.compile"):
+            call = torch.compile(model, backend="eager", fullgraph=True)
+        else:
+            model.compile(backend="eager", fullgraph=True)
+            call = model
+        run(f"{how} {make.__name__}", call, eager)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = cp_aware_decoder()
+    eager = copy.deepcopy(model)
+    ctx, local = ContextParallelSharder(dist.group.WORLD, "head_tail").shard(dict(batch))
+    with ctx():
+        model(local["input_ids"], local["position_ids"])  # the first call: eager, checked
+    step = torch.compile(lambda i, p: model(i, p), backend="eager", fullgraph=True)
+    run("compiled step", step, eager)
+    return out
+
+
+def test_compiled_models_are_audited_on_every_rank(pool2) -> None:
+    """``torch.compile(model)`` and ``model.compile()`` with fullgraph: a decoder whose attention
+    calls SDPA itself is refused on every rank, naming its attention module, with the same
+    ValueError as eagerly; the same decoder calling ``cp_attention`` compiled with
+    ``torch.compile`` runs and gives the eager decoder's logits; so does a compiled step calling
+    it after its eager first call."""
+    for rank, cases in enumerate(pool2.run(_compiled_audit, timeout=300)):
+        for how in AUDITED:
+            message, _ = cases[f"{how} plain_sdpa_decoder"]
+            wrapped = how.startswith("torch.compile")  # the wrapper's name for the module
+            named = "_orig_mod.blocks.0.attn" if wrapped else "blocks.0.attn"
+            said = f"module {named!r} is _Attention, which mixes tokens"
+            assert message.startswith(f"cpshard CP attention: rank {rank}: "), (rank, how, message)
+            assert said in message, (rank, how, message)
+            assert "train wrong" in message, (rank, how, message)
+        for name in (f"{AUDITED[0]} cp_aware_decoder", "compiled step"):
+            message, diffs = cases[name]
+            assert message == "no error" and diffs[0] <= 1e-6, (rank, name, message, diffs)
