@@ -4,8 +4,9 @@ attention code (BLOOM and MPT with ALiBi, Falcon with RoPE and with ALiBi) and a
 decoder that calls ``F.scaled_dot_product_attention`` itself. A model routed through cpshard at
 the same W is never refused: the same decoder with its attention calling ``cp_attention``, and
 a ``register()``ed transformers model, are exact against each document alone (the
-model-family tests run the others exact). W = 2, the block-diagonal batch and a sharder
-layout."""
+model-family tests run the others exact). Refusals at W = 1..4: every sharder layout and the
+block-diagonal batch at W = 2, one or two at the others; the routed models at W = 2, the
+block-diagonal batch and a sharder layout."""
 
 from __future__ import annotations
 
@@ -40,12 +41,12 @@ def _model(name: str) -> torch.nn.Module:
         torch.manual_seed(0)
         return plain_sdpa_decoder().to(torch.float64)
     if name == "bloom":
-        config = T.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4)
+        config = T.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4)
     elif name == "mpt":
-        config = T.MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=64)
+        config = T.MptConfig(vocab_size=64, d_model=32, n_heads=4, n_layers=1, max_seq_len=64)
     elif name in ("falcon_rope", "falcon_alibi"):
         config = T.FalconConfig(
-            vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
             alibi=name == "falcon_alibi", new_decoder_architecture=False, multi_query=True,
         )  # fmt: skip
     else:
@@ -66,12 +67,16 @@ MODELS = {  # model -> the module its refusal names
 }
 
 
+ROWS = [[7, 5, -2, 6]]  # documents of 7, 5 and 6 tokens, interior padding
+
+
 def _refused(rank: int, world: int, name: str, layout: str) -> tuple[str, bool]:
+    """This rank's error (or 'no error') for ``name``'s first forward under ``layout``, and
+    whether the model then runs outside CP (finite logits)."""
     from cpshard import ContextParallelSharder, make_cp_blockdiag_batch_and_ctx
 
     model = _model(name)
-    doc = torch.tensor([[1] * 7 + [2] * 5 + [0] * 2 + [3] * 6])
-    batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    batch = cp_decoder.packed_batch(ROWS, 48, seed=2)
     if layout == "blockdiag":
         ctx, local = make_cp_blockdiag_batch_and_ctx(dist.group.WORLD, None, batch)
     else:
@@ -83,26 +88,51 @@ def _refused(rank: int, world: int, name: str, layout: str) -> tuple[str, bool]:
         message = "no error"
     except ValueError as exc:
         message = str(exc)
-    # outside CP the model runs unchanged
-    outside = model(input_ids=doc, position_ids=torch.arange(doc.shape[1])[None])
+    ids = batch["input_ids"]
+    outside = model(input_ids=ids, position_ids=torch.arange(ids.shape[1])[None])
     logits = outside if isinstance(outside, torch.Tensor) else outside.logits
     return message, bool(torch.isfinite(logits).all())
 
 
-def _refusals(rank: int, world: int, name: str) -> dict[str, tuple[str, bool]]:
-    return {layout: _refused(rank, world, name, layout) for layout in LAYOUTS}
+# world -> the layouts a refusal is tried in: the block-diagonal batch and every sharder layout
+# over W = 1..4 (several at W = 2).
+REFUSAL_GRID = {
+    1: ["blockdiag"],
+    2: ["blockdiag", "head_tail", "stripe", "balanced"],
+    3: ["per_document_head_tail"],
+    4: ["contiguous"],
+}
 
 
-LAYOUTS = ("blockdiag", "head_tail")
+def _refusals(rank: int, world: int) -> dict[str, tuple[str, bool]]:
+    return {
+        f"{name} {layout}": _refused(rank, world, name, layout)
+        for name in MODELS
+        for layout in REFUSAL_GRID[world]
+    }
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-def test_attention_outside_cpshard_is_refused_on_every_rank(pool2, name: str) -> None:
-    for rank, outcomes in enumerate(pool2.run(_refusals, name, timeout=300)):
-        for layout, (message, finite) in outcomes.items():
-            assert f"rank {rank}" in message and repr(MODELS[name]) in message, (layout, message)
-            assert "without cpshard" in message and "train wrong" in message, message
-            assert finite, f"{name} {layout}: outside CP the model no longer runs"
+@pytest.mark.parametrize("world", sorted(REFUSAL_GRID))
+def test_attention_outside_cpshard_is_refused_on_every_rank(pools, world: int) -> None:
+    """Every rank raises; a rank whose shard shows the mixing names itself and the module (its
+    attention; under ``stripe`` Falcon's model, whose mask from the shard's positions is what
+    mixes them), the others the rank that failed."""
+    results = pools(world).run(_refusals, timeout=300)
+    for case in results[0]:
+        name, layout = case.split()
+        falcon_stripe = name.startswith("falcon") and layout == "stripe"
+        module = "transformer" if falcon_stripe else MODELS[name]
+        named = []
+        for rank, outcomes in enumerate(results):
+            message, finite = outcomes[case]
+            assert finite, f"{case}: outside CP the model no longer runs"
+            if message.startswith(f"cpshard CP attention: rank {rank}: "):
+                assert f"module {module!r}" in message, (rank, case, message)
+                assert "without cpshard" in message and "train wrong" in message, (case, message)
+                named.append(rank)
+            else:
+                assert "failed its checks" in message, (rank, case, message)
+        assert named, f"{case}: no rank named the module: {[r[case] for r in results]}"
 
 
 class _Logits(torch.nn.Module):
@@ -138,9 +168,9 @@ def _routed(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
     """Each model routed through cpshard, one CP step per layout against each document alone."""
     out = {}
     for name in ("own_decoder", "llama"):
-        for layout in LAYOUTS:
+        for layout in ("blockdiag", "head_tail"):
             model, reference = _routed_model(name)
-            batch = cp_decoder.packed_batch([[7, 5, -2, 6]], 48, seed=2)
+            batch = cp_decoder.packed_batch(ROWS, 48, seed=2)
             logits = _Logits(model)
 
             def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
