@@ -4,9 +4,9 @@ attention code (BLOOM and MPT with ALiBi, Falcon with RoPE and with ALiBi) and a
 decoder that calls ``F.scaled_dot_product_attention`` itself. A model routed through cpshard at
 the same W is never refused: the same decoder with its attention calling ``cp_attention``, and
 a ``register()``ed transformers model, are exact against each document alone (the
-model-family tests run the others exact). Refusals at W = 1..4: every sharder layout and the
-block-diagonal batch at W = 2, one or two at the others; the routed models at W = 2, the
-block-diagonal batch and a sharder layout."""
+model-family tests run the others exact). Refusals over random token ids at W = 1..4, the
+block-diagonal batch and every sharder layout (four at W = 2, one at the others); the routed
+models at W = 2, the block-diagonal batch and a sharder layout."""
 
 from __future__ import annotations
 
