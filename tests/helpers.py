@@ -21,10 +21,9 @@ another. Worker-side functions here pickle by reference, like those of the test 
   :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
 * sequence mixers, each document alone: :func:`causal_conv_reference`,
   :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`,
-  :func:`lightning_reference`; for
-  the state-space models' float64 references, :func:`float64_rms` and :class:`CausalLMLogits`;
-  the recurrent models' refusals, :func:`stripe_and_cache_errors` and
-  :func:`check_stripe_and_cache_refused`.
+  :func:`lightning_reference` (the model-family tests' step and checks are
+  ``tests/integrations/harness.py``'s); :func:`swapped` (a module attribute replaced for a
+  block).
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -712,27 +710,6 @@ def ssd_reference(
     return torch.stack(rows)
 
 
-def float64_rms(self, x: torch.Tensor) -> torch.Tensor:
-    """An RMS norm (``weight``, ``variance_epsilon``) in the input's dtype: bound to a model's
-    norms in place of transformers' (which compute in float32) for float64 references."""
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-
-class CausalLMLogits(torch.nn.Module):
-    """A causal LM's logits before its head's float32 cast, ``(input_ids, position_ids) ->
-    .logits`` (no cache)."""
-
-    def __init__(self, lm: torch.nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None
-    ) -> SimpleNamespace:
-        out = self.lm.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return SimpleNamespace(logits=self.lm.lm_head(out.last_hidden_state))
-
-
 def selective_scan_reference(
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -777,46 +754,6 @@ def lightning_reference(
     decay = torch.exp(-slope[:, None, None] * distance.clamp(min=0))  # [H, t, s]
     weights = torch.einsum("bthd,bshd->bhts", q, k) * decay * allowed[:, None]
     return torch.einsum("bhts,bshe->bthe", weights, v)
-
-
-def stripe_and_cache_errors(make_model, rows) -> list[str]:
-    """On this rank of the default group: the error a fresh ``make_model()`` (a transformers
-    causal LM with a recurrent layer) raises under ``stripe``, then with a cache under
-    ``balanced``, over the packed batch of ``rows`` (``" (model computed)"`` appended when its
-    head ran; ``"no error"`` when none was raised)."""
-    sys.path.insert(0, str(EXAMPLES))
-    import cp_decoder
-
-    from cpshard import ContextParallelSharder
-
-    out = []
-    for layout, use_cache in (("stripe", False), ("balanced", True)):
-        model = make_model()
-        ran = []
-        model.lm_head.register_forward_hook(lambda *a: ran.append(True))
-        batch = cp_decoder.packed_batch(rows, model.config.vocab_size, seed=1)
-        ctx, local = ContextParallelSharder(dist.group.WORLD, layout).shard(batch)
-        with ctx():
-            try:
-                model(input_ids=local["input_ids"], position_ids=local["position_ids"],
-                      use_cache=use_cache)  # fmt: skip
-                out.append("no error")
-            except ValueError as exc:
-                out.append(str(exc) + (" (model computed)" if ran else ""))
-    return out
-
-
-def check_stripe_and_cache_refused(results: list[list[str]]) -> None:
-    """Every rank's :func:`stripe_and_cache_errors` (one pair per model) name the rank and the
-    reason, and none came after the model's head ran."""
-    for rank, messages in enumerate(results):
-        stripes, caches = messages[0::2], messages[1::2]
-        for msg in stripes:
-            assert f"rank {rank}" in msg and "'stripe'" in msg, msg
-        for msg in caches:
-            assert f"rank {rank}" in msg and "use_cache=False" in msg, msg
-        for msg in messages:
-            assert "model computed" not in msg, msg
 
 
 def step_context(layout: str, doc: torch.Tensor, group=None) -> tuple:
@@ -869,46 +806,6 @@ def recording_routes() -> Iterator[list[str]]:
 
     with swapped("cpshard.attention.api", "head_parallel_attention", recorded):
         yield kinds
-
-
-def relative_step_errors(
-    model: torch.nn.Module,
-    reference: torch.nn.Module,
-    cp: torch.Tensor,
-    ref: torch.Tensor,
-    group: dist.ProcessGroup,
-) -> tuple[float, float, float]:
-    """After a CP step's and its reference's backward passes: (CP loss averaged over ranks,
-    reference loss, worst gradient difference relative to the largest reference gradient), the
-    CP gradients reduced over ``group`` first."""
-    from cpshard import reduce_cp_gradients
-
-    reduce_cp_gradients(model, group)
-    total = cp.clone().reshape(1)
-    dist.all_reduce(total, group=group)
-    total /= dist.get_world_size(group)
-    want = dict(reference.named_parameters())
-    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
-    worst = max(
-        float(((p.grad if p.grad is not None else 0) - want[n].grad).abs().max()) / largest
-        for n, p in model.named_parameters()
-        if want[n].grad is not None
-    )
-    return float(total), float(ref.detach()), worst
-
-
-def check_relative_errors(
-    results: list[dict[str, tuple[float, float, float]]],
-    world: int,
-    loss_tol: float = 1e-9,
-    grad_tol: float = 1e-8,
-) -> None:
-    """Every rank's cases of :func:`relative_step_errors` within the bounds."""
-    for rank, cases in enumerate(results):
-        for name, (cp, ref, grad) in cases.items():
-            where = f"rank {rank} W={world} {name}"
-            assert abs(cp - ref) <= loss_tol * abs(ref), f"{where}: {cp!r} vs {ref!r}"
-            assert grad <= grad_tol, f"{where}: gradient {grad:.2e} off"
 
 
 @contextmanager

@@ -14,6 +14,7 @@ largest."""
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 
 import pytest
@@ -21,14 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import (
-    EXAMPLES,
+from tests.helpers import EXAMPLES, cp_mesh, delta_rule_reference, recording_routes, swapped
+from tests.integrations.harness import (
+    LAYOUTS,
+    ROWS,
+    ModelLogits,
+    bind_norms,
     check_relative_errors,
-    cp_mesh,
-    delta_rule_reference,
-    recording_routes,
+    check_stripe_and_cache_refused,
     relative_step_errors,
-    swapped,
+    step_errors,
+    stripe_and_cache_errors,
+    tiny_model,
 )
 
 pytest.importorskip("transformers")
@@ -38,8 +43,6 @@ import cp_decoder  # noqa: E402
 
 from cpshard.integrations import transformers as cp_transformers  # noqa: E402
 
-ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
-LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
 MODELS = {
     "qwen3_5": "transformers.models.qwen3_5.modeling_qwen3_5",
     "qwen3_next": "transformers.models.qwen3_next.modeling_qwen3_next",
@@ -76,25 +79,18 @@ def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return self.weight * normed * F.silu(gate)
 
 
+NORMS = {"RMSNormGated": _gated_rms, "RMSNorm": _rms}
+
+
 def _float64_norms(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` with its RMS norms' float64 statements and the ``"cpshard"`` attention."""
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNormGated"):
-            module.forward = _gated_rms.__get__(module)
-        elif name.endswith("RMSNorm"):
-            module.forward = _rms.__get__(module)
+    bind_norms(model, NORMS)
     model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
     return model
 
 
 def _model(family: str) -> torch.nn.Module:
-    import transformers
-
-    cp_transformers.register()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
-    return _float64_norms(model)
+    return tiny_model(_config(family), NORMS)
 
 
 def _reference_rule(query, key, value, g, beta, initial_state=None, output_final_state=False,
@@ -112,23 +108,14 @@ def _step(
     family: str, layout: str, group, strategy: str = "auto", mesh=None
 ) -> tuple[float, float, float]:
     """One CP step (over ``mesh`` when given, a 2-D mesh whose flattening is ``group``) with CP
-    attention's ``strategy``, and the per-document reference: (CP loss averaged over ranks,
-    reference loss, worst gradient difference relative to the largest gradient)."""
-    model = _model(family)
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation("sdpa")
-    reference.config.use_cache = False  # a training forward: no recurrent cache
-    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
-
-    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
-        return out.logits
-
-    cp = cp_decoder.cp_loss(group, batch, forward, layout, strategy, mesh)
-    with swapped(MODELS[family], "torch_chunk_gated_delta_rule", _reference_rule):
-        ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
-    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
-    return relative_step_errors(model, reference, cp, ref, group)
+    attention's ``strategy``, and the per-document reference (the gated delta rule token by
+    token): (CP loss averaged over ranks, reference loss, worst gradient difference relative to
+    the largest gradient)."""
+    return step_errors(
+        _model(family), layout, group, seed=len(family), logits=ModelLogits,
+        scan=(MODELS[family], "torch_chunk_gated_delta_rule", _reference_rule),
+        strategy=strategy, mesh=mesh,
+    )  # fmt: skip
 
 
 def _cases(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
@@ -239,30 +226,16 @@ def test_qwen3_5_vlm_matches_each_document_alone(pools, world: int) -> None:
     check_relative_errors(pools(world).run(_vlm_cases, timeout=900), world)
 
 
-def _stripe(rank: int, world: int) -> list[str]:
-    import cpshard
-
+def _refusals(rank: int, world: int) -> list[str]:
+    """Each model's error under ``stripe``, on this rank."""
     out = []
     for family in MODELS:
-        model = _model(family)
-        ran = []
-        model.lm_head.register_forward_hook(lambda *a: ran.append(True))
-        batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=1)
-        ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, "stripe").shard(batch)
-        with ctx():
-            try:
-                model(input_ids=local["input_ids"], position_ids=local["position_ids"], use_cache=False)
-                out.append("no error")
-            except ValueError as exc:
-                out.append(str(exc) + (" (model computed)" if ran else ""))
+        out += stripe_and_cache_errors(functools.partial(_model, family), ROWS, cache=False)
     return out
 
 
 def test_stripe_is_refused_on_every_rank(pools) -> None:
-    for rank, messages in enumerate(pools(2).run(_stripe, timeout=300)):
-        for msg in messages:
-            assert f"rank {rank}" in msg and "'stripe'" in msg, msg
-            assert "model computed" not in msg, msg
+    check_stripe_and_cache_refused(pools(2).run(_refusals, timeout=300), cache=False)
 
 
 def _checkpointed(

@@ -15,37 +15,28 @@ float32) and the logits are read before the heads' float32 cast. Bounds: loss re
 
 from __future__ import annotations
 
-import copy
 import functools
-import importlib
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import (
-    EXAMPLES,
-    CausalLMLogits,
+from tests.helpers import ssd_reference
+from tests.integrations.harness import (
+    LAYOUTS,
+    ROWS,
+    check_outside_cp_runs_transformers_code,
     check_relative_errors,
     check_stripe_and_cache_refused,
     float64_rms,
-    relative_step_errors,
-    ssd_reference,
+    step_errors,
     stripe_and_cache_errors,
-    swapped,
+    tiny_model,
 )
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(EXAMPLES))
 
-import cp_decoder  # noqa: E402
-
-from cpshard.integrations import transformers as cp_transformers  # noqa: E402
-
-ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
-LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
 MODELS = {
     "mamba2": "transformers.models.mamba2.modeling_mamba2",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h",
@@ -119,24 +110,16 @@ def _gated_rms(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch
     return self.weight * normed.view(x.shape)
 
 
-def _model(family: str) -> torch.nn.Module:
-    import transformers
+def _steps_that_carry(module: torch.nn.Module) -> None:
+    """Time steps of about 0.3 to 1.3: the state carries far."""
+    if hasattr(module, "dt_bias"):
+        with torch.no_grad():
+            module.dt_bias.normal_()
 
-    cp_transformers.register()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNormGated"):
-            module.forward = _gated_rms.__get__(module)
-        elif name.endswith("RMSNorm"):
-            module.forward = float64_rms.__get__(module)
-        if hasattr(module, "dt_bias"):  # steps of about 0.3 to 1.3: the state carries far
-            with torch.no_grad():
-                module.dt_bias.normal_()
-    if family != "mamba2":
-        model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
-    return model
+
+def _model(family: str) -> torch.nn.Module:
+    norms = {"RMSNormGated": _gated_rms, "RMSNorm": float64_rms}
+    return tiny_model(_config(family), norms, _steps_that_carry, attention=family != "mamba2")
 
 
 def _reference_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None,
@@ -152,23 +135,12 @@ def _reference_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None
 
 
 def _step(family: str, layout: str, group) -> tuple[float, float, float]:
-    """One CP step and the per-document reference: (CP loss averaged over ranks, reference
-    loss, worst gradient difference relative to the largest gradient)."""
-    model = _model(family)
-    reference = copy.deepcopy(model)
-    if family != "mamba2":
-        reference.set_attn_implementation("sdpa")
-    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
-    logits = CausalLMLogits(model)
-
-    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
-        return logits(local["input_ids"], local["position_ids"]).logits
-
-    cp = cp_decoder.cp_loss(group, batch, forward, layout)
-    with swapped(MODULES[family], "mamba2_chunk_scan", _reference_scan):
-        ref = cp_decoder.reference_loss(CausalLMLogits(reference), cp_decoder.text_documents(batch))
-    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
-    return relative_step_errors(model, reference, cp, ref, group)
+    """One CP step and the per-document reference (the SSD token by token)."""
+    return step_errors(
+        _model(family), layout, group, seed=len(family),
+        reference_attention=None if family == "mamba2" else "sdpa",
+        scan=(MODULES[family], "mamba2_chunk_scan", _reference_scan),
+    )  # fmt: skip
 
 
 def _cases(
@@ -213,39 +185,19 @@ def test_outside_cp_the_layers_run_transformers_code(family: str) -> None:
     """With cpshard's dispatchers installed, a model outside CP gives exactly what it gives with
     transformers' own functions, in training (the fused-kernel entry taken first) and with a
     padding mask."""
-    model = _model(family).train()
-    module = importlib.import_module(MODULES[family])
-    ids = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-
-    def logits() -> torch.Tensor:
-        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    dispatched = logits()
-    swapped = {
-        name: fn for name, fn in vars(module).items() if hasattr(fn, "cpshard_original")
-    }
-    assert len(swapped) == 6, sorted(swapped)
-    try:
-        for name, fn in swapped.items():
-            setattr(module, name, fn.cpshard_original)
-        original = logits()
-    finally:
-        for name, fn in swapped.items():
-            setattr(module, name, fn)
-    torch.testing.assert_close(dispatched, original, rtol=0, atol=0)
+    check_outside_cp_runs_transformers_code(_model(family), MODULES[family], 6)
 
 
 def _mask_ignored(rank: int, world: int) -> list[float]:
     """Per model, under CP: the largest logit difference between a call with the full
     sequence's padding mask (transformers trims it to the shard's length) and one without."""
     import cpshard
+    from cp_decoder import packed_batch
 
     out = []
     for family in MODELS:
         model = _model(family)
-        batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=2)
+        batch = packed_batch(ROWS, model.config.vocab_size, seed=2)
         mask = (batch["_packed_seq_ids"] != 0).long()
         ctx, local = cpshard.ContextParallelSharder(dist.group.WORLD, "balanced").shard(batch)
         with ctx():

@@ -13,37 +13,26 @@ loss relative error < 1e-9, every gradient within 1e-8 of the largest."""
 
 from __future__ import annotations
 
-import copy
 import functools
-import importlib
-import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.helpers import (
-    EXAMPLES,
-    CausalLMLogits,
+from tests.helpers import selective_scan_reference
+from tests.integrations.harness import (
+    LAYOUTS,
+    ROWS,
+    check_outside_cp_runs_transformers_code,
     check_relative_errors,
     check_stripe_and_cache_refused,
-    float64_rms,
-    relative_step_errors,
-    selective_scan_reference,
+    step_errors,
     stripe_and_cache_errors,
-    swapped,
+    tiny_model,
 )
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(EXAMPLES))
 
-import cp_decoder  # noqa: E402
-
-from cpshard.integrations import transformers as cp_transformers  # noqa: E402
-
-ROWS = [[9, -2, 6, 3, -1, 7, -1]]  # documents of 9, 6, 3, 7 tokens; the convolution spans 4
-LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
 MODELS = {
     "mamba": "transformers.models.mamba.modeling_mamba",
     "jamba": "transformers.models.jamba.modeling_jamba",
@@ -76,21 +65,15 @@ def _config(family: str):
     raise AssertionError(family)
 
 
-def _model(family: str) -> torch.nn.Module:
-    import transformers
+def _steps_that_carry(module: torch.nn.Module) -> None:
+    """Time steps of about 0.3 to 1.3: the state carries far."""
+    if hasattr(module, "dt_proj"):
+        with torch.no_grad():
+            module.dt_proj.bias.normal_()
 
-    cp_transformers.register()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family)).to(torch.float64)
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = float64_rms.__get__(module)
-        if hasattr(module, "dt_proj"):  # steps of about 0.3 to 1.3: the state carries far
-            with torch.no_grad():
-                module.dt_proj.bias.normal_()
-    if family == "jamba":
-        model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
-    return model
+
+def _model(family: str) -> torch.nn.Module:
+    return tiny_model(_config(family), prepare=_steps_that_carry, attention=family == "jamba")
 
 
 def _reference_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
@@ -106,27 +89,18 @@ def _reference_scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None,
     return y * F.silu(z) if z is not None else y
 
 
-def _step(family: str, layout: str, group) -> tuple[float, float, float]:
-    model = _model(family)
-    reference = copy.deepcopy(model)
-    if family == "jamba":
-        reference.set_attn_implementation("sdpa")
-    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
-    logits = CausalLMLogits(model)
-
-    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
-        return logits(local["input_ids"], local["position_ids"]).logits
-
-    cp = cp_decoder.cp_loss(group, batch, forward, layout)
-    with swapped(MODELS[family], "mamba_selective_scan", _reference_scan):
-        ref = cp_decoder.reference_loss(CausalLMLogits(reference), cp_decoder.text_documents(batch))
-    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
-    return relative_step_errors(model, reference, cp, ref, group)
+def _step(family: str, layout: str) -> tuple[float, float, float]:
+    """One CP step and the per-document reference (the selective scan token by token)."""
+    return step_errors(
+        _model(family), layout, seed=len(family),
+        reference_attention="sdpa" if family == "jamba" else None,
+        scan=(MODELS[family], "mamba_selective_scan", _reference_scan),
+    )  # fmt: skip
 
 
 def _cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
     return {
-        f"{family} {layout}": _step(family, layout, dist.group.WORLD)
+        f"{family} {layout}": _step(family, layout)
         for family, layouts in GRID[world]
         for layout in layouts
     }
@@ -154,23 +128,4 @@ def test_outside_cp_the_layers_run_transformers_code(family: str) -> None:
     """With cpshard's dispatchers installed, a model outside CP gives exactly what it gives with
     transformers' own functions, in training (the fused-kernel entry taken first) and with a
     padding mask."""
-    model = _model(family).train()
-    module = importlib.import_module(MODELS[family])
-    ids = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(3))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-
-    def logits() -> torch.Tensor:
-        return model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-
-    dispatched = logits()
-    replaced = {name: fn for name, fn in vars(module).items() if hasattr(fn, "cpshard_original")}
-    assert len(replaced) == 6, sorted(replaced)
-    try:
-        for name, fn in replaced.items():
-            setattr(module, name, fn.cpshard_original)
-        original = logits()
-    finally:
-        for name, fn in replaced.items():
-            setattr(module, name, fn)
-    torch.testing.assert_close(dispatched, original, rtol=0, atol=0)
+    check_outside_cp_runs_transformers_code(_model(family), MODELS[family], 6)

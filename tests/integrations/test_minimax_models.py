@@ -13,32 +13,21 @@ largest."""
 
 from __future__ import annotations
 
-import copy
-import sys
-
 import pytest
 import torch
-import torch.distributed as dist
 
-from tests.helpers import (
-    EXAMPLES,
-    CausalLMLogits,
+from tests.integrations.harness import (
+    LAYOUTS,
     check_relative_errors,
     check_stripe_and_cache_refused,
-    float64_rms,
-    relative_step_errors,
+    step_errors,
     stripe_and_cache_errors,
+    tiny_model,
 )
 
 pytest.importorskip("transformers")
-sys.path.insert(0, str(EXAMPLES))
-
-import cp_decoder  # noqa: E402
-
-from cpshard.integrations import transformers as cp_transformers  # noqa: E402
 
 ROWS = [[11, -2, 6, 3, -1, 8, -1]]  # documents of 11, 6, 3, 8 tokens
-LAYOUTS = ["contiguous", "head_tail", "per_document_head_tail", "balanced", "blockdiag"]
 GRID = {  # world -> layouts
     1: ["contiguous", "blockdiag"],
     2: LAYOUTS,
@@ -51,7 +40,6 @@ MODELING = "transformers.models.minimax.modeling_minimax"
 def _model() -> torch.nn.Module:
     import transformers as T
 
-    cp_transformers.register()
     config = T.MiniMaxConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=2,
@@ -59,33 +47,14 @@ def _model() -> torch.nn.Module:
         layer_types=["linear_attention", "full_attention", "linear_attention"],
         tie_word_embeddings=False, experts_implementation="eager",
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(config).to(torch.float64)
-    for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = float64_rms.__get__(module)
-    model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
-    return model
-
-
-def _step(layout: str, group) -> tuple[float, float, float]:
-    model = _model()
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation("sdpa")
-    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=5)
-    logits = CausalLMLogits(model)
-
-    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
-        return logits(local["input_ids"], local["position_ids"]).logits
-
-    cp = cp_decoder.cp_loss(group, batch, forward, layout)
-    ref = cp_decoder.reference_loss(CausalLMLogits(reference), cp_decoder.text_documents(batch))
-    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
-    return relative_step_errors(model, reference, cp, ref, group)
+    return tiny_model(config)
 
 
 def _cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
-    return {f"minimax {layout}": _step(layout, dist.group.WORLD) for layout in GRID[world]}
+    return {
+        f"minimax {layout}": step_errors(_model(), layout, rows=ROWS, seed=5)
+        for layout in GRID[world]
+    }
 
 
 @pytest.mark.parametrize("world", sorted(GRID))

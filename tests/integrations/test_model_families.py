@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tests.helpers import EXAMPLES, cp_mesh, recording_routes
+from tests.integrations.harness import ModelLogits, check_relative_errors, step_errors
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES))
@@ -150,31 +151,10 @@ def _step(
     is ``group``) with CP attention's ``strategy``, and the per-document reference: (CP loss
     averaged over ranks, reference loss, worst gradient difference relative to the largest
     gradient)."""
-    model = _model(family, heads)
-    reference = copy.deepcopy(model)
-    reference.set_attn_implementation(REFERENCE)
-    batch = cp_decoder.packed_batch(ROWS, model.config.vocab_size, seed=len(family))
-
-    def forward(local: dict[str, torch.Tensor]) -> torch.Tensor:
-        return model(input_ids=local["input_ids"], position_ids=local["position_ids"]).logits
-
-    cp = cp_decoder.cp_loss(group, batch, forward, layout, strategy, mesh)
-    ref = cp_decoder.reference_loss(reference, cp_decoder.text_documents(batch))
-    cp_decoder.reference_backward(ref, reference, dist.get_world_size(group))
-    import cpshard
-
-    cpshard.reduce_cp_gradients(model, group)
-    total = cp.clone().reshape(1)
-    dist.all_reduce(total, group=group)
-    total /= dist.get_world_size(group)  # the ranks' losses average to the loss
-    want = dict(reference.named_parameters())
-    largest = max(float(p.grad.abs().max()) for p in want.values() if p.grad is not None)
-    worst = 0.0
-    for name, p in model.named_parameters():
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
-        h = want[name].grad if want[name].grad is not None else torch.zeros_like(p)
-        worst = max(worst, float((g - h).abs().max()) / largest)
-    return float(total), float(ref.detach()), worst
+    return step_errors(
+        _model(family, heads), layout, group, seed=len(family), reference_attention=REFERENCE,
+        logits=ModelLogits, strategy=strategy, mesh=mesh,
+    )  # fmt: skip
 
 
 def _layouts(world: int) -> list[str]:
@@ -220,16 +200,9 @@ def _vlm_cases(rank: int, world: int) -> dict[str, tuple[float, float, float]]:
 VLM_WORLDS = (2, 3, 4)
 
 
-def _check(results: list[dict[str, tuple[float, float, float]]], world: int, grad_tol: float) -> None:
-    for rank, cases in enumerate(results):
-        for name, (cp, ref, grad) in cases.items():
-            assert abs(cp - ref) <= LOSS_TOL * abs(ref), f"rank {rank} W={world} {name}: {cp!r} vs {ref!r}"
-            assert grad <= grad_tol, f"rank {rank} W={world} {name}: gradient {grad:.2e} off"
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_families_match_each_document_alone(pools, world: int) -> None:
-    _check(pools(world).run(_cases, timeout=900), world, GRAD_TOL)
+    check_relative_errors(pools(world).run(_cases, timeout=900), world, LOSS_TOL, GRAD_TOL)
 
 
 @pytest.mark.parametrize("world", VLM_WORLDS)
@@ -238,7 +211,7 @@ def test_qwen3_vl_through_the_sharder_without_naming_its_buffers(pools, world: i
     # test_transformers.py)
     results = pools(world).run(_vlm_cases, timeout=600)
     assert all(sorted(cases) == sorted(_layouts(world)) for cases in results), results
-    _check(results, world, 1e-9)
+    check_relative_errors(results, world, LOSS_TOL, 1e-9)
 
 
 # name -> (family, (query heads, key/value heads)) under the head-parallel strategies; the
@@ -296,7 +269,8 @@ def test_families_under_head_parallel_strategies(pools, world: int) -> None:
     for rank, cases in enumerate(results):
         for name, (_, kind, kinds) in cases.items():
             assert kinds == [kind], f"rank {rank} W={world} {name}: attention took {kinds}"
-    _check([{n: c[0] for n, c in cases.items()} for cases in results], world, GRAD_TOL)
+    errors = [{n: c[0] for n, c in cases.items()} for cases in results]
+    check_relative_errors(errors, world, LOSS_TOL, GRAD_TOL)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])

@@ -18,13 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers import (
-    EXAMPLES,
-    check_relative_errors,
-    cp_aware_decoder,
-    plain_sdpa_decoder,
-    relative_step_errors,
-)
+from tests.helpers import EXAMPLES, cp_aware_decoder, plain_sdpa_decoder
+from tests.integrations.harness import check_relative_errors, relative_step_errors
 
 pytest.importorskip("transformers")
 sys.path.insert(0, str(EXAMPLES))
