@@ -60,16 +60,23 @@ def document_runs_of(
     after = torch.cat([bounds[1:], bounds.new_tensor([doc.numel()])])
     lo = row * padded + begin
     first = torch.searchsorted(bounds, lo, right=True) - 1
-    pieces = torch.searchsorted(bounds, lo + n - 1, right=True) - first
-    which = torch.repeat_interleave(torch.arange(n.numel()), pieces)
-    j = ragged_arange(first, pieces)  # each piece's document
-    lo, row = lo[which], row[which]
-    piece_lo = torch.maximum(lo, bounds[j])
-    piece_hi = torch.minimum(lo + n[which], after[j])
-    keep = torch.nonzero(doc.reshape(-1)[bounds[j]]).flatten()  # not padding
+    last = torch.searchsorted(bounds, lo + n - 1, right=True) - 1
+    if torch.equal(first, last):  # no stretch crosses a bound (a planner cut at documents)
+        j, piece_lo, piece_hi = first, lo, lo + n
+    else:
+        pieces = last - first + 1
+        which = torch.repeat_interleave(torch.arange(n.numel()), pieces)
+        j = ragged_arange(first, pieces)  # each piece's document
+        lo, row, rank, n, q = lo[which], row[which], rank[which], n[which], q[which]
+        piece_lo = torch.maximum(lo, bounds[j])
+        piece_hi = torch.minimum(lo + n, after[j])
     origin = row * padded
     cols = (
-        rank[which], row, q[which] + piece_lo - lo, piece_hi - piece_lo,
+        rank, row, q + piece_lo - lo, piece_hi - piece_lo,
         bounds[j] - origin, piece_lo - origin, after[j] - origin,
     )  # fmt: skip
+    real = doc.reshape(-1)[bounds[j]] != 0
+    if bool(real.all()):
+        return cols
+    keep = torch.nonzero(real).flatten()  # not padding
     return tuple(t[keep] for t in cols)

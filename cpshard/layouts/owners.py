@@ -120,5 +120,5 @@ def _indices(
     counts = torch.zeros(world * rows, dtype=torch.int64).index_add_(0, rank * rows + row, length)
     if not bool((counts == per_rank).all()):
         raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
-    order = torch.argsort(rank * rows + row, stable=True)
+    order = torch.argsort((rank * rows + row).to(torch.int32), stable=True)  # W B < 2^31
     return ragged_arange(start[order], length[order]).view(world, rows, per_rank)

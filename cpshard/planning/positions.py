@@ -45,15 +45,19 @@ def layout_pieces(layout: ShardLayout, rows: int) -> tuple[torch.Tensor, ...]:
     length = padded // max(world, 1)
     if layout.owner_pieces is not None:
         row, start, size, rank = flat_pieces(layout.owner_pieces)
-        keep = torch.nonzero(size).flatten()
-        row, start, size, rank = (t[keep] for t in (row, start, size, rank))
+        if not bool(size.all()):
+            keep = torch.nonzero(size).flatten()
+            row, start, size, rank = (t[keep] for t in (row, start, size, rank))
         block = rank * rows + row
-        order = torch.argsort(block, stable=True)  # by rank and row; by start within them
+        # by rank and row, by start within them (int32 keys: the sort moves half the bytes)
+        order = torch.argsort(block.to(torch.int32), stable=True)
         row, start, size, rank, block = (t[order] for t in (row, start, size, rank, block))
         q = torch.cumsum(size, 0) - size - block * length  # every (rank, row) holds `length`
         # a rank's pieces that meet (a serpentine turn deals it two chunks in a row) are one
         new = torch.ones_like(start, dtype=torch.bool)
         new[1:] = (block[1:] != block[:-1]) | (start[1:] != start[:-1] + size[:-1])
+        if bool(new.all()):
+            return rank, row, start, size, q
         heads = torch.nonzero(new).flatten()
         last = torch.cat([heads[1:], heads.new_tensor([start.numel()])]) - 1
         size = q[last] + size[last] - q[heads]
@@ -86,17 +90,28 @@ class RankPrefix:
         self.keys = (rank * rows + row) * self.span + self.start
 
     def before(self, rank: torch.Tensor, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Positions of ``rank`` in ``row`` that are ``< position`` (elementwise, int64): the
-        local index of the last piece of (rank, row) starting below it, plus its part below."""
-        if not self.keys.numel():
-            return torch.zeros_like(position)
+        """Positions of ``rank`` in ``row`` that are ``< position`` (elementwise, int64)."""
         base = (rank * self.rows + row) * self.span
-        j = torch.searchsorted(self.keys, base + position) - 1
-        at = j.clamp(min=0)
-        held = (j >= 0) & (self.keys[at] >= base)
-        below = self.q[at] + torch.minimum(position - self.start[at], self.size[at])
-        return torch.where(held, below, 0)
+        return _below(self.keys, self.start, self.size, self.q, base, position)
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """:meth:`before` for one ``rank``."""
-        return self.before(torch.full_like(row, rank), row, position)
+        """:meth:`before` for one ``rank``: a search of its own pieces only (a table that
+        stays in cache however many lookups)."""
+        block = torch.tensor([rank * self.rows, (rank + 1) * self.rows])
+        lo, hi = torch.searchsorted(self.keys, block * self.span).tolist()
+        own = (t[lo:hi] for t in (self.keys, self.start, self.size, self.q))
+        return _below(*own, (rank * self.rows + row) * self.span, position)
+
+
+def _below(
+    keys: torch.Tensor, start: torch.Tensor, size: torch.Tensor, q: torch.Tensor,
+    base: torch.Tensor, position: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Per lookup: the local index of the last piece of its (rank, row) block (keys ``base``
+    + start) starting below ``position``, plus the piece's part below it (0: none)."""
+    if not keys.numel():
+        return torch.zeros_like(position)
+    j = torch.searchsorted(keys, base + position) - 1
+    at = j.clamp(min=0)
+    held = (j >= 0) & (keys[at] >= base)
+    return torch.where(held, q[at] + torch.minimum(position - start[at], size[at]), 0)
