@@ -20,13 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpshard.batch.runs import DENSE_LOOKUPS
 from cpshard.planning.runs import LayoutRuns
 from cpshard.ranges import ragged_arange
-
-
-# With more than one lookup per DENSE_LOOKUPS positions, a running sum over every position
-# beats a binary search per lookup (the coverage count's choice between two exact ways).
-DENSE_LOOKUPS = 8
 
 
 @dataclass(frozen=True)

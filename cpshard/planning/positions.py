@@ -8,7 +8,6 @@ import torch
 
 from cpshard.layouts import ShardLayout
 from cpshard.layouts.closed_form import check_closed_form
-from cpshard.layouts.owners import flat_pieces
 
 def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
     """``[W, B, L]`` int64: every rank's global positions of every batch row (ascending), for a
@@ -37,31 +36,14 @@ def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
 
 
 def layout_pieces(layout: ShardLayout, rows: int) -> tuple[torch.Tensor, ...]:
-    """Every rank's pieces of every row (maximal runs of consecutive positions on one rank):
-    rank, row, start, length and first local index ``q`` (int64 vectors ordered by rank, row
-    and start; none empty). A planned layout's are the pieces it carries; contiguous shards'
-    follow from the sizes; any other's are read from its positions."""
+    """Every rank's pieces of every row (runs of consecutive positions on one rank, maximal or
+    not): rank, row, start, length and first local index ``q`` (int64 vectors ordered by rank,
+    row and start; none empty). A planned layout's are the pieces it carries; contiguous
+    shards' follow from the sizes; any other's are read from its positions."""
     world, padded = layout.world_size, layout.padded_seq_len
     length = padded // max(world, 1)
-    if layout.owner_pieces is not None:
-        row, start, size, rank = flat_pieces(layout.owner_pieces)
-        if not bool(size.all()):
-            keep = torch.nonzero(size).flatten()
-            row, start, size, rank = (t[keep] for t in (row, start, size, rank))
-        block = rank * rows + row
-        # by rank and row, by start within them (int32 keys: the sort moves half the bytes)
-        order = torch.argsort(block.to(torch.int32), stable=True)
-        row, start, size, rank, block = (t[order] for t in (row, start, size, rank, block))
-        q = torch.cumsum(size, 0) - size - block * length  # every (rank, row) holds `length`
-        # a rank's pieces that meet (a serpentine turn deals it two chunks in a row) are one
-        new = torch.ones_like(start, dtype=torch.bool)
-        new[1:] = (block[1:] != block[:-1]) | (start[1:] != start[:-1] + size[:-1])
-        if bool(new.all()):
-            return rank, row, start, size, q
-        heads = torch.nonzero(new).flatten()
-        last = torch.cat([heads[1:], heads.new_tensor([start.numel()])]) - 1
-        size = q[last] + size[last] - q[heads]
-        return rank[heads], row[heads], start[heads], size, q[heads]
+    if layout.rank_major_pieces is not None:
+        return layout.rank_major_pieces
     if layout.contiguous_shards:
         rank = torch.arange(world).repeat_interleave(rows)
         size = torch.full_like(rank, length)
