@@ -9,6 +9,7 @@ import torch
 from cpshard.layouts import ShardLayout
 from cpshard.layouts.closed_form import check_closed_form
 
+
 def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
     """``[W, B, L]`` int64: every rank's global positions of every batch row (ascending), for a
     layout whose ranks hold equal shards (closed-form layouts: their formula per rank; planned
