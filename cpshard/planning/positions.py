@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from cpshard.layouts import ShardLayout
+from cpshard.layouts import ShardLayout, rank_major_inverse
 from cpshard.layouts.closed_form import check_closed_form
 
 
@@ -40,11 +40,23 @@ def layout_pieces(layout: ShardLayout, rows: int) -> tuple[torch.Tensor, ...]:
     """Every rank's pieces of every row (runs of consecutive positions on one rank, maximal or
     not): rank, row, start, length and first local index ``q`` (int64 vectors ordered by rank,
     row and start; none empty). A planned layout's are the pieces it carries; contiguous
-    shards' follow from the sizes; any other's are read from its positions."""
+    shards' and whole chunks' follow from the sizes; any other's are read from its positions."""
     world, padded = layout.world_size, layout.padded_seq_len
     length = padded // max(world, 1)
     if layout.rank_major_pieces is not None:
         return layout.rank_major_pieces
+    if layout.moves_whole_chunks and padded:  # closed-form whole chunks: C pieces a row
+        chunks = layout.num_chunks
+        assert chunks is not None
+        size, per = padded // chunks, chunks // world
+        slot = rank_major_inverse(layout.name, world, chunks, num_chunks=chunks)
+        chunk = torch.argsort(slot).view(world, 1, per)  # each rank's chunks, ascending
+        shape = (world, rows, per)
+        cols = (
+            torch.arange(world).view(world, 1, 1), torch.arange(rows).view(1, rows, 1),
+            chunk * size, torch.full((1, 1, 1), size), torch.arange(per).view(1, 1, per) * size,
+        )  # fmt: skip
+        return tuple(t.expand(shape).reshape(-1) for t in cols)
     if layout.contiguous_shards:
         rank = torch.arange(world).repeat_interleave(rows)
         size = torch.full_like(rank, length)
