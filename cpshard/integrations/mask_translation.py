@@ -6,7 +6,8 @@ of ``and_masks`` / ``or_masks`` and of transformers' mask pieces) and describes 
 **each document alone**: what the model computes when that document is its whole input, which
 is what a packed step must equal. So every piece is read in document positions (a chunk starts
 at its document's start; ``remap_positions_for_packed_sequence`` and the packed-sequence and
-padding pieces say nothing the documents do not), and the bidirectional blocks of
+padding pieces say nothing the documents do not: their tensors, when they cover the batch, must
+agree with the documents), and the bidirectional blocks of
 ``blockwise_overlay`` are read at the global positions of the batch row (each document's slice
 of the row's block ids is what the model builds from that document's token types alone).
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from types import CodeType
 from typing import Any
@@ -43,6 +45,8 @@ _STRICT_WINDOW_OVERLAYS = (
 # The constant mask models pass to widen causal attention to bidirectional (Gemma 3 writes it
 # in its forward; recognised by its instructions).
 _ALWAYS_TRUE = (lambda *args: torch.tensor(True, dtype=torch.bool)).__code__  # noqa: E731
+
+_SIGNATURE = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
 
 
 class _Context:
@@ -96,12 +100,13 @@ def _describe(fn: MaskFunction | None, ctx: _Context) -> MaskDescription | None:
 
 def _same_code(a: CodeType, b: CodeType) -> bool:
     """Two code objects compute the same thing: same instructions, constants, names and
-    signature (``lambda *args: torch.tensor(True, dtype=torch.bool)`` written in a model)."""
+    signature (``lambda *args: torch.tensor(True, dtype=torch.bool)`` written in a model; the
+    flags that say where it was compiled do not count)."""
     return (
         a.co_code == b.co_code
         and a.co_consts == b.co_consts
         and a.co_names == b.co_names
-        and a.co_flags == b.co_flags
+        and a.co_flags & _SIGNATURE == b.co_flags & _SIGNATURE
         and a.co_argcount == b.co_argcount
         and a.co_freevars == b.co_freevars
     )
@@ -133,12 +138,13 @@ def _blocks(cells: dict[str, Any], ctx: _Context) -> MaskDescription | None:
 def _no_more_than_documents(
     tensor_name: str, agrees: Callable[[torch.Tensor, torch.Tensor], bool]
 ) -> _Reader:
-    """A piece that repeats the documents (packed sequences, padding): bidirectional within
-    them when its tensor covers the batch and agrees with them, else not translatable."""
+    """A piece that restates the documents (packed sequences, padding): bidirectional within
+    them. Its tensor is checked against the documents when it covers the batch; a shard's
+    (the model ran on one rank's tokens) restates what the step read from the whole batch."""
 
     def read(cells: dict[str, Any], ctx: _Context) -> MaskDescription | None:
         tensor = cells[tensor_name]
-        if not ctx.covers(tensor) or not agrees(tensor.to("cpu"), ctx.documents):
+        if ctx.covers(tensor) and not agrees(tensor.to("cpu"), ctx.documents):
             return None
         return MaskDescription.within_documents(ctx.documents)
 

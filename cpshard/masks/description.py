@@ -143,11 +143,13 @@ class MaskDescription:
         that on each piece every bound is one line and every comparison between them one sign:
         the piece's first query decides them all."""
         a, b, row, start, end, ds, de = _refine(self, other)
+        if start.numel() == 0:  # no documents
+            return self
         const = torch.stack((self.lo[a], other.lo[b], self.hi[a], other.hi[b]), 1)
         line = torch.stack(
             (-self.back[a], -other.back[b], 1 + self.ahead[a], 1 + other.ahead[b]), 1
         )  # the bounds' other form: q + line
-        root = (const[:, :, None] - line[:, None, :]).reshape(len(start), -1)
+        root = (const[:, :, None] - line[:, None, :]).reshape(len(start), 16)
         cuts = torch.cat((root, root + 1), 1)
         keep = (cuts > start[:, None]) & (cuts < end[:, None])
         seg = torch.arange(len(start))
