@@ -226,6 +226,7 @@ def test_untranslatable_masks_give_none() -> None:
     doc = torch.tensor([[1, 1, 1, 1, 2, 2, 0, 0]])
     causal = M.causal_mask_function
     split_prefix = torch.tensor([[0, -1, 0, -1, -1, -1, -1, -1]])  # a prefix with a hole
+    split_packing = torch.tensor([[0, 0, 1, 1, 2, 2, 3, 3]])
     for fn in (
         lambda b, h, q, k: k <= q,  # a user's function
         M.or_masks(causal, lambda b, h, q, k: k == 0),
@@ -233,15 +234,31 @@ def test_untranslatable_masks_give_none() -> None:
         M.or_masks(causal, M.blockwise_overlay(split_prefix)),
         M.or_masks(causal, M.blockwise_overlay(torch.zeros(1, 4, dtype=torch.int64))),  # a shard's
         # packed sequences that split a document, padding inside one
-        M.and_masks(causal, M.packed_sequence_mask_function(torch.tensor([[0, 0, 1, 1, 2, 2, 3, 3]]))),
-        M.and_masks(causal, M.padding_mask_function(torch.tensor([[1, 1, 0, 1, 1, 1, 0, 0]]).bool())),
+        M.and_masks(causal, M.packed_sequence_mask_function(split_packing)),
+        M.and_masks(causal, M.padding_mask_function(torch.tensor([[1, 1, 0, 1, 1, 1, 0, 0]]) > 0)),
     ):
         assert describe_transformers_mask(fn, doc) is None
     # what says nothing more than the documents is translated
     causal_dense = describe_transformers_mask(None, doc).dense()
-    for fn in (
-        causal,
-        M.and_masks(causal, M.packed_sequence_mask_function(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2]]))),
-        M.and_masks(causal, M.padding_mask_function(torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]]).bool())),
-    ):
+    packed = M.packed_sequence_mask_function(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2]]))
+    valid = M.padding_mask_function(torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0]]) > 0)
+    for fn in (causal, M.and_masks(causal, packed), M.and_masks(causal, valid)):
         assert torch.equal(describe_transformers_mask(fn, doc).dense(), causal_dense)
+
+
+def test_transformers_compositions_equal_their_dense_masks() -> None:
+    doc = torch.tensor([[1] * 7 + [0] + [2] * 5, [0] + [3] * 10 + [4] * 2])
+    ids = torch.tensor([[-1] * 4 + [0] * 3 + [-1, 1, 1, -1, -1, 2], [-1] * 6 + [3] * 4 + [-1] * 3])
+    causal = M.causal_mask_function
+    same_doc = (doc[:, :, None] == doc[:, None, :]) & (doc != 0)[:, :, None]
+    for fn in (
+        M.bidirectional_mask_function,
+        M.sliding_window_causal_mask_function(3),
+        M.sliding_window_bidirectional_mask_function(2),
+        M.or_masks(M.sliding_window_causal_mask_function(2), M.blockwise_overlay(ids)),
+        M.and_masks(M.or_masks(causal, M.blockwise_overlay(ids)), M.sliding_window_overlay(2)),
+        M.or_masks(causal, T.models.gemma3.modeling_gemma3._bidirectional_window_overlay(3)),
+    ):
+        described = describe_transformers_mask(fn, doc)
+        assert described is not None
+        assert torch.equal(described.dense(), _dense(fn, *doc.shape) & same_doc)

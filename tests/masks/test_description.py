@@ -119,7 +119,11 @@ def _one_interval(dense: torch.Tensor) -> bool:
     return bool((changes <= 2).all())
 
 
-def _primitives(rng: random.Random, doc: torch.Tensor) -> list[tuple[MaskDescription, torch.Tensor]]:
+def _primitives(
+    rng: random.Random, doc: torch.Tensor
+) -> list[tuple[MaskDescription, torch.Tensor]]:
+    """The builders on ``doc`` (random windows, chunk size, blocks) and two descriptions of
+    arbitrary rules, each with its dense statement."""
     back, ahead, size = rng.choice([0, 1, 3, INF]), rng.choice([0, 2, INF]), rng.randint(1, 9)
     ids = _random_blocks(rng, doc, split=False)
     out = [
@@ -197,7 +201,8 @@ def test_descriptions_of_other_documents_do_not_combine() -> None:
     doc = torch.tensor([[1, 1, 2, 2, 0]])
     other = torch.tensor([[1, 1, 1, 2, 0]])
     a = MaskDescription.within_documents(doc)
-    for b in (MaskDescription.within_documents(other), MaskDescription.within_documents(doc[:, :4])):
+    others = (other, doc[:, :4])
+    for b in (MaskDescription.within_documents(ids) for ids in others):
         for combine in (a.intersect, a.union):
             try:
                 combine(b)

@@ -117,6 +117,6 @@ def test_mask_mod_plan_matches_every_pair(
 
 def test_mask_mod_bad_arguments() -> None:
     with pytest.raises(ValueError, match="documents"):
-        plan_mask_mod(lambda b, h, q, k: k <= q, 1, 4, documents=torch.ones(1, 5, dtype=torch.int64))
+        plan_mask_mod(lambda b, h, q, k: k <= q, 1, 4, documents=torch.ones(1, 5).long())
     with pytest.raises(ValueError, match="block"):
         plan_mask_mod(lambda b, h, q, k: k <= q, 1, 4, block=0)
