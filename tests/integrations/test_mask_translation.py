@@ -21,6 +21,7 @@ from transformers import masking_utils as M  # noqa: E402
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 from cpshard.integrations.mask_translation import describe_transformers_mask  # noqa: E402
+from tests.helpers import document_spans, per_document_positions  # noqa: E402
 
 _CAPTURE = "cpshard_test_mask_capture"
 _VISION = dict(
@@ -106,34 +107,10 @@ def _batch(rng: random.Random, rows: int, length: int, kind: str) -> tuple[torch
     return doc, types
 
 
-def _positions(doc: torch.Tensor) -> torch.Tensor:
-    """Per-document positions from 0 (a pad continues the count before it)."""
-    pos = torch.zeros_like(doc)
-    for b in range(doc.shape[0]):
-        for i in range(1, doc.shape[1]):
-            starts = doc[b, i] != 0 and doc[b, i] != doc[b, i - 1]
-            pos[b, i] = 0 if starts else pos[b, i - 1] + 1
-    return pos
-
-
-def _documents(doc: torch.Tensor) -> list[tuple[int, int, int]]:
-    out = []
-    for b in range(doc.shape[0]):
-        i = 0
-        while i < doc.shape[1]:
-            j = i
-            while j < doc.shape[1] and doc[b, j] == doc[b, i]:
-                j += 1
-            if doc[b, i] != 0:
-                out.append((b, i, j))
-            i = j
-    return out
-
-
 def _masks(model, captured: list, doc: torch.Tensor, types: torch.Tensor | None) -> list:
     """The model's mask functions for the batch (its forward builds them)."""
     captured.clear()
-    kwargs = dict(position_ids=_positions(doc), use_cache=False)
+    kwargs = dict(position_ids=per_document_positions(doc), use_cache=False)
     rows, length = doc.shape
     if types is None:
         kwargs["input_ids"] = torch.ones(rows, length, dtype=torch.int64)
@@ -158,7 +135,7 @@ def _each_alone(model, captured: list, doc: torch.Tensor, types: torch.Tensor | 
     document alone, placed on the block diagonal of ``[B, S, S]``."""
     rows, length = doc.shape
     out: list[torch.Tensor] = []
-    for b, ds, de in _documents(doc):
+    for b, ds, de in document_spans(doc):
         alone = doc[b : b + 1, ds:de]
         part = None if types is None else types[b : b + 1, ds:de]
         fns = _masks(model, captured, alone, part)

@@ -11,6 +11,7 @@ import random
 import torch
 
 from cpshard.masks import INF, MaskDescription, cut_runs
+from tests.helpers import document_spans
 
 
 def _documents(rng: random.Random, rows: int, length: int) -> torch.Tensor:
@@ -31,28 +32,12 @@ def _documents(rng: random.Random, rows: int, length: int) -> torch.Tensor:
     return doc
 
 
-def _bounds(doc: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(row, start, end) of every document, by walking the positions."""
-    out = []
-    for b in range(doc.shape[0]):
-        start = None
-        for i in range(doc.shape[1] + 1):
-            here = int(doc[b, i]) if i < doc.shape[1] else 0
-            before = int(doc[b, i - 1]) if i > 0 and start is not None else 0
-            if start is not None and here != before:
-                out.append((b, start, i))
-                start = None
-            if start is None and here != 0:
-                start = i
-    return out
-
-
 def _dense(doc: torch.Tensor, sees) -> torch.Tensor:
     """The dense mask: ``sees(b, ds, q, k)`` for the queries ``q`` ``[n, 1]`` and keys ``k``
     ``[1, n]`` of each document (nothing across documents)."""
     rows, length = doc.shape
     out = torch.zeros(rows, length, length, dtype=torch.bool)
-    for b, ds, de in _bounds(doc):
+    for b, ds, de in document_spans(doc):
         q = torch.arange(ds, de)[:, None]
         out[b, ds:de, ds:de] = torch.as_tensor(sees(b, ds, q, q.T)).expand(de - ds, de - ds)
     return out
@@ -75,7 +60,7 @@ def _random_blocks(rng: random.Random, doc: torch.Tensor, split: bool) -> torch.
 
 def _split_block(doc: torch.Tensor, ids: torch.Tensor) -> bool:
     """Some block's tokens inside some document are not consecutive."""
-    for b, ds, de in _bounds(doc):
+    for b, ds, de in document_spans(doc):
         seen: set[int] = set()
         for i in range(ds, de):
             g = int(ids[b, i])
@@ -216,7 +201,7 @@ def _random_runs(rng: random.Random, doc: torch.Tensor) -> tuple[torch.Tensor, .
     """Every document cut at random points into runs (as ranks hold them), in random order:
     row, begin, length, document start and end; a few empty runs among them."""
     runs = []
-    for b, ds, de in _bounds(doc):
+    for b, ds, de in document_spans(doc):
         cuts = sorted({ds, de, *(rng.randint(ds, de) for _ in range(2))})
         runs += [(b, x, y - x, ds, de) for x, y in zip(cuts, cuts[1:])]
         if rng.random() < 0.2:
