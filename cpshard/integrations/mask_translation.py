@@ -5,11 +5,11 @@ The translation walks the composed mask function a model hands its mask builder 
 of ``and_masks`` / ``or_masks`` and of transformers' mask pieces) and describes what it says for
 **each document alone**: what the model computes when that document is its whole input, which
 is what a packed step must equal. So every piece is read in document positions (a chunk starts
-at its document's start; ``remap_positions_for_packed_sequence`` and the packed-sequence and
-padding pieces say nothing the documents do not: their tensors, when they cover the batch, must
-agree with the documents), and the bidirectional blocks of
-``blockwise_overlay`` are read at the global positions of the batch row (each document's slice
-of the row's block ids is what the model builds from that document's token types alone).
+at its document's start); ``remap_positions_for_packed_sequence`` and the packed-sequence and
+padding pieces say nothing the documents do not (their tensors, when they cover the batch, must
+agree with the documents); the bidirectional blocks of ``blockwise_overlay`` are read at the
+global positions of the batch row (each document's slice of the row's block ids is what the
+model builds from that document's token types alone).
 
 Pieces are recognised by their code object (the closure a transformers factory returns shares
 its code), never by a name that a user's function could also carry. Anything else — a user's
@@ -76,8 +76,15 @@ def describe_transformers_mask(
     ``block_ids`` ``[B, S]``: the row's block ids for ``blockwise_overlay`` (e.g. from
     ``token_type_ids`` the way the model makes them); without them, the ids the overlay holds
     are read when they cover the whole batch (a shard's ids cannot be read as the row's)."""
+    if documents.dim() != 2:
+        raise ValueError(f"documents must be [B, S], got {tuple(documents.shape)}")
     documents = documents.to("cpu", torch.int64)
     if block_ids is not None:
+        if block_ids.shape != documents.shape:
+            raise ValueError(
+                f"block_ids must be the documents' [B, S] = {tuple(documents.shape)}, got "
+                f"{tuple(block_ids.shape)}"
+            )
         block_ids = block_ids.to("cpu", torch.int64)
     return _describe(mask_function, _Context(documents, block_ids))
 

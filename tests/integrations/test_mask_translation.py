@@ -215,6 +215,8 @@ def test_untranslatable_masks_give_none() -> None:
         M.and_masks(causal, M.padding_mask_function(torch.tensor([[1, 1, 0, 1, 1, 1, 0, 0]]) > 0)),
     ):
         assert describe_transformers_mask(fn, doc) is None
+    with pytest.raises(ValueError, match="block_ids"):
+        describe_transformers_mask(causal, doc, block_ids=split_prefix[:, :4])
     # what says nothing more than the documents is translated
     causal_dense = describe_transformers_mask(None, doc).dense()
     packed = M.packed_sequence_mask_function(torch.tensor([[0, 0, 0, 0, 1, 1, 1, 2]]))
