@@ -1,7 +1,8 @@
 """Mask descriptions against a dense statement of each pattern, element by element, on fuzzed
 packed batches (padding anywhere, one-token documents, empty rows, B > 1): the builders, their
 intersections and unions (refused exactly when a query's keys are not one interval), and runs
-cut at the segments (every query of every run sees exactly its row of the dense mask)."""
+(random ones, and every rank's runs of every layout at W = 1-4) cut at the segments: every query
+of every run sees exactly its row of the dense mask."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import random
 
 import torch
 
+from cpshard.layouts import make_layout
 from cpshard.masks import INF, MaskDescription, cut_runs
+from cpshard.planning import layout_runs
 from tests.helpers import document_spans
 
 
@@ -269,3 +272,23 @@ def test_descriptions_pickle() -> None:
     assert described is not None
     again = pickle.loads(pickle.dumps(described))
     assert torch.equal(again.dense(), described.dense())
+
+
+def test_every_ranks_runs_of_every_layout_see_their_dense_rows() -> None:
+    """The runs the step's planners hold (every rank's, any layout) cut at the segments."""
+    rng = random.Random(6)
+    for doc in _batches(10)[2:]:
+        for name in ("contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced"):
+            for world in (1, 2, 3, 4):
+                layout = make_layout(name, world, doc.shape[1], doc_ids=doc)
+                padded = torch.cat(
+                    [doc, doc.new_zeros(doc.shape[0], layout.padded_seq_len - doc.shape[1])], 1
+                )
+                runs = layout_runs(layout, padded)
+                for described, dense in _primitives(rng, padded)[:5]:
+                    cols = (runs.row, runs.begin, runs.n, runs.doc_start, runs.doc_end)
+                    qrow, q, first, end = cut_runs(described, *cols).query_ranges()
+                    keys = torch.arange(padded.shape[1])
+                    seen = (keys >= first[:, None]) & (keys < end[:, None])
+                    assert torch.equal(seen, dense[qrow, q]), (name, world)
+                    assert int(q.numel()) == int((padded != 0).sum())
