@@ -17,8 +17,8 @@ class MaskPieces:
     """Pieces of runs, each inside one segment, ordered like the runs and by position: the run
     ``run`` it comes from, batch row ``row``, queries ``[begin, begin + n)``. Query ``q`` sees
     the keys ``[max(lo, q - back), min(hi, q + 1 + ahead))``; ``[lo, hi)`` is the union of
-    every query's keys (the first query's first key to the last query's end): the rows a
-    planner needs for the piece. ``ahead == 0``: causal within ``[lo, hi)`` (query ``q`` sees
+    every query's keys (the first query's first key to the last query's end; a superset only
+    where some query sees nothing): the rows a planner needs for the piece. ``ahead == 0``: causal within ``[lo, hi)`` (query ``q`` sees
     up to itself); ``ahead`` >= :data:`~cpshard.masks.description.INF`: every query sees up to
     ``hi``; ``back`` < INF: a sliding window's start."""
 
