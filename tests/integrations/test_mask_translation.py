@@ -93,6 +93,8 @@ def _batch(rng: random.Random, rows: int, length: int, kind: str) -> tuple[torch
     doc = torch.zeros(rows, length, dtype=torch.int64)
     types = torch.zeros(rows, length, dtype=torch.int64) + (kind == "prefix")
     for b in range(rows):
+        if rng.random() < 0.2:
+            continue  # an empty row
         pos, ident = rng.choice([0, 0, 2]), 1
         while pos < length:
             size = min(rng.choice([1, 3, 6, 9, 13]), length - pos)
