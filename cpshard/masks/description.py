@@ -81,7 +81,7 @@ class MaskDescription:
         bidirectional: the defaults; a causal sliding window ``W``: ``back=W - 1, ahead=0``."""
         if back < 0 or ahead < 0:
             raise ValueError(f"back and ahead must be >= 0, got {back} and {ahead}")
-        row, start, end = document_bounds(documents)
+        row, start, end = document_bounds(_host(documents))
         return _make(documents.shape, row, start, end, start, end, start, back, end, ahead)
 
     @classmethod
@@ -91,7 +91,7 @@ class MaskDescription:
         size`` in document positions)."""
         if size < 1:
             raise ValueError(f"the chunk size must be >= 1, got {size}")
-        row, ds, de = document_bounds(documents)
+        row, ds, de = document_bounds(_host(documents))
         count = (de - ds + size - 1) // size
         first = ragged_arange(torch.zeros_like(count), count) * size
         row, ds, de = (t.repeat_interleave(count) for t in (row, ds, de))
@@ -109,8 +109,8 @@ class MaskDescription:
                 f"block_ids must have the documents' shape {tuple(documents.shape)}, got "
                 f"{tuple(block_ids.shape)}"
             )
+        documents, block_ids = _host(documents), _host(block_ids)
         valid = documents != 0
-        block_ids = block_ids.to(torch.int64)
         starts = run_starts(documents, valid) | run_starts(block_ids, valid)
         row, start, end, ds, de, doc = _segments_at(documents, starts)
         group = block_ids[row, start]
@@ -202,6 +202,13 @@ class MaskDescription:
             *(t[first] for t in (self.doc_start, self.doc_end, self.lo, self.back, self.hi,
                                  self.ahead)),
         )  # fmt: skip
+
+
+def _host(ids: torch.Tensor) -> torch.Tensor:
+    """Per-token ids as host int64 (a description is host metadata)."""
+    if ids.dim() != 2:
+        raise ValueError(f"per-token ids must be [B, S], got {tuple(ids.shape)}")
+    return ids.to("cpu", torch.int64)
 
 
 def _make(shape: tuple[int, ...] | torch.Size, *columns: torch.Tensor | int) -> MaskDescription:
