@@ -193,6 +193,23 @@ def _causal_and_mask(how: Visible) -> tuple[bool, torch.Tensor | None]:
     return (False, how) if isinstance(how, torch.Tensor) else (how, None)
 
 
+def widened(scale: float | None, q: T, *others: T) -> tuple[float, torch.dtype, list[T]]:
+    """The softmax scale, q's dtype (the results') and q and ``others`` in the explicit kernels'
+    compute dtype (fp16/bf16 computed in fp32)."""
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    wide = lse_dtype(q.dtype)
+    return s, q.dtype, [t.to(wide) for t in (q, *others)]
+
+
+def logit_grads(probs: T, g: T, out: T, v: T, raw: T, softcap: float | None) -> T:
+    """The gradient of the raw scores from the softmax's ``probs``, the output's gradient ``g``,
+    the output and the values (``P * (dP - rowsum(g * out))``), through the soft-cap."""
+    dlogits = probs * (g @ v.transpose(-1, -2) - (g * out).sum(-1, keepdim=True))
+    if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+        dlogits = dlogits * (1 - torch.tanh(raw / softcap) ** 2)
+    return dlogits
+
+
 class MathPart:
     """Explicit matmul-softmax (fp16/bf16 computed in fp32), for devices and dtypes no flash
     kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take) and for logit
@@ -224,9 +241,7 @@ class MathPart:
         return raw, logits
 
     def forward(self, q: T, k: T, v: T, how: Visible, scale: float | None) -> Tensors:
-        s = scale if scale is not None else q.shape[-1] ** -0.5
-        dtype, wide = q.dtype, lse_dtype(q.dtype)  # fp16/bf16 computed in fp32
-        q, k, v = (t.to(wide) for t in (q, k, v))
+        s, dtype, (q, k, v) = widened(scale, q, k, v)
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         lse = q.new_empty(q.shape[:3])
         for rows in self._chunks(q.shape[2], k.shape[2]):
@@ -238,19 +253,14 @@ class MathPart:
     def backward(
         self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: Visible, scale: float | None
     ) -> Grads:
-        s = scale if scale is not None else q.shape[-1] ** -0.5
-        dtype, wide = q.dtype, lse_dtype(q.dtype)
-        grad, q, k, v, out = (t.to(wide) for t in (grad, q, k, v, out))
+        s, dtype, (q, k, v, grad, out) = widened(scale, q, k, v, grad, out)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for rows in self._chunks(q.shape[2], k.shape[2]):
             raw, logits = self._scores(q, k, how, rows, s)
             probs = torch.exp(logits - lse[:, :, rows, None])
             g = grad[:, :, rows]
             dv += probs.transpose(-1, -2) @ g
-            mass = (g * out[:, :, rows]).sum(-1, keepdim=True)
-            dlogits = probs * (g @ v.transpose(-1, -2) - mass)
-            if self.softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
-                dlogits = dlogits * (1 - torch.tanh(raw / self.softcap) ** 2)
+            dlogits = logit_grads(probs, g, out[:, :, rows], v, raw, self.softcap)
             dq[:, :, rows] = (dlogits @ k) * s
             dk += (dlogits.transpose(-1, -2) @ q[:, :, rows]) * s
         return dq.to(dtype), dk.to(dtype), dv.to(dtype)
@@ -283,9 +293,7 @@ class MathVarlen:
         return repeat_kv(t[c[2] : c[3]].transpose(0, 1), heads)
 
     def forward(self, q: T, k: T, v: T, p: Packing, scale: float | None) -> Tensors:
-        s = scale if scale is not None else q.shape[-1] ** -0.5
-        dtype, wide = q.dtype, lse_dtype(q.dtype)
-        q, k, v = (t.to(wide) for t in (q, k, v))
+        s, dtype, (q, k, v) = widened(scale, q, k, v)
         heads = q.shape[1]
         out = q.new_zeros(q.shape[0], heads, v.shape[-1])
         lse = q.new_full((heads, q.shape[0]), float("-inf"))
@@ -300,9 +308,7 @@ class MathVarlen:
     def backward(
         self, grad: T, q: T, k: T, v: T, out: T, lse: T, p: Packing, scale: float | None
     ) -> Grads:
-        s = scale if scale is not None else q.shape[-1] ** -0.5
-        dtype, wide = q.dtype, lse_dtype(q.dtype)
-        grad, q, k, v, out = (t.to(wide) for t in (grad, q, k, v, out))
+        s, dtype, (q, k, v, grad, out) = widened(scale, q, k, v, grad, out)
         heads, kv_heads = q.shape[1], k.shape[1]
         dq = torch.zeros_like(q)
         dk = k.new_zeros(k.shape[0], heads, k.shape[-1])
@@ -314,10 +320,7 @@ class MathVarlen:
             probs = torch.exp(logits - lse[:, q0:q1, None].nan_to_num(neginf=0.0))
             g = grad[q0:q1].transpose(0, 1)
             dv[k0:k1] += (probs.transpose(-1, -2) @ g).transpose(0, 1)
-            mass = (g * out[q0:q1].transpose(0, 1)).sum(-1, keepdim=True)
-            dlogits = probs * (g @ vs.transpose(-1, -2) - mass)
-            if self.softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
-                dlogits = dlogits * (1 - torch.tanh(raw / self.softcap) ** 2)
+            dlogits = logit_grads(probs, g, out[q0:q1].transpose(0, 1), vs, raw, self.softcap)
             dq[q0:q1] = ((dlogits @ ks) * s).transpose(0, 1)
             dk[k0:k1] += ((dlogits.transpose(-1, -2) @ q[q0:q1].transpose(0, 1)) * s).transpose(0, 1)
         fold = lambda t: t.view(t.shape[0], kv_heads, heads // kv_heads, -1).sum(2)  # noqa: E731

@@ -36,7 +36,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -45,8 +45,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 # the checkout this script belongs to, unless PYTHONPATH / an install provides cpshard first
-# (at import: spawned ranks import this file too)
+# (at import: spawned ranks import this file too), and this folder's scripts
 sys.path.append(str(Path(__file__).resolve().parents[2]))
+sys.path.append(str(Path(__file__).resolve().parent))
+import numerics  # noqa: E402
+import steady_state  # noqa: E402
 
 FACTOR = 3.0  # cpshard may err by this multiple of the plain low-precision reference's error
 HEAD_DIM = 32
@@ -81,54 +84,23 @@ def smoke(device: str) -> dict:
 
 
 def _reference(q, k, v, variant: dict, sinks) -> torch.Tensor:
-    """Per-document causal attention in q's dtype: SDPA, or the explicit statement with a
-    soft-cap or sinks (SDPA has neither); a window as a band."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    outs, at = [], 0
-    for n in DOCS:
-        sl = slice(at, at + n)
-        i = torch.arange(n, device=q.device)[:, None]
-        j = torch.arange(n, device=q.device)[None, :]
-        visible = (j <= i) & (j > i - (variant.get("window") or n))
-        qs, ks, vs = q[:, :, sl], k[:, :, sl], v[:, :, sl]
-        cap = variant.get("softcap")
-        if cap is None and sinks is None:
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible))
-        else:
-            logits = (qs @ ks.transpose(-1, -2)) * qs.shape[-1] ** -0.5
-            if cap is not None:
-                logits = cap * torch.tanh(logits / cap)
-            logits = logits.masked_fill(~visible, float("-inf"))
-            if sinks is not None:
-                column = sinks.to(logits.dtype).view(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
-                logits = torch.cat([logits, column], dim=-1)
-            probs = torch.softmax(logits, dim=-1)
-            outs.append((probs[..., :n] if sinks is not None else probs) @ vs)
-        at += n
-    return torch.cat(outs, dim=2)
+    """Per-document causal attention of :data:`DOCS` in q's dtype (numerics.py's statement)."""
+    return numerics.reference(
+        q, k, v, DOCS,
+        numerics.Variant(variant.get("window"), variant.get("softcap"), sinks is not None), sinks,
+    )  # fmt: skip
 
 
 def _with_grads(fn: Callable, leaves: list[torch.Tensor], weight: torch.Tensor) -> list:
-    leaves = [t.detach().clone().requires_grad_() for t in leaves]
-    out = fn(*leaves)
-    grads = torch.autograd.grad((out.float() * weight.to(out.device)).sum(), leaves)
-    return [out.detach().double().cpu(), *(g.double().cpu() for g in grads)]
+    """fn(*leaves) and its gradients (numerics.py's), in float64 on the CPU."""
+    return [t.cpu() for t in numerics.with_grads(fn, leaves, weight.to(leaves[0].device))]
 
 
 @contextmanager
 def no_sync(device: str) -> Iterator[None]:
-    """Any device->host sync inside raises (CUDA); a plain call on CPU."""
-    if device != "cuda":
+    """Any device->host sync inside raises (CUDA: steady_state.py's check); a plain call on CPU."""
+    with steady_state.no_sync() if device == "cuda" else nullcontext():
         yield
-        return
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
 
 
 def _case_inputs(heads: int, kv_heads: int, sinks: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -169,18 +141,13 @@ def _cp_step(
     w = weight[:, :, mine].to(device)
     with ctx():
         fn(*local_leaves)  # warm-up: the step's first call may make its metadata (and sync)
-        with no_sync(device) if checked else _nothing():
+        with no_sync(device) if checked else nullcontext():
             out = fn(*local_leaves)
             grads = torch.autograd.grad((out.float() * w).sum(), local_leaves)
     got = [out.detach().double().cpu(), *(g.double().cpu() for g in grads)]
     if sinks:  # every rank holds the sinks: their gradient is the sum over ranks
         dist.all_reduce(got[-1], group=group if isinstance(group, dist.ProcessGroup) else None)
     return got
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _compare(got: list, truth: list, ref_lp: list, mine: slice) -> tuple[bool, list[dict]]:
