@@ -7,8 +7,8 @@
   CUDA tensors, the transport through gloo staged through host memory
   (:mod:`cpshard.comm.host_staged`), so the CUDA kernels, the attention's varlen path and the
   multi-rank plans run for real: the ``needed_rows`` and ``heads`` strategies (and
-  ``hierarchical`` on a 2 x 2 mesh at W = 4), a sliding window, sinks and a soft-cap, each
-  forward and backward in bf16 against the same step in float64 on the CPU, within ``FACTOR``
+  ``hierarchical`` on a 2 x 2 mesh at W = 4), a sliding window, sinks and a soft-cap, and a
+  mixer (the causal convolution's window exchange), each forward and backward in bf16 against the same step in float64 on the CPU, within ``FACTOR``
   times the error of a plain-PyTorch bf16 reference against that float64 one (the flash-attention
   tests' rule); then ``torch.compile`` of the layer against eager, the steady-state step under
   ``torch.cuda.set_sync_debug_mode("error")``, and (world size 1: a captured graph cannot hold
@@ -165,6 +165,59 @@ def _compare(got: list, truth: list, ref_lp: list, mine: slice) -> tuple[bool, l
     return ok, rows
 
 
+def _conv_reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per-document causal depthwise convolution (then SiLU) of ``x`` ``[1, S, C]``."""
+    outs, at = [], 0
+    for n in DOCS:
+        seg = F.pad(x[:, at : at + n].transpose(1, 2), (w.shape[1] - 1, 0))
+        y = F.conv1d(seg, w.unsqueeze(1).to(seg.dtype), b.to(seg.dtype), groups=w.shape[0])
+        outs.append(F.silu(y).transpose(1, 2))
+        at += n
+    return torch.cat(outs, dim=1)
+
+
+def _conv_case(pg: object, rank: int, world: int, dev: str, low: torch.dtype) -> tuple[bool, list]:
+    """The CP causal convolution (a mixer: the window exchange across ranks) against each
+    document alone, output and gradients, by the same bound as the attention."""
+    import cpshard
+    from cpshard.attention import active_state
+    from cpshard.mixers import cp_causal_conv1d
+
+    g = torch.Generator().manual_seed(17)
+    s, channels = sum(DOCS), 24
+    full = [
+        torch.randn(1, s, channels, generator=g, dtype=torch.float64),
+        torch.randn(channels, 4, generator=g, dtype=torch.float64),
+        torch.randn(channels, generator=g, dtype=torch.float64),
+    ]
+    weight = torch.randn(1, s, channels, generator=g)
+    truth = _with_grads(_conv_reference, full, weight)
+    ref_lp = _with_grads(_conv_reference, [t.to(dev, low) for t in full], weight)
+    length = s // world
+    mine = slice(rank * length, (rank + 1) * length)
+    doc = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(DOCS)])[None]
+    ctx, _ = cpshard.ContextParallelSharder(pg, "contiguous").shard(
+        {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    )
+    x = full[0][:, mine].to(dev, low).requires_grad_()
+    w, b = (t.to(dev, low).requires_grad_() for t in full[1:])
+    with ctx():
+        y = cp_causal_conv1d(x, w, b, active_state(), "silu")
+        grads = torch.autograd.grad((y.float() * weight[:, mine].to(dev)).sum(), [x, w, b])
+    got = [y.detach().double().cpu(), *(t.double().cpu() for t in grads)]
+    for shared in got[2:]:  # the filters are every rank's: their gradient sums over ranks
+        dist.all_reduce(shared, group=pg)
+    ok, rows = True, []
+    for name, a, t, r in zip(("out", "dx", "dw", "db"), got, truth, ref_lp):
+        if name in ("out", "dx"):
+            t, r = t[:, mine], r[:, mine]
+        err, ref_err = (a - t).abs().max().item(), (r - t).abs().max().item()
+        bound = FACTOR * ref_err + 1e-6 * t.abs().max().item()
+        ok &= err <= bound
+        rows.append({"what": name, "err": err, "ref_err": ref_err, "bound": bound, "ok": err <= bound})
+    return ok, rows
+
+
 CASES = [
     ("needed_rows", {}, 8, 2),
     ("heads", {}, 8, 8),
@@ -210,6 +263,9 @@ def _correctness_rank(rank: int, world: int, device: str, store_path: str, out_d
             good, rows = _compare(got, truth, ref_lp, mine)
             ok &= good
             record["cases"].append({"strategy": strategy, "variant": variant, "heads": [heads, kv_heads], "ok": good, "errors": rows})
+        good, rows = _conv_case(pg, rank, world, dev, low)
+        ok &= good
+        record["cases"].append({"strategy": "mixer", "variant": {"causal_conv1d": 4}, "ok": good, "errors": rows})
         # torch.compile and the steady state without a device->host sync, on the plain case
         full, weight = _case_inputs(8, 2, False)
         lp = [t.to(dev, low) for t in full[:3]]

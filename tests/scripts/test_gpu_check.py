@@ -41,7 +41,7 @@ def test_the_dry_run_runs_every_stage_on_cpu_and_writes_its_json(tmp_path: Path)
     for world in correctness["worlds"].values():
         for rank in world["ranks"]:
             strategies = {case["strategy"] for case in rank["cases"]}
-            assert {"needed_rows", "heads"} <= strategies, strategies
+            assert {"needed_rows", "heads", "mixer"} <= strategies, strategies
             assert rank["world"] != 4 or "hierarchical" in strategies
             errors = [e for case in rank["cases"] for e in case["errors"]]
             assert errors and all(e["err"] <= e["bound"] for e in errors)
