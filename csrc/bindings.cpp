@@ -116,7 +116,7 @@ PYBIND11_MODULE(_C, module) {
 #else
   module.attr("sanitized") = false;
 #endif
-  // The communicator's bounded wait for a non-blocking NCCL call, driven by a stand-in state:
+  // The communicator's bounded polling wait (for a split child), driven by a stand-in state:
   // the i-th poll sees states[i] (the last one from then on; 1 stands for "in progress", 0
   // for "ready"). Returns the outcome ("ready", "failed", "timed_out"), the last state seen and
   // the number of polls. spin_us / interval_us default to the communicator's. For the tests:
