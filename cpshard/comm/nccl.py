@@ -231,8 +231,8 @@ def _torch_comm(backend: object, device: torch.device, group: Group) -> int:
 def _torch_config(backend: object) -> object | None:
     """The ``NCCLConfig`` torch made the group's communicator with (its options' ``config``,
     which exposes the address of its ``ncclConfig_t``), or None when this torch does not give
-    one: the split then passes no config, and the child inherits the parent's (blocking or
-    not)."""
+    one: the split then passes NCCL's defaults, made blocking (never the parent's mode).
+    """
     config = getattr(getattr(backend, "options", None), "config", None)
     return config if callable(getattr(config, "unsafe_get_ptr", None)) else None
 

@@ -285,15 +285,15 @@ NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
     TORCH_CHECK(parent_matches(parent, rank, world, device), what, " (", name,
                 "): the parent communicator is not this group's on cuda:", device);
     const auto from = reinterpret_cast<ncclComm_t>(parent);
-    const bool inherit = parent_config == 0;
+    // Always a config (never the parent's, which may be non-blocking): torch's made blocking,
+    // or without one of torch's the defaults made blocking.
     ncclConfig_t config = child_config(parent_config, what);
     // From a blocking parent the split waits inside NCCL for every peer (bounded by running
     // it on a thread of its own); from a non-blocking one it returns (ncclSuccess or
     // ncclInProgress) while NCCL's thread still makes the child.
     const std::optional<ncclResult_t> split = create_within(
-        [from, rank, inherit, config](ncclComm_t* out) mutable {
-          return ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank), out,
-                               inherit ? nullptr : &config);
+        [from, rank, config](ncclComm_t* out) mutable {
+          return ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank), out, &config);
         },
         cell, device, timeout);
     TORCH_CHECK(split.has_value(), what, " (", name, "): ncclCommSplit has not returned within "

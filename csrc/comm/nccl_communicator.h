@@ -57,7 +57,8 @@ class NcclCommunicator : public torch::CustomClassHolder {
   // ncclUniqueId bytes made by unique_id() on rank 0; ignored when splitting). timeout_s: the
   // process group's timeout, after which an unfinished call aborts the communicator.
   // parent_config: the address of the ncclConfig_t torch made the parent with (its options'
-  // config), whose settings the child takes, or 0 to inherit the parent's.
+  // config), whose settings the child takes (made blocking), or 0 for NCCL's defaults (made
+  // blocking: never the parent's mode, which may be non-blocking).
   NcclCommunicator(int64_t parent, int64_t parent_config, const at::Tensor& unique_id,
                    int64_t rank, int64_t world, int64_t device, double timeout_s);
   // Ends the communicator like close() if that was not called (cpshard/comm/nccl.py always

@@ -249,7 +249,7 @@ def test_the_split_passes_the_config_torch_made_its_communicator_with(pools) -> 
     for made in pools(2).run(_configs_passed, 0xFACADE, "split"):
         assert made == ("split", 0xBEEF, 0xFACADE)  # the child takes torch's settings
     for made in pools(2).run(_configs_passed, 0, "split"):
-        assert made == ("split", 0xBEEF, 0)  # none exposed: the child inherits the parent's
+        assert made == ("split", 0xBEEF, 0)  # none exposed: NCCL's defaults, made blocking
     for made in pools(2).run(_configs_passed, 0xFACADE, "unique_id"):
         assert made == ("unique_id", 0, 0)  # a communicator of its own: no parent, no config
 
