@@ -322,7 +322,8 @@ class MathVarlen:
             dv[k0:k1] += (probs.transpose(-1, -2) @ g).transpose(0, 1)
             dlogits = logit_grads(probs, g, out[q0:q1].transpose(0, 1), vs, raw, self.softcap)
             dq[q0:q1] = ((dlogits @ ks) * s).transpose(0, 1)
-            dk[k0:k1] += ((dlogits.transpose(-1, -2) @ q[q0:q1].transpose(0, 1)) * s).transpose(0, 1)
+            qs = q[q0:q1].transpose(0, 1)
+            dk[k0:k1] += ((dlogits.transpose(-1, -2) @ qs) * s).transpose(0, 1)
         fold = lambda t: t.view(t.shape[0], kv_heads, heads // kv_heads, -1).sum(2)  # noqa: E731
         return dq.to(dtype), fold(dk).to(dtype), fold(dv).to(dtype)
 

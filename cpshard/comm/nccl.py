@@ -46,7 +46,8 @@ child rather than driving torch's communicator directly:
 cannot split: a torch without ``_comm_ptr``, a wrapped backend under
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, another NCCL library loaded next to ours). Rank 0 makes the id
 (:func:`unique_id`, the function the CUDA compile-only CI job calls) and broadcasts it over the
-host-side channel (:func:`cpshard.comm.host.all_gather_bytes`, the group's store), never over a CUDA collective.
+host-side channel (:func:`cpshard.comm.host.all_gather_bytes`, the group's store), never over a
+CUDA collective.
 """
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpshard.comm.group import Group, GroupLike, resolve_group
 from cpshard.comm import nccl_runtime
+from cpshard.comm.group import Group, GroupLike, resolve_group
 from cpshard.comm.host import all_gather_bytes, all_gather_small
 
 BOOTSTRAPS = ("split", "unique_id")

@@ -287,7 +287,8 @@ class TokenVerbs:
         if not trim:
             return plan
         if lay.position_map is not None:
-            pm = lay.position_map.to(t.device)
+            host_pm = lay.position_map
+            pm = self._p.cached(("pm", str(t.device)), lambda: host_pm.to(t.device))
             if self._host_flags(lay)[1] and fill is None:
                 raise Problem("the position map drops input positions: pass fill= for them")
             if pm.dim() == 2 and pm.shape[0] > 1 and (d == 0 or t.shape[d - 1] != pm.shape[0]):

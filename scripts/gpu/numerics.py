@@ -10,9 +10,9 @@
 * the variants, fp16 / bf16 against fp32 with the same bound (the sinks' gradient checked too):
   a sliding window and sinks (alone and together, GQA) on both paths; logit soft-capping alone
   and with a window and sinks on both paths (no flash kernel takes a soft-cap: the varlen path
-  runs the explicit varlen kernel in chunks, and the check asserts which path ran). The reference is SDPA where it has the option (a window: a
-  band mask), else the explicit statement in the dtype under test (soft-cap, sinks; the sinks
-  themselves fp32).
+  runs the explicit varlen kernel in chunks, and the check asserts which path ran). The
+  reference is SDPA where it has the option (a window: a band mask), else the explicit
+  statement in the dtype under test (soft-cap, sinks; the sinks themselves fp32).
 
 Prints one ``ok`` / ``FAIL`` line per check with the errors and bounds; exits non-zero on a
 failure, 0 with ``skipped: <why>`` when there is no GPU. ``--device cpu`` runs the same checks
@@ -62,7 +62,8 @@ PLAIN = Variant()
 def path(name: str, seen: list[str]) -> Iterator[None]:
     """Route cp_attention to the varlen kernel (``varlen``: as chosen by cpshard) or the loop
     (``loop``: no varlen kernel); record which implementation each call used."""
-    saved_kernel, saved_impl, saved_math = engine.varlen_kernel, engine.implementation, engine.math_varlen
+    saved_kernel, saved_impl = engine.varlen_kernel, engine.implementation
+    saved_math = engine.math_varlen
     if name == "loop":
         engine.varlen_kernel = lambda q, d_k, d_v: None
         engine.math_varlen = lambda part: None

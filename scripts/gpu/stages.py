@@ -8,9 +8,9 @@
   (:mod:`cpshard.comm.host_staged`), so the CUDA kernels, the attention's varlen path and the
   multi-rank plans run for real: the ``needed_rows`` and ``heads`` strategies (and
   ``hierarchical`` on a 2 x 2 mesh at W = 4), a sliding window, sinks and a soft-cap, and a
-  mixer (the causal convolution's window exchange), each forward and backward in bf16 against the same step in float64 on the CPU, within ``FACTOR``
-  times the error of a plain-PyTorch bf16 reference against that float64 one (the flash-attention
-  tests' rule); then ``torch.compile`` of the layer against eager, the steady-state step under
+  mixer (the causal convolution's window exchange), each forward and backward in bf16 against
+  the same step in float64 on the CPU, within ``FACTOR`` times the error of a plain-PyTorch
+  bf16 reference against that float64 one (the flash-attention tests' rule); then ``torch.compile`` of the layer against eager, the steady-state step under
   ``torch.cuda.set_sync_debug_mode("error")``, and (world size 1: a captured graph cannot hold
   the host-staged transfers) CUDA-graph capture of a warmed layer replayed on new inputs;
 * ``bench``: one CP layer step at W = 2 on the shared GPU, the varlen attention against
@@ -106,18 +106,32 @@ def no_sync(device: str) -> Iterator[None]:
 def _case_inputs(heads: int, kv_heads: int, sinks: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
     g = torch.Generator().manual_seed(heads * 7 + kv_heads + 3 * sinks)
     s = sum(DOCS)
-    full = [torch.randn(1, h, s, HEAD_DIM, generator=g, dtype=torch.float64) for h in (heads, kv_heads, kv_heads)]
+    full = [
+        torch.randn(1, h, s, HEAD_DIM, generator=g, dtype=torch.float64)
+        for h in (heads, kv_heads, kv_heads)
+    ]
     if sinks:
         full.append(torch.randn(heads, generator=g, dtype=torch.float64) + 1.0)
     return full, torch.randn(1, heads, s, HEAD_DIM, generator=g)
 
 
 def _cp_step(
-    group: object, rank: int, world: int, leaves: list[torch.Tensor], weight: torch.Tensor,
-    variant: dict, strategy: str, device: str, compiled: bool = False, checked: bool = False,
+    group: object,
+    rank: int,
+    world: int,
+    leaves: list[torch.Tensor],
+    weight: torch.Tensor,
+    variant: dict,
+    strategy: str,
+    device: str,
+    compiled: bool = False,
+    checked: bool = False,
+    warm: bool = True,
 ) -> list[torch.Tensor]:
     """This rank's slice of the CP layer's output and gradients (q, k, v, sinks) for the
-    full-sequence ``leaves``: contiguous shards, one batch row of :data:`DOCS`."""
+    full-sequence ``leaves``: contiguous shards, one batch row of :data:`DOCS`; the step's set-up,
+    a warm-up call (``warm``), then the forward and backward (``checked``: under the sync
+    check)."""
     import cpshard
 
     doc = torch.cat([torch.full((n,), i + 1) for i, n in enumerate(DOCS)])[None]
@@ -137,10 +151,15 @@ def _cp_step(
             sinks=rest[0] if rest else None, position_ids=position_ids,
         )  # fmt: skip
 
-    fn = torch.compile(layer, backend="inductor" if device == "cuda" else "aot_eager") if compiled else layer
+    fn = (
+        torch.compile(layer, backend="inductor" if device == "cuda" else "aot_eager")
+        if compiled
+        else layer
+    )
     w = weight[:, :, mine].to(device)
     with ctx():
-        fn(*local_leaves)  # warm-up: the step's first call may make its metadata (and sync)
+        if warm:  # the step's first call may make its metadata (and sync)
+            fn(*local_leaves)
         with no_sync(device) if checked else nullcontext():
             out = fn(*local_leaves)
             grads = torch.autograd.grad((out.float() * w).sum(), local_leaves)
@@ -153,7 +172,7 @@ def _cp_step(
 def _compare(got: list, truth: list, ref_lp: list, mine: slice) -> tuple[bool, list[dict]]:
     names = ("out", "dq", "dk", "dv", "dsinks")
     ok, rows = True, []
-    for name, a, t, r in zip(names, got, truth, ref_lp):
+    for name, a, t, r in zip(names[: len(got)], got, truth, ref_lp, strict=True):
         if name != "dsinks":
             t, r = t[:, :, mine], r[:, :, mine]
         err = (a - t).abs().max().item()
@@ -208,13 +227,15 @@ def _conv_case(pg: object, rank: int, world: int, dev: str, low: torch.dtype) ->
     for shared in got[2:]:  # the filters are every rank's: their gradient sums over ranks
         dist.all_reduce(shared, group=pg)
     ok, rows = True, []
-    for name, a, t, r in zip(("out", "dx", "dw", "db"), got, truth, ref_lp):
+    for name, a, t, r in zip(("out", "dx", "dw", "db"), got, truth, ref_lp, strict=True):
         if name in ("out", "dx"):
             t, r = t[:, mine], r[:, mine]
         err, ref_err = (a - t).abs().max().item(), (r - t).abs().max().item()
         bound = FACTOR * ref_err + 1e-6 * t.abs().max().item()
         ok &= err <= bound
-        rows.append({"what": name, "err": err, "ref_err": ref_err, "bound": bound, "ok": err <= bound})
+        rows.append(
+            {"what": name, "err": err, "ref_err": ref_err, "bound": bound, "ok": err <= bound}
+        )
     return ok, rows
 
 
@@ -248,7 +269,7 @@ def _correctness_rank(rank: int, world: int, device: str, store_path: str, out_d
         for strategy, variant, heads, kv_heads in cases:
             full, weight = _case_inputs(heads, kv_heads, variant.get("sinks", False))
 
-            def ref(*t: torch.Tensor) -> torch.Tensor:
+            def ref(*t: torch.Tensor, variant: dict = variant) -> torch.Tensor:
                 return _reference(*t[:3], variant, t[3] if len(t) > 3 else None)
 
             truth = _with_grads(ref, full, weight)
@@ -262,17 +283,29 @@ def _correctness_rank(rank: int, world: int, device: str, store_path: str, out_d
             got = _cp_step(group, rank, world, lp, weight, variant, strategy, dev)
             good, rows = _compare(got, truth, ref_lp, mine)
             ok &= good
-            record["cases"].append({"strategy": strategy, "variant": variant, "heads": [heads, kv_heads], "ok": good, "errors": rows})
+            record["cases"].append(
+                {
+                    "strategy": strategy,
+                    "variant": variant,
+                    "heads": [heads, kv_heads],
+                    "ok": good,
+                    "errors": rows,
+                }
+            )
         good, rows = _conv_case(pg, rank, world, dev, low)
         ok &= good
-        record["cases"].append({"strategy": "mixer", "variant": {"causal_conv1d": 4}, "ok": good, "errors": rows})
+        record["cases"].append(
+            {"strategy": "mixer", "variant": {"causal_conv1d": 4}, "ok": good, "errors": rows}
+        )
         # torch.compile and the steady state without a device->host sync, on the plain case
         full, weight = _case_inputs(8, 2, False)
         lp = [t.to(dev, low) for t in full[:3]]
         eager = _cp_step(pg, rank, world, lp, weight, {}, "needed_rows", dev)
         compiled = _cp_step(pg, rank, world, lp, weight, {}, "needed_rows", dev, compiled=True)
         tol = 2e-2 if low == torch.bfloat16 else 1e-5
-        same = all(torch.allclose(a, b, atol=tol, rtol=tol) for a, b in zip(eager, compiled))
+        same = all(
+            torch.allclose(a, b, atol=tol, rtol=tol) for a, b in zip(eager, compiled, strict=True)
+        )
         ok &= same
         record["compile"] = {"ok": same, "backend": "inductor" if dev == "cuda" else "aot_eager"}
         _cp_step(pg, rank, world, lp, weight, {}, "needed_rows", dev, checked=True)
@@ -282,7 +315,9 @@ def _correctness_rank(rank: int, world: int, device: str, store_path: str, out_d
         record["error"] = traceback.format_exc()
     finally:
         record["ok"] = ok
-        Path(out_dir, f"correctness_w{world}_rank{rank}.json").write_text(json.dumps(record, indent=1, default=str))
+        Path(out_dir, f"correctness_w{world}_rank{rank}.json").write_text(
+            json.dumps(record, indent=1, default=str)
+        )
         dist.destroy_process_group()
 
 
@@ -339,7 +374,10 @@ def correctness(device: str, out: Path, worlds: list[int]) -> dict:
                 _correctness_rank, args=(world, device, os.path.join(tmp, "store"), str(out)),
                 nprocs=world, start_method="spawn",
             )  # fmt: skip
-        ranks = [json.loads((out / f"correctness_w{world}_rank{r}.json").read_text()) for r in range(world)]
+        ranks = [
+            json.loads((out / f"correctness_w{world}_rank{r}.json").read_text())
+            for r in range(world)
+        ]
         ok &= all(r["ok"] for r in ranks)
         record["worlds"][world] = {"ok": all(r["ok"] for r in ranks), "ranks": ranks}
     try:
@@ -369,7 +407,9 @@ def _timed(fn: Callable[[], object], device: str, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _layer_step_rank(rank: int, world: int, device: str, store_path: str, out_dir: str, repeats: int) -> None:
+def _layer_step_rank(
+    rank: int, world: int, device: str, store_path: str, out_dir: str, repeats: int
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     dev = "cuda" if device == "cuda" else "cpu"
     low = torch.bfloat16 if dev == "cuda" else torch.float32
@@ -378,7 +418,10 @@ def _layer_step_rank(rank: int, world: int, device: str, store_path: str, out_di
     try:
         full, weight = _case_inputs(8, 2, False)
         lp = [t.to(dev, low) for t in full[:3]]
-        ms = _timed(lambda: _cp_step(dist.group.WORLD, rank, world, lp, weight, {}, "needed_rows", dev), dev, repeats)
+        step = lambda: _cp_step(  # noqa: E731
+            dist.group.WORLD, rank, world, lp, weight, {}, "needed_rows", dev, warm=False
+        )
+        ms = _timed(step, dev, repeats)
         Path(out_dir, f"layer_step_rank{rank}.json").write_text(json.dumps({"ms": ms}))
     finally:
         dist.destroy_process_group()
@@ -394,7 +437,9 @@ def bench(device: str, out: Path, repeats: int) -> dict:
             _layer_step_rank, args=(2, device, os.path.join(tmp, "store"), str(out), repeats),
             nprocs=2, start_method="spawn",
         )  # fmt: skip
-    step_ms = max(json.loads((out / f"layer_step_rank{r}.json").read_text())["ms"] for r in range(2))
+    step_ms = max(
+        json.loads((out / f"layer_step_rank{r}.json").read_text())["ms"] for r in range(2)
+    )
     dev = "cuda" if device == "cuda" else "cpu"
     low = torch.bfloat16 if dev == "cuda" else torch.float32
     docs = [512] * 8 if dev == "cuda" else DOCS
@@ -413,7 +458,11 @@ def bench(device: str, out: Path, repeats: int) -> dict:
             at += n
 
     with ctx():
-        varlen_ms = _timed(lambda: cpshard.cp_attention(q, k, v, is_causal=True, position_ids=position_ids), dev, repeats)
+        varlen_ms = _timed(
+            lambda: cpshard.cp_attention(q, k, v, is_causal=True, position_ids=position_ids),
+            dev,
+            repeats,
+        )
     sdpa_ms = _timed(per_document, dev, repeats)
     return {
         "ok": True,

@@ -39,7 +39,7 @@ def _staged_equals_host(rank: int, world: int) -> list[bool]:
     host = _verbs(TorchTransport(group), rank, world)
     staged = _verbs(HostStagedTransport(TorchTransport(group)), rank, world)
     routed = transport_for(group, torch.empty(0, device="meta"))  # a non-host tensor
-    return [torch.equal(a, b) for a, b in zip(host, staged)] + [
+    return [torch.equal(a, b) for a, b in zip(host, staged, strict=True)] + [
         isinstance(routed, HostStagedTransport),
         isinstance(transport_for(group, host[0]), TorchTransport),
     ]

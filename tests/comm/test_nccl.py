@@ -43,7 +43,8 @@ def test_nccl_bootstrap_helpers_need_no_gpu(monkeypatch: pytest.MonkeyPatch) -> 
     # every NCCL library loaded (torch's and ours) reports, at run time, the version ours runs
     from cpshard.comm import nccl_runtime
 
-    assert nccl_runtime.mismatch(int(nccl._native().version()), nccl_runtime.loaded_versions()) == ""
+    ours = int(nccl._native().version())
+    assert nccl_runtime.mismatch(ours, nccl_runtime.loaded_versions()) == ""
     monkeypatch.delenv(nccl.BOOTSTRAP_ENV, raising=False)
     assert nccl.bootstrap_mode() == "split"
     monkeypatch.setenv(nccl.BOOTSTRAP_ENV, "unique_id")

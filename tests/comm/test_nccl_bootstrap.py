@@ -203,7 +203,8 @@ def test_a_failed_eager_connect_on_one_rank_leaves_no_rank_waiting(pools) -> Non
 
 
 def test_another_nccl_on_one_rank_means_no_split_and_no_eager_connect(pools) -> None:
-    for calls, made, _ in pools(2).run(_through_torch, [], [], ["", "another NCCL 2.29.1 is loaded"]):
+    mismatches = ["", "another NCCL 2.29.1 is loaded"]
+    for calls, made, _ in pools(2).run(_through_torch, [], [], mismatches):
         assert "connect" not in calls and made == ["unique_id", "unique_id"]
 
 

@@ -144,7 +144,7 @@ def test_interpreter_exit_with_queued_work_returns_within_seconds(tmp_path: Path
         import torch.distributed as dist
         from cpshard import _C
         from cpshard.comm import nccl
-        dist.init_process_group("gloo", init_method="file://{tmp_path / 'store'}", rank=0,
+        dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0,
                                 world_size=1)
         native = _C._ScriptedCommunicator(timeout_s=600.0, publish_ms=0)
         nccl.register(dist.group.WORLD, nccl.NcclTransport(native, "split"))
