@@ -45,6 +45,7 @@ import torch.distributed as dist
 from cpshard import check_mode, gather_halo, gather_metadata, gather_ragged, gather_sequence
 from cpshard.attention import active_state
 from cpshard.attention.engine import part_kernel as _PART_KERNEL
+from cpshard.attention.engine import math_varlen as _MATH_VARLEN
 from cpshard.attention.engine import varlen_kernel as _VARLEN_KERNEL
 
 F64 = torch.float64
@@ -267,9 +268,11 @@ def kernel_path(name: str) -> Iterator[StandInVarlen | None]:
             attention.varlen_kernel = lambda q, d_k, d_v: kernel
         if name == "math":
             attention.part_kernel = lambda q, softcap=None: MathPart(softcap)
+            attention.math_varlen = lambda part: None  # the loop (the chunked kernel: its own test)
         yield kernel
     finally:
         attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL
+        attention.math_varlen = _MATH_VARLEN
 
 
 def compare_compiled(

@@ -485,6 +485,18 @@ def _run_direct_form(rank: int, world: int) -> list[str]:
         keep = pm[b] >= 0
         full[b, pm[b][keep]] = x[b, keep]
     local = sh.shard_token_tensor(x, fill=-5.0)
+    sh.gather_token_tensor(local, trim=True, fill=-7.0)
+    # after the step's first calls, the verbs read no tensor data (on a GPU: no sync per call)
+    reads: list[int] = []
+    real_any = torch.Tensor.any
+    torch.Tensor.any = lambda self, *a, **k: reads.append(1) or real_any(self, *a, **k)
+    try:
+        sh.shard_token_tensor(x, fill=-5.0)
+        sh.gather_token_tensor(local, trim=True, fill=-7.0)
+    finally:
+        torch.Tensor.any = real_any
+    if reads:
+        bad.append(f"repad: the per-call verbs read tensor data {len(reads)} times")
     if not _close(local, full[:, idx[rank]]):
         bad.append("repad: shard of [B, S_in] rows")
     if not _close(sh.shard_token_tensor(full), local):
