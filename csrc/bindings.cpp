@@ -14,6 +14,7 @@
 #include <tuple>
 #include <vector>
 
+#include "comm/scripted.h"
 #include "comm/settle.h"
 #include "comm/within.h"
 #include "index/index_ops.h"
@@ -115,7 +116,7 @@ PYBIND11_MODULE(_C, module) {
 #else
   module.attr("sanitized") = false;
 #endif
-  // The communicator's bounded wait for a non-blocking NCCL call, driven by a stand-in state:
+  // The communicator's bounded polling wait (for a split child), driven by a stand-in state:
   // the i-th poll sees states[i] (the last one from then on; 1 stands for "in progress", 0
   // for "ready"). Returns the outcome ("ready", "failed", "timed_out"), the last state seen and
   // the number of polls. spin_us / interval_us default to the communicator's. For the tests:
@@ -160,5 +161,24 @@ PYBIND11_MODULE(_C, module) {
       },
       pybind11::arg("block_ms"), pybind11::arg("timeout_ms"), pybind11::arg("value"));
   module.def("_late_results", [] { return late_results().all(); });
+  // The communicator's life (the split's wait, calls, watchdog, close: comm/life.h) over a
+  // scripted NCCL, for the tests: the communicator itself needs a GPU. Every method that waits
+  // releases the GIL, as the real communicator's callers do.
+  using cpshard::ScriptedCommunicator;
+  using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
+  pybind11::class_<ScriptedCommunicator>(module, "_ScriptedCommunicator")
+      .def(pybind11::init<double, int64_t, const std::string&, int64_t>(), release_gil(),
+           pybind11::arg("timeout_s"), pybind11::arg("publish_ms"),
+           pybind11::arg("child") = "ready", pybind11::arg("poll_ms") = 20)
+      .def("enqueue", &ScriptedCommunicator::enqueue, release_gil(), pybind11::arg("finish_ms"))
+      .def("enqueue_stuck", &ScriptedCommunicator::enqueue_stuck, release_gil(),
+           pybind11::arg("at_most_ms"))
+      .def("fail", &ScriptedCommunicator::fail, pybind11::arg("why"))
+      .def("error", &ScriptedCommunicator::error)
+      .def("close", &ScriptedCommunicator::close, release_gil(), pybind11::arg("grace_s"))
+      .def("device", &ScriptedCommunicator::device)
+      .def("child", &ScriptedCommunicator::child)
+      .def("events", &ScriptedCommunicator::events);
+  module.def("_scripted_aborts", &cpshard::ScriptedLibrary::aborts_total);
   module.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }

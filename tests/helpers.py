@@ -19,6 +19,8 @@ another. Worker-side functions here pickle by reference, like those of the test 
   :func:`shard_positions_decoder` (a user's own decoder, the last with positions made from the
   shard's length) and the broken losses :func:`labels_shifted_per_shard`, :func:`per_rank_mean_loss`,
   :func:`loss_without_cp_factor`, loaded by ``cpshard parity`` as ``tests.helpers:NAME``;
+* documents: :func:`document_spans` (every document's row and bounds),
+  :func:`per_document_positions` (positions restarting at each document);
 * sequence mixers, each document alone: :func:`causal_conv_reference`,
   :func:`delta_rule_reference`, :func:`ssd_reference`, :func:`selective_scan_reference`,
   :func:`lightning_reference` (the model-family tests' step and checks are
@@ -41,6 +43,7 @@ import torch.distributed as dist
 from cpshard import check_mode, gather_halo, gather_metadata, gather_ragged, gather_sequence
 from cpshard.attention import active_state
 from cpshard.attention.engine import part_kernel as _PART_KERNEL
+from cpshard.attention.engine import math_varlen as _MATH_VARLEN
 from cpshard.attention.engine import varlen_kernel as _VARLEN_KERNEL
 
 F64 = torch.float64
@@ -263,9 +266,11 @@ def kernel_path(name: str) -> Iterator[StandInVarlen | None]:
             attention.varlen_kernel = lambda q, d_k, d_v: kernel
         if name == "math":
             attention.part_kernel = lambda q, softcap=None: MathPart(softcap)
+            attention.math_varlen = lambda part: None  # the loop (the chunked kernel: its own test)
         yield kernel
     finally:
         attention.varlen_kernel, attention.part_kernel = _VARLEN_KERNEL, _PART_KERNEL
+        attention.math_varlen = _MATH_VARLEN
 
 
 def compare_compiled(
@@ -630,6 +635,21 @@ def _documents(row: torch.Tensor) -> list[tuple[int, int]]:
     from cp_decoder import runs
 
     return runs(row)
+
+
+def document_spans(doc: torch.Tensor) -> list[tuple[int, int, int]]:
+    """``(row, start, end)`` of every document of ``doc`` ``[B, S]`` (0 = pad), row by row."""
+    return [(b, s, e) for b in range(doc.shape[0]) for s, e in _documents(doc[b])]
+
+
+def per_document_positions(ids: torch.Tensor) -> torch.Tensor:
+    """0, 1, ... in every document (a maximal run of one non-zero id), pads continuing."""
+    out = torch.zeros_like(ids)
+    for b in range(ids.shape[0]):
+        for i in range(1, ids.shape[1]):
+            starts = ids[b, i] != 0 and ids[b, i] != ids[b, i - 1]
+            out[b, i] = 0 if starts else out[b, i - 1] + 1
+    return out
 
 
 def causal_conv_reference(

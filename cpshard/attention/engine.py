@@ -1,6 +1,7 @@
 """How a step's spans are attended: ONE launch of a varlen kernel over every span packed back
-to back where a kernel serves the queries (:class:`Varlen`), else a loop over spans
-(:class:`Loop`).
+to back where a flash kernel serves the queries, the explicit varlen kernel in chunks of many
+spans where none does (:class:`Varlen` either way), else a loop over spans (:class:`Loop`: a
+step with no packing).
 
 The loop splits a span whose document starts before the run into a non-causal prefix part and
 a causal square part, merged by their log-sum-exp (flash-attention's decomposition), so no
@@ -25,6 +26,7 @@ from cpshard.attention.kernels import (
     Tensors,
     VarlenKernel,
     lse_dtype,
+    math_varlen,
     part_kernel,
     varlen_kernel,
 )
@@ -201,8 +203,12 @@ class Varlen:
 def implementation(
     state: AttentionState, q: torch.Tensor, d: int, softcap: float | None
 ) -> Loop | Varlen:
-    """One varlen launch where a kernel serves q with head dim ``d`` (and the rank has spans, the
-    step a packing, and the logits no soft-cap), else the loop."""
-    kern = varlen_kernel(q, d, d) if softcap is None else None
+    """The varlen path where the rank has spans and the step a packing: one launch of a flash
+    kernel that serves q with head dim ``d`` (and logits with no soft-cap), else the explicit
+    varlen kernel in chunks where the loop would run the explicit part kernel; otherwise the
+    loop."""
+    kern: VarlenKernel | None = varlen_kernel(q, d, d) if softcap is None else None
+    if kern is None:
+        kern = math_varlen(part_kernel(q, softcap))
     packing = state.packing_on(q.device) if kern is not None and len(state.span_table) else None
     return Loop(state, q, softcap) if packing is None else Varlen(kern, packing)

@@ -8,6 +8,11 @@ backward cannot use autograd).
   ``flash_attn_varlen_func`` is an autograd function, which a custom op's explicit backward
   cannot call; torch ships the same FA2 kernels).
   A windowed step's packing passes its window as the kernels' left window.
+* :class:`MathVarlen`: the varlen kernels' contract in explicit matmul-softmax (fp16/bf16
+  computed in fp32), over the packing's chunks: many short spans in one launch group, a long
+  span in row pieces of bounded memory. It serves the varlen path where no flash kernel does
+  (soft-capped logits, CUDA fp32/fp64, pre-sm80 GPUs, other head dims), so a step launches per
+  chunk, not per span.
 * Part kernels for the per-span loop: :class:`CpuFlash` (torch's CPU flash kernel) and
   :class:`MathPart` (explicit matmul-softmax in query chunks) for devices and dtypes no flash
   kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take) and for
@@ -188,6 +193,23 @@ def _causal_and_mask(how: Visible) -> tuple[bool, torch.Tensor | None]:
     return (False, how) if isinstance(how, torch.Tensor) else (how, None)
 
 
+def widened(scale: float | None, q: T, *others: T) -> tuple[float, torch.dtype, list[T]]:
+    """The softmax scale, q's dtype (the results') and q and ``others`` in the explicit kernels'
+    compute dtype (fp16/bf16 computed in fp32)."""
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    wide = lse_dtype(q.dtype)
+    return s, q.dtype, [t.to(wide) for t in (q, *others)]
+
+
+def logit_grads(probs: T, g: T, out: T, v: T, raw: T, softcap: float | None) -> T:
+    """The gradient of the raw scores from the softmax's ``probs``, the output's gradient ``g``,
+    the output and the values (``P * (dP - rowsum(g * out))``), through the soft-cap."""
+    dlogits = probs * (g @ v.transpose(-1, -2) - (g * out).sum(-1, keepdim=True))
+    if softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
+        dlogits = dlogits * (1 - torch.tanh(raw / softcap) ** 2)
+    return dlogits
+
+
 class MathPart:
     """Explicit matmul-softmax (fp16/bf16 computed in fp32), for devices and dtypes no flash
     kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take) and for logit
@@ -219,9 +241,7 @@ class MathPart:
         return raw, logits
 
     def forward(self, q: T, k: T, v: T, how: Visible, scale: float | None) -> Tensors:
-        s = scale if scale is not None else q.shape[-1] ** -0.5
-        dtype, wide = q.dtype, lse_dtype(q.dtype)  # fp16/bf16 computed in fp32
-        q, k, v = (t.to(wide) for t in (q, k, v))
+        s, dtype, (q, k, v) = widened(scale, q, k, v)
         out = q.new_empty(*q.shape[:3], v.shape[-1])
         lse = q.new_empty(q.shape[:3])
         for rows in self._chunks(q.shape[2], k.shape[2]):
@@ -233,22 +253,90 @@ class MathPart:
     def backward(
         self, grad: T, q: T, k: T, v: T, out: T, lse: T, how: Visible, scale: float | None
     ) -> Grads:
-        s = scale if scale is not None else q.shape[-1] ** -0.5
-        dtype, wide = q.dtype, lse_dtype(q.dtype)
-        grad, q, k, v, out = (t.to(wide) for t in (grad, q, k, v, out))
+        s, dtype, (q, k, v, grad, out) = widened(scale, q, k, v, grad, out)
         dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for rows in self._chunks(q.shape[2], k.shape[2]):
             raw, logits = self._scores(q, k, how, rows, s)
             probs = torch.exp(logits - lse[:, :, rows, None])
             g = grad[:, :, rows]
             dv += probs.transpose(-1, -2) @ g
-            mass = (g * out[:, :, rows]).sum(-1, keepdim=True)
-            dlogits = probs * (g @ v.transpose(-1, -2) - mass)
-            if self.softcap is not None:  # d(c tanh(x / c)) / dx = 1 - tanh(x / c)^2
-                dlogits = dlogits * (1 - torch.tanh(raw / self.softcap) ** 2)
+            dlogits = logit_grads(probs, g, out[:, :, rows], v, raw, self.softcap)
             dq[:, :, rows] = (dlogits @ k) * s
             dk += (dlogits.transpose(-1, -2) @ q[:, :, rows]) * s
         return dq.to(dtype), dk.to(dtype), dv.to(dtype)
+
+
+class MathVarlen:
+    """The varlen contract (packed ``[tokens, heads, D]`` queries and keys, GQA in the kernel,
+    log-sum-exp ``[heads, tokens]``) in explicit matmul-softmax over the packing's chunks: each
+    chunk's queries against the keys it reads, each query seeing its packed keys
+    ``[q_first, q_last]``, logits soft-capped before the mask. Every packed query belongs to
+    exactly one chunk. A query that sees no key gets a zero output and a ``-inf``
+    log-sum-exp."""
+
+    def __init__(self, softcap: float | None = None) -> None:
+        self.softcap = softcap
+
+    def _chunk(self, q: T, k: T, p: Packing, c: tuple[int, int, int, int], s: float) -> Tensors:
+        """Chunk ``c``'s raw scores ``[H, n, m]`` and the masked, capped logits."""
+        q0, q1, k0, k1 = c
+        assert p.q_first is not None and p.q_last is not None
+        j = torch.arange(k0, k1, device=q.device)[None, :]
+        visible = (j >= p.q_first[q0:q1, None]) & (j <= p.q_last[q0:q1, None])
+        raw = (q[q0:q1].transpose(0, 1) @ k.transpose(-1, -2)) * s
+        logits = raw if self.softcap is None else self.softcap * torch.tanh(raw / self.softcap)
+        return raw, logits.masked_fill(~visible, float("-inf"))
+
+    @staticmethod
+    def _heads(t: T, c: tuple[int, int, int, int], heads: int) -> T:
+        """Chunk ``c``'s keys or values as ``[H, m, D]``, KV heads repeated for the queries'."""
+        return repeat_kv(t[c[2] : c[3]].transpose(0, 1), heads)
+
+    def forward(self, q: T, k: T, v: T, p: Packing, scale: float | None) -> Tensors:
+        s, dtype, (q, k, v) = widened(scale, q, k, v)
+        heads = q.shape[1]
+        out = q.new_zeros(q.shape[0], heads, v.shape[-1])
+        lse = q.new_full((heads, q.shape[0]), float("-inf"))
+        for c in p.chunks:
+            _, logits = self._chunk(q, self._heads(k, c, heads), p, c, s)
+            total = torch.logsumexp(logits, dim=-1)
+            probs = torch.exp(logits - total.nan_to_num(neginf=0.0)[..., None])
+            out[c[0] : c[1]] = (probs @ self._heads(v, c, heads)).transpose(0, 1)
+            lse[:, c[0] : c[1]] = total
+        return out.to(dtype), lse
+
+    def backward(
+        self, grad: T, q: T, k: T, v: T, out: T, lse: T, p: Packing, scale: float | None
+    ) -> Grads:
+        s, dtype, (q, k, v, grad, out) = widened(scale, q, k, v, grad, out)
+        heads, kv_heads = q.shape[1], k.shape[1]
+        dq = torch.zeros_like(q)
+        dk = k.new_zeros(k.shape[0], heads, k.shape[-1])
+        dv = v.new_zeros(v.shape[0], heads, v.shape[-1])
+        for c in p.chunks:
+            q0, q1, k0, k1 = c
+            ks, vs = self._heads(k, c, heads), self._heads(v, c, heads)
+            raw, logits = self._chunk(q, ks, p, c, s)
+            probs = torch.exp(logits - lse[:, q0:q1, None].nan_to_num(neginf=0.0))
+            g = grad[q0:q1].transpose(0, 1)
+            dv[k0:k1] += (probs.transpose(-1, -2) @ g).transpose(0, 1)
+            dlogits = logit_grads(probs, g, out[q0:q1].transpose(0, 1), vs, raw, self.softcap)
+            dq[q0:q1] = ((dlogits @ ks) * s).transpose(0, 1)
+            qs = q[q0:q1].transpose(0, 1)
+            dk[k0:k1] += ((dlogits.transpose(-1, -2) @ qs) * s).transpose(0, 1)
+        fold = lambda t: t.view(t.shape[0], kv_heads, heads // kv_heads, -1).sum(2)  # noqa: E731
+        return dq.to(dtype), fold(dk).to(dtype), fold(dv).to(dtype)
+
+
+def repeat_kv(t: T, heads: int) -> T:
+    """``[KV heads, m, D]`` repeated to ``heads`` (GQA)."""
+    return t if t.shape[0] == heads else t.repeat_interleave(heads // t.shape[0], dim=0)
+
+
+def math_varlen(part: PartKernel) -> MathVarlen | None:
+    """The explicit varlen kernel where the loop would run the explicit part kernel ``part``
+    (no flash kernel serves the queries, or the logits are soft-capped), else None."""
+    return MathVarlen(part.softcap) if isinstance(part, MathPart) else None
 
 
 def part_kernel(q: torch.Tensor, softcap: float | None = None) -> PartKernel:

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpshard.attention.engine import implementation
+from cpshard.attention import engine
 from cpshard.attention.kernels import T, Tensors, lse_dtype
 from cpshard.attention.state import AttentionState, state_for
 
@@ -80,7 +80,7 @@ def cp_attention_op(
     state, k, v, d, scale = _keys(key, window, kv, d_k, scale)
     d_v = v.shape[-1]
     q, k, v = (_widen(t, d) for t in (q, k, v))
-    out, lse = implementation(state, q, d, softcap).forward(q, k, v, scale)
+    out, lse = engine.implementation(state, q, d, softcap).forward(q, k, v, scale)
     out = out[..., :d_v]
     if sinks is not None:
         out = out * _gate(lse, sinks).to(out.dtype)
@@ -135,7 +135,7 @@ def cp_attention_backward_op(
         dsinks = (-((1 - gate) * mass).sum((0, 2, 3))).to(sinks.dtype)
         grad = grad * gate.to(grad.dtype)
     q_, k, v, grad, out = (_widen(t, d) for t in (q, k, v, grad, out))
-    impl = implementation(state, q_, d, softcap)
+    impl = engine.implementation(state, q_, d, softcap)  # module attribute: checks route it
     dq, dk, dv = impl.backward(grad, q_, k, v, out, lse, scale)
     dkv = torch.cat([dk[..., :d_k], dv[..., :d_v]], dim=-1)
     del dk, dv  # freed before dq is made contiguous (a kernel may return it strided)

@@ -15,6 +15,12 @@ from cpshard.ranges import ragged_arange
 # loop's blocks serve the step). Each span packs its document's whole prefix, so layouts with
 # many short runs per document (``stripe``: one per token) would pack O(L * document) rows.
 PACKED_KEYS_PER_ROW = 4
+# The explicit varlen kernel's chunks (:func:`math_chunks`): at most this many score elements
+# per head (query rows x keys), 32 MiB of fp32 per head for each of its few temporaries.
+MATH_SCORES = 1 << 23
+# ... and at most this many times the elements its spans own (a chunk of g equal spans computes
+# g times theirs: the block-diagonal rest is masked).
+MATH_WASTE = 8
 
 
 @dataclass(frozen=True)
@@ -32,6 +38,12 @@ class Packing:
     shared_keys: bool  # a key row serves several spans (its gradients must be added up)
     causal: bool  # causal aligned bottom-right, else every key of a span visible
     window: int | None = None  # causal: each query sees only this many keys, itself included
+    # The explicit varlen kernel's view: packed query i sees the packed keys
+    # [q_first[i], q_last[i]] (its span's, causal and window applied), and its chunks
+    # (q0, q1, k0, k1) of whole query rows with the key range they read (host ints).
+    q_first: torch.Tensor | None = None  # int64 [tokens in spans]
+    q_last: torch.Tensor | None = None  # int64 [tokens in spans]
+    chunks: tuple[tuple[int, int, int, int], ...] = ()
 
     def to(self, device: torch.device) -> Packing:
         """The same packing on ``device`` (non-blocking copies; the host tensors are pinned when
@@ -47,6 +59,9 @@ class Packing:
             self.shared_keys,
             self.causal,
             self.window,
+            None if self.q_first is None else move(self.q_first),
+            None if self.q_last is None else move(self.q_last),
+            self.chunks,
         )
 
 
@@ -77,14 +92,72 @@ def pack(
     q_rows, cu_q = _runs([s.row * local_len + s.q for s in spans], [s.n for s in spans])
     k_first = [s.row * key_len + s.k for s in spans]
     k_rows, cu_k = _runs(k_first, k_lens)
+    q_lens = [s.n for s in spans]
+    q_first, q_last = visible_keys(q_lens, k_lens, causal, window)
     return Packing(
         *map(pinned, (q_rows, k_rows, cu_q, cu_k)),
-        max((s.n for s in spans), default=0),
+        max(q_lens, default=0),
         max(k_lens, default=0),
         overlap(k_first, k_lens),
         causal,
         window,
+        pinned(q_first),
+        pinned(q_last),
+        math_chunks(q_lens, k_lens, causal, window),
     )
+
+
+def visible_keys(
+    q_lens: list[int], k_lens: list[int], causal: bool, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and last packed key each packed query sees: its span's keys, causal aligned
+    bottom-right (query r of n sees the keys up to ``k - n + r``), a window keeping the last
+    ``window`` of them."""
+    nq = torch.tensor(q_lens, dtype=torch.int64)
+    nk = torch.tensor(k_lens, dtype=torch.int64)
+    k_at = torch.cumsum(nk, 0) - nk
+    r = ragged_arange(torch.zeros_like(nq), nq)  # each query's index in its span
+    start, n_q, n_k = (t.repeat_interleave(nq) for t in (k_at, nq, nk))
+    if not causal:
+        return start, start + n_k - 1
+    last = start + n_k - n_q + r
+    first = start if window is None else torch.maximum(start, last - window + 1)
+    return first, last
+
+
+def math_chunks(
+    q_lens: list[int], k_lens: list[int], causal: bool, window: int | None
+) -> tuple[tuple[int, int, int, int], ...]:
+    """Packed query rows in chunks ``(q0, q1, k0, k1)`` of at most :data:`MATH_SCORES` query x
+    key elements: consecutive short spans share a chunk (one masked matmul-softmax for all of
+    them) while the chunk computes at most :data:`MATH_WASTE` times their own elements (the
+    rest is masked), a span too large for one is cut into row pieces, each with the keys its
+    rows reach."""
+    out: list[tuple[int, int, int, int]] = []
+    current: list[int] | None = None  # [q0, q1, k0, k1] of spans gathered so far
+    useful = 0  # the gathered spans' own query x key elements
+    q_at = k_at = 0
+    for nq, nk in zip(q_lens, k_lens, strict=True):
+        if current is not None:
+            area = (current[1] - current[0] + nq) * (k_at + nk - current[2])
+            if area > MATH_SCORES or area > MATH_WASTE * (useful + nq * nk):
+                out.append((current[0], current[1], current[2], current[3]))
+                current, useful = None, 0
+        if nq * nk <= MATH_SCORES:
+            current = [q_at if current is None else current[0], q_at + nq,
+                       k_at if current is None else current[2], k_at + nk]  # fmt: skip
+            useful += nq * nk
+        else:
+            rows = max(1, MATH_SCORES // max(nk, 1))
+            for r0 in range(0, nq, rows):
+                r1 = min(nq, r0 + rows)
+                hi = nk - nq + r1 if causal else nk
+                lo = max(0, nk - nq + r0 - window + 1) if causal and window is not None else 0
+                out.append((q_at + r0, q_at + r1, k_at + lo, k_at + hi))
+        q_at, k_at = q_at + nq, k_at + nk
+    if current is not None:
+        out.append((current[0], current[1], current[2], current[3]))
+    return tuple(out)
 
 
 def overlap(first: list[int], lengths: list[int]) -> bool:

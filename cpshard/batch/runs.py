@@ -7,6 +7,10 @@ import torch
 
 from cpshard.ranges import ragged_arange
 
+# With more than one lookup per DENSE_LOOKUPS positions, a running count over every position
+# beats a binary search per lookup (the planners' choice between two exact ways to count).
+DENSE_LOOKUPS = 8
+
 
 def run_starts(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``[B, S]`` True where a run of equal ``ids`` begins among the ``valid`` tokens (a row's
@@ -51,25 +55,51 @@ def document_runs_of(
     """The runs of every rank: its stretches of consecutive global positions ``[begin, begin +
     n)`` of batch rows ``row`` (rank ``rank``'s, from its local index ``q``; ordered by rank,
     row and position; a binary search each) cut at the bounds of the documents of ``doc``
-    ``[B, P]`` (0 = pad), pad pieces dropped. Returns rank, row, first local index, length,
-    document start, first global position and document end (one past its last token) of each
-    run (int64 vectors, in that order)."""
+    ``[B, P]`` (0 = pad), pad pieces dropped, pieces that meet merged. Returns rank, row,
+    first local index, length, document start, first global position and document end (one
+    past its last token) of each run (int64 vectors, in that order)."""
     b, padded = doc.shape
     starts = run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1)
     bounds = torch.nonzero(starts).flatten()  # flat; every row's first position is one
     after = torch.cat([bounds[1:], bounds.new_tensor([doc.numel()])])
     lo = row * padded + begin
-    first = torch.searchsorted(bounds, lo, right=True) - 1
-    pieces = torch.searchsorted(bounds, lo + n - 1, right=True) - first
-    which = torch.repeat_interleave(torch.arange(n.numel()), pieces)
-    j = ragged_arange(first, pieces)  # each piece's document
-    lo, row = lo[which], row[which]
-    piece_lo = torch.maximum(lo, bounds[j])
-    piece_hi = torch.minimum(lo + n[which], after[j])
-    keep = torch.nonzero(doc.reshape(-1)[bounds[j]]).flatten()  # not padding
+    if n.numel() * DENSE_LOOKUPS > doc.numel():  # many: read each position's document
+        at = torch.cumsum(starts, 0) - 1
+        first, last = at[lo], at[lo + n - 1]
+    else:
+        first = torch.searchsorted(bounds, lo, right=True) - 1
+        last = torch.searchsorted(bounds, lo + n - 1, right=True) - 1
+    if torch.equal(first, last):  # no stretch crosses a bound (a planner cut at documents)
+        j, piece_lo, piece_hi = first, lo, lo + n
+    else:
+        pieces = last - first + 1
+        which = torch.repeat_interleave(torch.arange(n.numel()), pieces)
+        j = ragged_arange(first, pieces)  # each piece's document
+        lo, row, rank, n, q = lo[which], row[which], rank[which], n[which], q[which]
+        piece_lo = torch.maximum(lo, bounds[j])
+        piece_hi = torch.minimum(lo + n, after[j])
     origin = row * padded
     cols = (
-        rank[which], row, q[which] + piece_lo - lo, piece_hi - piece_lo,
+        rank, row, q + piece_lo - lo, piece_hi - piece_lo,
         bounds[j] - origin, piece_lo - origin, after[j] - origin,
     )  # fmt: skip
-    return tuple(t[keep] for t in cols)
+    real = doc.reshape(-1)[bounds[j]] != 0
+    if not bool(real.all()):
+        keep = torch.nonzero(real).flatten()  # not padding
+        cols = tuple(t[keep] for t in cols)
+    return _maximal(cols)
+
+
+def _maximal(cols: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Runs that meet (one rank's consecutive pieces of one document, e.g. two chunks a
+    serpentine deal gives it in a row) merged into one."""
+    rank, row, q, n, start, begin, end = cols
+    new = torch.ones_like(rank, dtype=torch.bool)
+    new[1:] = (rank[1:] != rank[:-1]) | (row[1:] != row[:-1]) | (begin[1:] != begin[:-1] + n[:-1])
+    new[1:] |= start[1:] != start[:-1]
+    if bool(new.all()):
+        return cols
+    heads = torch.nonzero(new).flatten()
+    last = torch.cat([heads[1:], heads.new_tensor([rank.numel()])]) - 1
+    merged = begin[last] + n[last] - begin[heads]
+    return rank[heads], row[heads], q[heads], merged, start[heads], begin[heads], end[heads]

@@ -4,7 +4,9 @@ the native NCCL communicator.
 * :mod:`~cpshard.comm.group`: ``group`` arguments resolved to a :class:`Group`;
 * :mod:`~cpshard.comm.verbs`: the verbs' protocol (flat tensors, exact offsets, no shapes);
 * :mod:`~cpshard.comm.torch_backend`: the verbs on ``torch.distributed``;
+* :mod:`~cpshard.comm.host_staged`: the verbs for device tensors over gloo, through host copies;
 * :mod:`~cpshard.comm.nccl`: the verbs on the native NCCL communicator (CUDA builds);
+* :mod:`~cpshard.comm.nccl_runtime`: the NCCL libraries loaded at run time and their versions;
 * :mod:`~cpshard.comm.select`: which backend serves a tensor;
 * :mod:`~cpshard.comm.host`: the host-side channel of the per-step consensus;
 * :mod:`~cpshard.comm.reduce`: sum reductions (a loss's token count, parameter gradients);

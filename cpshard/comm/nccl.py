@@ -2,10 +2,10 @@
 
 One ``torch.classes.cpshard.NcclCommunicator`` per process group, created collectively on the
 first transfer, on the device of the tensors moved (never the current device), and ended by
-:func:`close`, when the process group is garbage collected, or at interpreter exit (a
-``weakref.finalize``), never left to garbage collection at exit. Ending it lets the calls in
-flight finish (for at most the group's timeout, and not past an error), then destroys it, or
-aborts it when something failed.
+:func:`close` or when the process group is garbage collected (the calls in flight may finish for
+up to the group's timeout, not past an error), or at interpreter exit (they get
+:data:`EXIT_GRACE_S`), never left to garbage collection at exit. A quiescent communicator is
+destroyed, any other aborted.
 
 **Bootstrap: split from torch's communicator** (``CPSHARD_NCCL_BOOTSTRAP=split``, the default).
 Every rank asks torch for its own ``ncclComm_t`` of the group on that device
@@ -13,10 +13,14 @@ Every rank asks torch for its own ``ncclComm_t`` of the group on that device
 torch to create it, once, with ``eager_connect_single_device``), the ranks agree over the
 host-side channel that all of them have it, and each calls ``ncclCommSplit`` on it with a copy
 of the config torch made it with (its options' ``config``: CTAs, network, traffic class...),
-made non-blocking, so that every later wait on the child (each pattern's first connect) is
-bounded by the group's timeout. The split itself follows the parent's blocking mode inside NCCL;
-it runs on a thread of its own and is given up, raising, after the timeout. Why a split child
-rather than driving torch's communicator directly:
+made blocking: a verb enqueues on the caller's thread with no thread of NCCL's per call, and a
+watchdog bounds hangs as torch's does (``csrc/comm/life.h``). The split itself follows the
+parent's blocking mode inside NCCL: from a blocking parent it runs on a thread of its own and is
+given up, raising, after the timeout; from a non-blocking parent it returns while NCCL's thread
+still makes the child, which is waited for until NCCL publishes it. Splitting needs torch's and
+cpshard's NCCL to be one library: every NCCL library loaded in the process must report, at run
+time, the version cpshard's communicator runs (:mod:`cpshard.comm.nccl_runtime`). Why a split
+child rather than driving torch's communicator directly:
 
 * ownership: torch's communicator belongs to ``ProcessGroupNCCL``: its watchdog may abort and
   free it at any time (we would hold a dangling pointer), it may be non-blocking, and torch
@@ -40,13 +44,15 @@ rather than driving torch's communicator directly:
 
 **Fallback: a unique id** (``CPSHARD_NCCL_BOOTSTRAP=unique_id``, or automatically when any rank
 cannot split: a torch without ``_comm_ptr``, a wrapped backend under
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``, a different NCCL than ours). Rank 0 makes the id
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``, another NCCL library loaded next to ours). Rank 0 makes the id
 (:func:`unique_id`, the function the CUDA compile-only CI job calls) and broadcasts it over the
-host-side channel (:func:`cpshard.comm.host.all_gather_bytes`, the group's store), never over a CUDA collective.
+host-side channel (:func:`cpshard.comm.host.all_gather_bytes`, the group's store), never over a
+CUDA collective.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import warnings
 import weakref
@@ -58,12 +64,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpshard.comm import nccl_runtime
 from cpshard.comm.group import Group, GroupLike, resolve_group
 from cpshard.comm.host import all_gather_bytes, all_gather_small
 
 BOOTSTRAPS = ("split", "unique_id")
 BOOTSTRAP_ENV = "CPSHARD_NCCL_BOOTSTRAP"
 UNIQUE_ID_BYTES = 128  # sizeof(ncclUniqueId), fixed by NCCL's ABI
+EXIT_GRACE_S = 3.0  # how long queued calls may still finish at interpreter exit
 
 _cache: weakref.WeakKeyDictionary[dist.ProcessGroup, NcclTransport] = weakref.WeakKeyDictionary()
 # (process group name, device index) pairs whose communicator this process asked torch to
@@ -83,8 +91,7 @@ def unique_id() -> torch.Tensor:
 
 def version() -> tuple[int, int, int]:
     """(major, minor, patch) of the NCCL the communicator runs against."""
-    code = int(_native().version())
-    return code // 10000, code // 100 % 100, code % 100
+    return nccl_runtime.version_triple(int(_native().version()))
 
 
 def bootstrap_mode() -> str:
@@ -137,9 +144,10 @@ class NcclTransport:
         """Why the communicator was aborted, or ``""`` while it is usable."""
         return str(self.comm.error())
 
-    def close(self) -> None:
-        """End the communicator (idempotent); later calls raise."""
-        self.comm.close()
+    def close(self, grace_s: float | None = None) -> None:
+        """End the communicator (idempotent); later calls raise. Calls in flight get ``grace_s``
+        seconds to finish (None: the group's timeout), then it is aborted."""
+        self.comm.close(-1.0 if grace_s is None else float(grace_s))
 
 
 def _timeout_s(backend: object) -> float:
@@ -152,21 +160,11 @@ def _timeout_s(backend: object) -> float:
     return timeout.total_seconds()
 
 
-def nccl_version_triple(found: Sequence[object]) -> tuple[int, int, int]:
-    """(major, minor, patch) of a version as ``torch.cuda.nccl.version()`` gives it: a 3-tuple,
-    or a 4-tuple whose last entry is the build's suffix string (ignored)."""
-    if len(found) < 3:
-        raise ValueError(f"cpshard NCCL: an NCCL version needs 3 numbers, got {tuple(found)!r}")
-    major, minor, patch = (int(v) for v in found[:3])  # type: ignore[call-overload]
-    return major, minor, patch
-
-
-def _torch_nccl_version() -> tuple[int, int, int] | None:
-    """The NCCL version torch runs against, or None when this torch has no NCCL."""
-    try:
-        return nccl_version_triple(torch.cuda.nccl.version())
-    except (AttributeError, RuntimeError):
-        return None
+def _runtime_mismatch() -> str:
+    """Why this process's NCCL libraries forbid a split (``""`` when they all report the version
+    cpshard's communicator runs): compared at run time, never with torch's compile-time
+    version."""
+    return nccl_runtime.mismatch(int(_native().version()), nccl_runtime.loaded_versions())
 
 
 def _backend_of(group: Group, device: torch.device) -> object:
@@ -197,7 +195,10 @@ def _torch_comm(backend: object, device: torch.device, group: Group) -> int:
     ranks outside this group never join). So it is called only when no rank of the group has a
     communicator yet, by every rank together (they agree on that first over the host channel, so
     no rank enters torch's collective creation alone), and at most once per group and device."""
-    usable = hasattr(backend, "_comm_ptr") and _torch_nccl_version() == version()
+    usable = hasattr(backend, "_comm_ptr")
+    if usable and (why := _runtime_mismatch()):
+        warnings.warn(f"cpshard NCCL: not splitting from torch's communicator: {why}", stacklevel=3)
+        usable = False
     found = 0
     if usable:
         try:
@@ -231,8 +232,8 @@ def _torch_comm(backend: object, device: torch.device, group: Group) -> int:
 def _torch_config(backend: object) -> object | None:
     """The ``NCCLConfig`` torch made the group's communicator with (its options' ``config``,
     which exposes the address of its ``ncclConfig_t``), or None when this torch does not give
-    one: the split then passes no config, and the child inherits the parent's (blocking or
-    not)."""
+    one: the split then passes NCCL's defaults, made blocking (never the parent's mode).
+    """
     config = getattr(getattr(backend, "options", None), "config", None)
     return config if callable(getattr(config, "unsafe_get_ptr", None)) else None
 
@@ -276,7 +277,7 @@ def _agreed(make: Callable[[], torch.ScriptObject], group: Group, bootstrap: str
     failed = [r for r, ok in enumerate(made) if not ok]
     if failed:
         if comm is not None:
-            comm.close()
+            comm.close(0.0)  # nothing was enqueued: destroyed at once
         raise RuntimeError(
             f"cpshard NCCL: rank {group.rank}: creating the communicator ({bootstrap}) failed "
             f"on ranks {failed}" + (f": {error}" if error else "")
@@ -296,15 +297,31 @@ def communicator(group: Group, device: torch.device, bootstrap: str | None = Non
         mode = bootstrap_mode() if bootstrap is None else bootstrap
         if mode not in BOOTSTRAPS:
             raise ValueError(f"bootstrap must be one of {', '.join(BOOTSTRAPS)}, got {mode!r}")
-        found = _cache[group.pg] = _create(group, device, mode)
-        # Ends it with the process group, or at exit; the finalizer holds no reference to the pg.
-        weakref.finalize(group.pg, found.close)
+        found = _create(group, device, mode)
+        register(group.pg, found)
     elif found.device != device:
         raise ValueError(
             f"cpshard NCCL: the communicator of process group {group.pg.group_name!r} is on "
             f"{found.device}, got a tensor on {device} (one device per rank and group)"
         )
     return found
+
+
+def register(pg: dist.ProcessGroup, transport: NcclTransport) -> None:
+    """Cache ``transport`` as ``pg``'s communicator and end it with the process group (letting
+    its calls finish for up to the group's timeout) or at interpreter exit (with a grace of
+    :data:`EXIT_GRACE_S`); the finalizer holds no reference to the pg."""
+    _cache[pg] = transport
+    weakref.finalize(pg, transport.close).atexit = False  # exit is _close_at_exit's
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """End every communicator at interpreter exit: queued calls get :data:`EXIT_GRACE_S`, then
+    the communicator is aborted (a rank whose peer died must not wait out the group's timeout,
+    ten minutes by default, on its way out)."""
+    for transport in list(_cache.values()):
+        transport.close(EXIT_GRACE_S)
 
 
 def close(group: GroupLike) -> None:

@@ -7,6 +7,7 @@ import torch
 from cpshard._build import build_info
 from cpshard.comm.backend_name import device_backend
 from cpshard.comm.group import Group
+from cpshard.comm.host_staged import HostStagedTransport
 from cpshard.comm.torch_backend import TorchTransport
 from cpshard.comm.verbs import Transport
 
@@ -23,10 +24,14 @@ def uses_native_nccl(group: Group, like: torch.Tensor) -> bool:
 
 def transport_for(group: Group, like: torch.Tensor) -> Transport:
     """The native NCCL communicator for CUDA tensors on an NCCL group when the extension was
-    built with it, else ``torch.distributed``."""
+    built with it, else ``torch.distributed``: staged through host copies for device tensors
+    on a group that moves them over gloo (host memory only)."""
     assert group.pg is not None
     if uses_native_nccl(group, like):
         from cpshard.comm import nccl
 
         return nccl.communicator(group, like.device)
-    return TorchTransport(group)
+    torch_transport = TorchTransport(group)
+    if like.device.type != "cpu" and torch_transport.uses_gloo(like.device):
+        return HostStagedTransport(torch_transport)
+    return torch_transport

@@ -23,6 +23,7 @@ __all__ = [
     "owner_row",
     "owner_to_indices",
     "pieces_to_indices",
+    "rank_major_pieces",
 ]
 
 Piece = tuple[int, int, int]  # (start, length, rank)
@@ -81,16 +82,26 @@ def owner_of_pieces(rows: Sequence[RowPieces], shape: Sequence[int]) -> torch.Te
     return owner_row(row * padded + start, length, rank, b * padded).view(b, padded)
 
 
-def pieces_to_indices(rows: Sequence[RowPieces], world: int, padded: int) -> torch.Tensor:
-    """``[W, B, P/W]``: every rank's positions of every row, ascending, from the rows' pieces,
-    which must tile each row of ``padded`` positions and give every rank ``P / W`` of each
-    (checked on the pieces: no pass over the positions)."""
+def rank_major_pieces(
+    rows: Sequence[RowPieces], world: int, padded: int
+) -> tuple[torch.Tensor, ...]:
+    """The rows' pieces, which must tile each row of ``padded`` positions and give every rank
+    ``P / W`` of each (checked on the pieces), sorted by rank, row and start, empty ones
+    dropped: rank, row, start, length and the local index ``q`` of each piece's first
+    position on its rank (int64 vectors)."""
     what = "cpshard.layouts.pieces_to_indices"
     row, start, length, rank = flat_pieces(rows)
     tiled = int(length.sum()) == len(rows) * padded and bool((length >= 0).all())
     if not tiled or not torch.equal(row * padded + start, torch.cumsum(length, 0) - length):
         raise ValueError(f"{what}: the pieces must tile every row of {padded} positions in order")
-    return _indices(row, start, length, rank, world, len(rows), padded // max(world, 1), what)
+    return _rank_major(row, start, length, rank, world, len(rows), padded // max(world, 1), what)
+
+
+def pieces_to_indices(rows: Sequence[RowPieces], world: int, padded: int) -> torch.Tensor:
+    """``[W, B, P/W]``: every rank's positions of every row, ascending, from the rows' pieces
+    (:func:`rank_major_pieces`: no pass over the positions to check them)."""
+    _, _, start, length, _ = rank_major_pieces(rows, world, padded)
+    return ragged_arange(start, length).view(world, len(rows), padded // max(world, 1))
 
 
 def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
@@ -106,19 +117,27 @@ def owner_to_indices(owner: torch.Tensor, world: int) -> torch.Tensor:
     starts = torch.nonzero(new.reshape(-1)).flatten()
     sizes = torch.diff(starts, append=starts.new_tensor([owner.numel()]))
     row, rank = starts // max(length, 1), owner.reshape(-1)[starts]
-    return _indices(row, starts - row * length, sizes, rank, world, rows, length // world, what)
+    per_rank = length // world
+    pieces = _rank_major(row, starts - row * length, sizes, rank, world, rows, per_rank, what)
+    return ragged_arange(pieces[2], pieces[3]).view(world, rows, per_rank)
 
 
-def _indices(
+def _rank_major(
     row: torch.Tensor, start: torch.Tensor, length: torch.Tensor, rank: torch.Tensor,
     world: int, rows: int, per_rank: int, what: str,
-) -> torch.Tensor:  # fmt: skip
-    """The pieces (in row and position order) sorted by rank and row, their positions back to
-    back: every rank's positions, rank-major ``[W, B, per_rank]``."""
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The pieces (in row and position order; every rank's ``per_rank`` positions per row
+    checked) sorted by rank and row, empty ones dropped: rank, row, start, length, ``q``."""
     if rank.numel() and (int(rank.min()) < 0 or int(rank.max()) >= world):
         raise ValueError(f"{what}: owner ranks must lie in [0, world = {world})")
-    counts = torch.zeros(world * rows, dtype=torch.int64).index_add_(0, rank * rows + row, length)
+    block = rank * rows + row
+    counts = torch.zeros(world * rows, dtype=torch.int64).index_add_(0, block, length)
     if not bool((counts == per_rank).all()):
         raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
-    order = torch.argsort(rank * rows + row, stable=True)
-    return ragged_arange(start[order], length[order]).view(world, rows, per_rank)
+    if not bool(length.all()):
+        keep = torch.nonzero(length).flatten()
+        row, start, length, rank, block = (t[keep] for t in (row, start, length, rank, block))
+    order = torch.argsort(block.to(torch.int32), stable=True)  # W B < 2^31: half the bytes
+    row, start, length, rank, block = (t[order] for t in (row, start, length, rank, block))
+    q = torch.cumsum(length, 0) - length - block * per_rank  # every (rank, row) holds per_rank
+    return rank, row, start, length, q

@@ -4,6 +4,7 @@ one carries every rank's positions, checked here to partition the padded rows.""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -11,7 +12,8 @@ import torch
 
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.closed_form import check_closed_form
-from cpshard.layouts.owners import RowPieces, pieces_to_indices
+from cpshard.layouts.owners import RowPieces, rank_major_pieces
+from cpshard.ranges import ragged_arange
 from cpshard.layouts.registry import is_closed_form, lookup
 from cpshard.validation import check_int
 
@@ -116,11 +118,13 @@ class ShardLayout:
             )
         pieces = tuple(tuple(t.cpu() for t in row) for row in pieces)
         try:
-            idx = pieces_to_indices(pieces, world, padded)
+            by_rank = rank_major_pieces(pieces, world, padded)
         except ValueError as err:
             raise ValueError(f"{what}: owner_pieces: {err}") from None
+        idx = ragged_arange(by_rank[2], by_rank[3]).view(world, len(pieces), padded // world)
         object.__setattr__(self, "owner_pieces", pieces)
         object.__setattr__(self, "local_token_global_indices", idx)
+        self.__dict__["rank_major_pieces"] = by_rank  # the cached property, made here
 
     def _check_position_map(self, what: str, original: int, padded: int) -> None:
         pm = self.position_map
@@ -183,6 +187,15 @@ class ShardLayout:
         object.__setattr__(self, "local_token_global_indices", idx)
 
     # -- queries ---------------------------------------------------------------------------
+
+    @functools.cached_property
+    def rank_major_pieces(self) -> tuple[torch.Tensor, ...] | None:
+        """A planned layout's pieces sorted by rank, row and start (empty ones dropped): rank,
+        row, start, length and the rank's local index of each piece's first position (None
+        without ``owner_pieces``)."""
+        if self.owner_pieces is None:
+            return None
+        return rank_major_pieces(self.owner_pieces, self.world_size, self.padded_seq_len)
 
     @property
     def strategy(self) -> LayoutStrategy | None:

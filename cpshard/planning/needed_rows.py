@@ -20,13 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cpshard.batch.runs import DENSE_LOOKUPS
 from cpshard.planning.runs import LayoutRuns
 from cpshard.ranges import ragged_arange
-
-
-# With more than one lookup per DENSE_LOOKUPS positions, a running sum over every position
-# beats a binary search per lookup (the coverage count's choice between two exact ways).
-DENSE_LOOKUPS = 8
 
 
 @dataclass(frozen=True)
@@ -110,15 +106,17 @@ def _merge(
 class _Coverage:
     """How many (interval, position) pairs the intervals ``[lo, hi)`` of batch rows ``row``
     cover below a position of a row: the sum over positions of how many intervals hold each.
-    For a few lookups, by binary search over the sorted bounds (no pass over the sequence);
-    for about one per position (``lookups``), from the running sum over every position."""
+    By binary search over the sorted bounds (no pass over the sequence), or, when the
+    ``lookups`` number about one per position and the intervals too many for a search to stay
+    in cache, from the running sum over every position."""
 
     def __init__(
         self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, rows: int, padded: int,
         lookups: int,
     ) -> None:  # fmt: skip
         self.span = padded + 1
-        self.dense = lookups * DENSE_LOOKUPS > rows * padded
+        positions = rows * padded  # a search of a table this much smaller stays in cache
+        self.dense = min(lookups, lo.numel() * DENSE_LOOKUPS) * DENSE_LOOKUPS > positions
         if self.dense:
             delta = torch.zeros(rows * self.span + 1, dtype=torch.int64)
             delta.index_add_(0, row * self.span + lo, torch.ones_like(lo))
@@ -127,30 +125,34 @@ class _Coverage:
             self.below_at = torch.cumsum(torch.cumsum(delta, 0), 0)
             self.below_at = torch.cat([self.below_at.new_zeros(1), self.below_at[:-1]])
         else:
-            self.lo, self.lo_sums = self._sorted(row * self.span, lo)
-            self.hi, self.hi_sums = self._sorted(row * self.span, hi)
+            starts = torch.arange(rows) * self.span  # each row's first key
+            self.lo, self.lo_sums, self.lo_first = self._sorted(row * self.span + lo, starts)
+            self.hi, self.hi_sums, self.hi_first = self._sorted(row * self.span + hi, starts)
 
     @staticmethod
-    def _sorted(base: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = torch.sort(base + bound).values
+    def _sorted(keys: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The keys sorted, their running sums and where each row's keys begin."""
+        keys = torch.sort(keys).values
         sums = torch.zeros(keys.numel() + 1, dtype=torch.int64)
         torch.cumsum(keys, 0, out=sums[1:])
-        return keys, sums
+        return keys, sums, torch.searchsorted(keys, starts)
 
-    def _beyond(self, keys: torch.Tensor, sums: torch.Tensor, base: torch.Tensor,
-                x: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Sum of ``x - bound`` over the row's bounds ``< x``."""
-        first = torch.searchsorted(keys, base)
-        last = torch.searchsorted(keys, base + x)
-        return (last - first) * (base + x) - (sums[last] - sums[first])
+    @staticmethod
+    def _beyond(keys: torch.Tensor, sums: torch.Tensor, first: torch.Tensor,
+                base_x: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Sum of ``x - bound`` over the row's bounds ``< x`` (``base_x``: row key + x;
+        ``first``: where the row's keys begin)."""
+        last = torch.searchsorted(keys, base_x)
+        return (last - first) * base_x - (sums[last] - sums[first])
 
     def below(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Per entry: the intervals' covered positions ``< x`` in batch row ``row``."""
         base = row * self.span
         if self.dense:
             return self.below_at[base + x] - self.below_at[base]
-        return self._beyond(self.lo, self.lo_sums, base, x) - self._beyond(
-            self.hi, self.hi_sums, base, x
+        key = base + x
+        return self._beyond(self.lo, self.lo_sums, self.lo_first[row], key) - self._beyond(
+            self.hi, self.hi_sums, self.hi_first[row], key
         )
 
 
@@ -166,7 +168,6 @@ def plan_needed_rows(
     to the document's end; with a (causal) ``window``, from the window's start of its first
     query, at most ``window - 1`` rows before the run."""
     world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
-    prefix = runs.prefix
     mr, mrow, mlo, mhi = _merge(*runs.intervals(causal, window))  # every rank's needed rows
 
     # Counted for every rank: rows needed, of them its own, and its rows counted once per rank
@@ -194,6 +195,7 @@ def plan_needed_rows(
         return offset[j] + position - ilo[j]
 
     # Received: every source's positions inside its intervals, by source, row and position.
+    prefix = runs.prefix
     sources = torch.arange(world).repeat_interleave(irow.numel())
     prow, plo, phi = (t.repeat(world) for t in (irow, ilo, ihi))
     first = prefix.before(sources, prow, plo)
@@ -230,7 +232,7 @@ def _served(
     runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
 ) -> torch.Tensor:
     """``[W]``: every rank's document tokens counted once per interval ``[lo, hi)`` (of batch
-    rows ``row``) that holds them."""
+    rows ``row``; intervals of document positions) that holds them."""
     if runs.closed is not None:
         return runs.closed.covered(lo, hi)
     covered = _Coverage(row, lo, hi, runs.rows, runs.padded, runs.n.numel())

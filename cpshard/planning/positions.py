@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from cpshard.layouts import ShardLayout
+from cpshard.layouts import ShardLayout, rank_major_inverse
 from cpshard.layouts.closed_form import check_closed_form
-from cpshard.layouts.owners import flat_pieces
+
 
 def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
     """``[W, B, L]`` int64: every rank's global positions of every batch row (ascending), for a
@@ -37,27 +37,26 @@ def all_positions(layout: ShardLayout, rows: int) -> torch.Tensor:
 
 
 def layout_pieces(layout: ShardLayout, rows: int) -> tuple[torch.Tensor, ...]:
-    """Every rank's pieces of every row (maximal runs of consecutive positions on one rank):
-    rank, row, start, length and first local index ``q`` (int64 vectors ordered by rank, row
-    and start; none empty). A planned layout's are the pieces it carries; contiguous shards'
-    follow from the sizes; any other's are read from its positions."""
+    """Every rank's pieces of every row (runs of consecutive positions on one rank, maximal or
+    not): rank, row, start, length and first local index ``q`` (int64 vectors ordered by rank,
+    row and start; none empty). A planned layout's are the pieces it carries; contiguous
+    shards' and whole chunks' follow from the sizes; any other's are read from its positions."""
     world, padded = layout.world_size, layout.padded_seq_len
     length = padded // max(world, 1)
-    if layout.owner_pieces is not None:
-        row, start, size, rank = flat_pieces(layout.owner_pieces)
-        keep = torch.nonzero(size).flatten()
-        row, start, size, rank = (t[keep] for t in (row, start, size, rank))
-        block = rank * rows + row
-        order = torch.argsort(block, stable=True)  # by rank and row; by start within them
-        row, start, size, rank, block = (t[order] for t in (row, start, size, rank, block))
-        q = torch.cumsum(size, 0) - size - block * length  # every (rank, row) holds `length`
-        # a rank's pieces that meet (a serpentine turn deals it two chunks in a row) are one
-        new = torch.ones_like(start, dtype=torch.bool)
-        new[1:] = (block[1:] != block[:-1]) | (start[1:] != start[:-1] + size[:-1])
-        heads = torch.nonzero(new).flatten()
-        last = torch.cat([heads[1:], heads.new_tensor([start.numel()])]) - 1
-        size = q[last] + size[last] - q[heads]
-        return rank[heads], row[heads], start[heads], size, q[heads]
+    if layout.rank_major_pieces is not None:
+        return layout.rank_major_pieces
+    if layout.moves_whole_chunks and padded:  # closed-form whole chunks: C pieces a row
+        chunks = layout.num_chunks
+        assert chunks is not None
+        size, per = padded // chunks, chunks // world
+        slot = rank_major_inverse(layout.name, world, chunks, num_chunks=chunks)
+        chunk = torch.argsort(slot).view(world, 1, per)  # each rank's chunks, ascending
+        shape = (world, rows, per)
+        cols = (
+            torch.arange(world).view(world, 1, 1), torch.arange(rows).view(1, rows, 1),
+            chunk * size, torch.full((1, 1, 1), size), torch.arange(per).view(1, 1, per) * size,
+        )  # fmt: skip
+        return tuple(t.expand(shape).reshape(-1) for t in cols)
     if layout.contiguous_shards:
         rank = torch.arange(world).repeat_interleave(rows)
         size = torch.full_like(rank, length)
@@ -86,17 +85,28 @@ class RankPrefix:
         self.keys = (rank * rows + row) * self.span + self.start
 
     def before(self, rank: torch.Tensor, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Positions of ``rank`` in ``row`` that are ``< position`` (elementwise, int64): the
-        local index of the last piece of (rank, row) starting below it, plus its part below."""
-        if not self.keys.numel():
-            return torch.zeros_like(position)
+        """Positions of ``rank`` in ``row`` that are ``< position`` (elementwise, int64)."""
         base = (rank * self.rows + row) * self.span
-        j = torch.searchsorted(self.keys, base + position) - 1
-        at = j.clamp(min=0)
-        held = (j >= 0) & (self.keys[at] >= base)
-        below = self.q[at] + torch.minimum(position - self.start[at], self.size[at])
-        return torch.where(held, below, 0)
+        return _below(self.keys, self.start, self.size, self.q, base, position)
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """:meth:`before` for one ``rank``."""
-        return self.before(torch.full_like(row, rank), row, position)
+        """:meth:`before` for one ``rank``: a search of its own pieces only (a table that
+        stays in cache however many lookups)."""
+        block = torch.tensor([rank * self.rows, (rank + 1) * self.rows])
+        lo, hi = torch.searchsorted(self.keys, block * self.span).tolist()
+        own = (t[lo:hi] for t in (self.keys, self.start, self.size, self.q))
+        return _below(*own, (rank * self.rows + row) * self.span, position)
+
+
+def _below(
+    keys: torch.Tensor, start: torch.Tensor, size: torch.Tensor, q: torch.Tensor,
+    base: torch.Tensor, position: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Per lookup: the local index of the last piece of its (rank, row) block (keys ``base``
+    + start) starting below ``position``, plus the piece's part below it (0: none)."""
+    if not keys.numel():
+        return torch.zeros_like(position)
+    j = torch.searchsorted(keys, base + position) - 1
+    at = j.clamp(min=0)
+    held = (j >= 0) & (keys[at] >= base)
+    return torch.where(held, q[at] + torch.minimum(position - start[at], size[at]), 0)

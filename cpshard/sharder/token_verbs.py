@@ -59,6 +59,20 @@ class TokenVerbs:
             return t.flatten(d - 1, d).unsqueeze(d - 1)
         return t
 
+    def _host_flags(self, lay: ShardLayout) -> tuple[bool, bool]:
+        """Whether ``lay``'s position map leaves padded positions without an input position (a
+        fill is needed when sharding), and whether it drops input positions: read once per
+        shard layout from the map's host copy, never from a device tensor per call."""
+
+        def read() -> tuple[bool, bool]:
+            assert lay.position_map is not None
+            pm = lay.position_map.cpu()
+            return bool((invert_position_map(pm, lay.padded_seq_len) < 0).any()), bool(
+                (pm < 0).any()
+            )
+
+        return self._p.cached(("position_map_flags",), read)
+
     def _shard_index(self, t: torch.Tensor, d: int) -> tuple[torch.Tensor, bool]:
         """The positions of ``t`` (along d) this rank takes (-1: fill), and whether any padded
         position needs a fill on any rank."""
@@ -86,8 +100,7 @@ class TokenVerbs:
             src = self._p.cached(
                 ("src", str(t.device)), lambda: invert_position_map(pm, padded).to(t.device)
             )
-            needs = bool((src < 0).any())
-            return take(src, mine), needs
+            return take(src, mine), self._host_flags(lay)[0]
         if lay.input_row_shape is not None and _is_thd_rows(t, d, lay):
             n = lay.original_seq_len
         if n == padded:
@@ -274,8 +287,9 @@ class TokenVerbs:
         if not trim:
             return plan
         if lay.position_map is not None:
-            pm = lay.position_map.to(t.device)
-            if bool((pm < 0).any()) and fill is None:
+            host_pm = lay.position_map
+            pm = self._p.cached(("pm", str(t.device)), lambda: host_pm.to(t.device))
+            if self._host_flags(lay)[1] and fill is None:
                 raise Problem("the position map drops input positions: pass fill= for them")
             if pm.dim() == 2 and pm.shape[0] > 1 and (d == 0 or t.shape[d - 1] != pm.shape[0]):
                 raise Problem(

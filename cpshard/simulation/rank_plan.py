@@ -140,7 +140,7 @@ def _own_tokens(state: AttentionState) -> int:
     """The real (document) tokens this rank holds: the lengths of its runs."""
     runs = state.runs
     assert runs is not None
-    return int(runs.n[runs.rank == state.group.rank].sum())
+    return int(runs.tokens()[state.group.rank])
 
 
 def rank_plan(

@@ -6,14 +6,14 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstddef>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
+#include <mutex>
 #include <optional>
 
-#include "comm/settle.h"
 #include "comm/within.h"
 #include "common/geometry.h"
 
@@ -27,8 +27,6 @@ namespace {
                 ncclGetErrorString(status_), ((comm) ? ". " : ""),                           \
                 ((comm) ? ncclGetLastError(comm) : ""));                                     \
   } while (0)
-
-constexpr auto kPollInterval = std::chrono::milliseconds(100);
 
 // How a reduction sees a dtype: NCCL's element type, and NCCL elements per tensor element
 // (complex numbers reduce as pairs of reals). Pure data movement goes as bytes instead.
@@ -75,11 +73,11 @@ int64_t total_of(const std::vector<int64_t>& sizes, const char* what) {
 }
 
 // The config a split child is made with: a copy of the one torch made its communicator with
-// (its ProcessGroupNCCL options' config, at address `torch_config`), made non-blocking. NCCL
+// (its ProcessGroupNCCL options' config, at address `torch_config`), made blocking. NCCL
 // resolves the fields torch left undefined from the environment, as it did for the parent, so
 // the child gets the parent's settings (CTAs, network, traffic class, ...; resource sharing is
 // taken from the parent's own config either way). 0: no config of torch's; the split then
-// passes none and the child inherits the parent's, blocking mode included.
+// passes a default config made blocking.
 ncclConfig_t child_config(int64_t torch_config, const char* what) {
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   if (torch_config != 0) {
@@ -93,49 +91,139 @@ ncclConfig_t child_config(int64_t torch_config, const char* what) {
     std::memcpy(&config, from, std::min(from->size, sizeof(ncclConfig_t)));
     config.size = sizeof(ncclConfig_t);  // fields beyond torch's keep the initialiser's values
   }
-  config.blocking = 0;
+  config.blocking = 1;
   return config;
+}
+
+// A status of a blocking NCCL call: success, or an error raised naming the call.
+void check_status(ncclResult_t status, const char* op, ncclComm_t comm) {
+  TORCH_CHECK(status == ncclSuccess, "cpshard NCCL: ", op, " failed: ",
+              ncclGetErrorString(status), ". ", ncclGetLastError(comm));
+}
+
+std::string who(int64_t rank, int64_t world, int64_t device) {
+  return "rank " + std::to_string(rank) + " of " + std::to_string(world) + ", cuda:" +
+         std::to_string(device);
+}
+
+// A creation that may block for ever (a blocking split, a blocking unique-id init) run on a
+// thread of its own (within.h), writing the communicator into a heap cell: the status, or
+// nullopt when it has not returned within `timeout` (the late handler then aborts whatever it
+// made and frees the cell).
+std::optional<ncclResult_t> create_within(std::function<ncclResult_t(ncclComm_t*)> create,
+                                          ncclComm_t* cell, int64_t device,
+                                          std::chrono::milliseconds timeout) {
+  return run_within<ncclResult_t>(
+      [create = std::move(create), cell, device] {
+        if (cudaSetDevice(static_cast<int>(device)) != cudaSuccess) {
+          (void)cudaGetLastError();
+          return ncclUnhandledCudaError;
+        }
+        return create(cell);
+      },
+      timeout,
+      [cell](ncclResult_t late) {  // a creation that completed after we gave up on it
+        if (late == ncclInProgress) return;  // NCCL is still to write the cell: left to it
+        if (const ncclComm_t made = __atomic_load_n(cell, __ATOMIC_ACQUIRE); made != nullptr) {
+          (void)ncclCommAbort(made);
+        }
+        delete cell;
+      });
 }
 
 }  // namespace
 
-// One verb's enqueue, after its argument checks: holds the communicator's lock (the watchdog
-// cannot abort mid-enqueue), raises if the communicator is closed or aborted, selects its device
-// and the current stream there, tells the caching allocator about every tensor used on that
-// stream, and on exit records an event the watchdog times.
+class NcclLibrary final : public CommLibrary {
+ public:
+  explicit NcclLibrary(int64_t device) : device_(device) {}
+  ~NcclLibrary() override {
+    for (const auto event : spare_) (void)cudaEventDestroy(static_cast<cudaEvent_t>(event));
+    (void)cudaGetLastError();
+  }
+
+  void prepare_watchdog_thread() override {
+    (void)cudaSetDevice(static_cast<int>(device_));  // for the event queries
+    // Relaxed: this thread's event queries must not invalidate a CUDA graph another thread is
+    // capturing in global mode (the default of torch.cuda.graph).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  }
+
+  CommState state(Handle comm, std::string* why) override {
+    const auto c = static_cast<ncclComm_t>(comm);
+    ncclResult_t async = ncclSuccess;
+    const ncclResult_t polled = ncclCommGetAsyncError(c, &async);
+    const ncclResult_t seen = polled != ncclSuccess ? polled : async;
+    if (seen == ncclSuccess) return CommState::kReady;
+    if (seen == ncclInProgress) return CommState::kInProgress;
+    *why = std::string(ncclGetErrorString(seen)) + ". " + ncclGetLastError(c);
+    return CommState::kFailed;
+  }
+  void abort(Handle comm) override { (void)ncclCommAbort(static_cast<ncclComm_t>(comm)); }
+  std::string destroy(Handle comm) override {
+    const ncclResult_t status = ncclCommDestroy(static_cast<ncclComm_t>(comm));
+    return status == ncclSuccess ? std::string() : ncclGetErrorString(status);
+  }
+  bool done(Marker marker) override {
+    const cudaError_t state = cudaEventQuery(static_cast<cudaEvent_t>(marker));
+    if (state == cudaErrorNotReady) return false;
+    // Finished, or its stream failed (that error surfaces on the stream's own next check).
+    if (state != cudaSuccess) (void)cudaGetLastError();
+    return true;
+  }
+  void release(Marker marker) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    spare_.push_back(marker);
+  }
+
+  // An event recorded on `stream` after a call, or null when the call is not timed: captured
+  // into a CUDA graph (it runs at replay), or CUDA refused the event (the async-error poll still
+  // covers that call).
+  Marker mark(cudaStream_t stream) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    cudaEvent_t event = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!spare_.empty()) {
+        event = static_cast<cudaEvent_t>(spare_.back());
+        spare_.pop_back();
+      }
+    }
+    if (event == nullptr && cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return nullptr;
+    }
+    if (cudaEventRecord(event, stream) != cudaSuccess) {
+      (void)cudaGetLastError();
+      release(event);
+      return nullptr;
+    }
+    return event;
+  }
+
+ private:
+  const int64_t device_;
+  std::mutex mu_;  // guards spare_ (the watchdog releases, callers take)
+  std::vector<Marker> spare_;
+};
+
+// One verb's enqueue, after its argument checks: CommLife's call (the communicator's call lock,
+// raising if it is closed or aborted, the host time inside NCCL watched), the device and its
+// current stream, the caching allocator told about every tensor used on that stream, and on
+// exit an event the watchdog times.
 class NcclCommunicator::Call {
  public:
   Call(NcclCommunicator& c, const char* what)
       : c_(c),
-        lock_(c.mu_),
+        call_(*c.life_, what),
         guard_(static_cast<c10::DeviceIndex>(c.device_)),
-        stream_(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device_))) {
-    TORCH_CHECK(!c_.closed_, what, ": the communicator is closed");
-    TORCH_CHECK(c_.error_.empty(), what, ": the communicator was aborted: ", c_.error_);
-  }
-  ~Call() {
-    // Calls captured into a CUDA graph run later, at replay: nothing to time now.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream_.stream(), &capture) != cudaSuccess ||
-        capture != cudaStreamCaptureStatusNone) {
-      (void)cudaGetLastError();
-      return;
-    }
-    cudaEvent_t event = nullptr;
-    if (!c_.spare_.empty()) {
-      event = c_.spare_.back();
-      c_.spare_.pop_back();
-    } else if (cudaEventCreateWithFlags(&event, cudaEventDisableTiming) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return;  // untimed: the async-error poll still covers this call
-    }
-    if (cudaEventRecord(event, stream_.stream()) != cudaSuccess) {
-      (void)cudaGetLastError();
-      c_.spare_.push_back(event);
-      return;
-    }
-    c_.pending_.emplace_back(event, Clock::now());
-  }
+        stream_(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device_))) {}
+  ~Call() { call_.enqueued(library(c_).mark(stream_.stream())); }
 
   // `t` is used on this call's stream: the caching allocator must not hand its memory out again
   // until the transfer is done there (a no-op when that is the stream t was allocated on).
@@ -145,15 +233,12 @@ class NcclCommunicator::Call {
     }
   }
   cudaStream_t stream() const { return stream_.stream(); }
-  ncclComm_t comm() const { return c_.comm_; }
-  // The status of an NCCL call on this communicator: success, or (a non-blocking communicator)
-  // in progress, then waited for until ready within the timeout; anything else raises.
-  void check(ncclResult_t status, const char* op) { c_.settle_locked(status, op); }
+  ncclComm_t comm() const { return static_cast<ncclComm_t>(call_.handle()); }
+  void check(ncclResult_t status, const char* op) const { check_status(status, op, comm()); }
 
   // ncclGroupStart/End around a verb's calls; only entered once every argument is checked. An
   // error inside makes ncclGroupEnd drop the whole group rather than launch part of it. The
-  // first ncclGroupEnd of a pattern connects the peers (on a non-blocking communicator it
-  // returns in progress and is waited for within the timeout).
+  // first ncclGroupEnd of a pattern connects the peers (the watchdog bounds how long it may).
   class Scope {
    public:
     explicit Scope(Call& call) : call_(call) { call_.check(ncclGroupStart(), "ncclGroupStart"); }
@@ -168,8 +253,10 @@ class NcclCommunicator::Call {
   };
 
  private:
+  static NcclLibrary& library(NcclCommunicator& c) { return *c.library_; }
+
   NcclCommunicator& c_;
-  std::unique_lock<std::mutex> lock_;
+  CommLife::Call call_;
   c10::cuda::CUDAGuard guard_;
   c10::cuda::CUDAStream stream_;
 };
@@ -177,118 +264,78 @@ class NcclCommunicator::Call {
 NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
                                    const at::Tensor& unique_id, int64_t rank, int64_t world,
                                    int64_t device, double timeout_s)
-    : rank_(rank),
-      world_(world),
-      device_(device),
-      timeout_(std::chrono::milliseconds(
-          std::isfinite(timeout_s) && timeout_s > 0 && timeout_s < 1e12
-              ? static_cast<int64_t>(std::ceil(timeout_s * 1000))
-              : 0)) {
+    : rank_(rank), world_(world), device_(device) {
   constexpr const char* what = "NcclCommunicator";
   TORCH_CHECK(world >= 1 && 0 <= rank && rank < world, what, ": rank ", rank,
               " out of range for world ", world);
-  TORCH_CHECK(0 <= device && device < c10::cuda::device_count(), what, ": device ", device,
-              " is not a visible CUDA device (", static_cast<int>(c10::cuda::device_count()),
-              " visible)");
-  TORCH_CHECK(timeout_.count() > 0, what, ": timeout_s must be positive and finite, got ",
-              timeout_s);
+  TORCH_CHECK(0 <= device && device < c10::cuda::device_count(), what, " (rank ", rank,
+              "): device ", device, " is not a visible CUDA device (",
+              static_cast<int>(c10::cuda::device_count()), " visible)");
+  const auto timeout = to_milliseconds(timeout_s);
+  TORCH_CHECK(timeout.count() > 0, what, " (rank ", rank,
+              "): timeout_s must be positive and finite, got ", timeout_s);
+  const std::string name = who(rank, world, device);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  std::unique_lock<std::mutex> lock(mu_);
-  // A creation that fails or times out leaves no communicator behind (no destructor runs).
-  const auto settle_or_abort = [this](ncclResult_t status, const char* op) {
-    try {
-      settle_locked(status, op);
-    } catch (...) {
-      if (comm_ != nullptr) (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
-      throw;
-    }
-  };
+  library_ = std::make_shared<NcclLibrary>(device);
+  // The cell NCCL writes the communicator into lives on the heap: it is freed only once NCCL
+  // has written it (by await_child, or by the late handler of a creation given up on).
+  auto* cell = new ncclComm_t(nullptr);
+  ncclComm_t comm = nullptr;
   if (parent != 0) {
-    TORCH_CHECK(parent_matches(parent, rank, world, device), what,
-                ": the parent communicator is not this group's on cuda:", device);
+    TORCH_CHECK(parent_matches(parent, rank, world, device), what, " (", name,
+                "): the parent communicator is not this group's on cuda:", device);
     const auto from = reinterpret_cast<ncclComm_t>(parent);
-    // The child is non-blocking with torch's settings (child_config), so its own waits are
-    // bounded. The split itself takes its blocking mode from the parent: from a blocking one it
-    // waits inside NCCL for every peer, so it runs on a thread of its own, waited for within
-    // the timeout; from a non-blocking one it returns in progress at once. NCCL writes the child
-    // into `cell` when the split's work ends (after ncclCommSplit has returned, for a
-    // non-blocking parent), so the cell lives on the heap and is freed only once that write
-    // has been seen; a split given up on before then leaves it (a pointer's worth) to NCCL.
-    auto* cell = new ncclComm_t(nullptr);
-    const auto published = [cell] { return __atomic_load_n(cell, __ATOMIC_ACQUIRE); };
-    const bool inherit = parent_config == 0;
-    const std::optional<ncclResult_t> split = run_within<ncclResult_t>(
-        [from, rank, device, inherit, cell, config = child_config(parent_config, what)]() mutable {
-          if (cudaSetDevice(static_cast<int>(device)) != cudaSuccess) {
-            (void)cudaGetLastError();
-            return ncclUnhandledCudaError;
-          }
-          return ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank), cell,
-                               inherit ? nullptr : &config);
+    // Always a config (never the parent's, which may be non-blocking): torch's made blocking,
+    // or without one of torch's the defaults made blocking.
+    ncclConfig_t config = child_config(parent_config, what);
+    // From a blocking parent the split waits inside NCCL for every peer (bounded by running
+    // it on a thread of its own); from a non-blocking one it returns (ncclSuccess or
+    // ncclInProgress) while NCCL's thread still makes the child.
+    const std::optional<ncclResult_t> split = create_within(
+        [from, rank, config](ncclComm_t* out) mutable {
+          return ncclCommSplit(from, /*color=*/0, /*key=*/static_cast<int>(rank), out, &config);
         },
-        timeout_,
-        [cell, published](ncclResult_t late) {  // a split completed after we gave up on it
-          if (late == ncclInProgress) return;    // NCCL is still to write the cell
-          if (const ncclComm_t child = published(); child != nullptr) {
-            (void)(late == ncclSuccess ? ncclCommDestroy(child) : ncclCommAbort(child));
-          }
-          delete cell;
-        });
-    const auto joined_in_time = [&](bool in_time) {
-      TORCH_CHECK(in_time, what, ": ncclCommSplit has not completed within the process group's "
-                  "timeout of ", timeout_.count(), " ms: a rank of the group never joined it. "
-                  "The group's NCCL communicators are unusable now.");
-    };
-    joined_in_time(split.has_value());
-    const ncclResult_t status = *split;
-    if (status == ncclInProgress) {  // a non-blocking parent: wait for the child to appear
-      int appeared = 0;  // settle's states: 1 while the cell is empty, then 0
-      const auto query = [&published] { return published() == nullptr ? 1 : 0; };
-      joined_in_time(settle(query, 1, 0, timeout_, &appeared) == Settled::kReady);
+        cell, device, timeout);
+    TORCH_CHECK(split.has_value(), what, " (", name, "): ncclCommSplit has not returned within "
+                "the process group's timeout of ", timeout.count(), " ms: a rank of the group "
+                "never joined it. The group's NCCL communicators are unusable now.");
+    if (*split != ncclSuccess && *split != ncclInProgress) {
+      // Failed before anything ran in the background: NCCL leaves the cell null.
+      delete cell;
+      TORCH_CHECK(false, what, " (", name, "): ncclCommSplit failed: ",
+                  ncclGetErrorString(*split), ". ", ncclGetLastError(from));
     }
-    comm_ = published();
-    delete cell;
-    if (status != ncclSuccess && status != ncclInProgress && comm_ != nullptr) {
-      (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
-    }
-    TORCH_CHECK(status == ncclSuccess || status == ncclInProgress, what,
-                ": ncclCommSplit failed: ", ncclGetErrorString(status), ". ",
-                ncclGetLastError(from));
-    settle_or_abort(status, "ncclCommSplit");
+    comm = static_cast<ncclComm_t>(CommLife::await_child(
+        library_, from, reinterpret_cast<CommLibrary::Handle*>(cell), timeout, what, name));
   } else {
     TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
                     unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),
-                what, ": unique_id must be a uint8 CPU tensor of ", sizeof(ncclUniqueId),
-                " bytes");
+                what, " (", name, "): unique_id must be a uint8 CPU tensor of ",
+                sizeof(ncclUniqueId), " bytes");
     ncclUniqueId id;
     std::memcpy(&id, unique_id.contiguous().const_data_ptr(), sizeof(id));
-    // Non-blocking: creation (and each pattern's first connect later) returns in progress and
-    // is waited for here within the timeout, never blocking on a dead or late peer for ever.
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    const ncclResult_t status = ncclCommInitRankConfig(&comm_, static_cast<int>(world), id,
-                                                       static_cast<int>(rank), &config);
-    if (status != ncclSuccess && status != ncclInProgress && comm_ != nullptr) {
-      (void)ncclCommAbort(comm_);
-      comm_ = nullptr;
-    }
-    TORCH_CHECK(status == ncclSuccess || status == ncclInProgress, what,
-                ": ncclCommInitRankConfig failed: ", ncclGetErrorString(status));
-    settle_or_abort(status, "ncclCommInitRankConfig");
+    config.blocking = 1;
+    const std::optional<ncclResult_t> made = create_within(
+        [id, world, rank, config](ncclComm_t* out) mutable {
+          return ncclCommInitRankConfig(out, static_cast<int>(world), id, static_cast<int>(rank),
+                                        &config);
+        },
+        cell, device, timeout);
+    TORCH_CHECK(made.has_value(), what, " (", name, "): ncclCommInitRankConfig has not returned "
+                "within the process group's timeout of ", timeout.count(), " ms: a rank of the "
+                "group never joined it.");
+    comm = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
+    delete cell;
+    if (*made != ncclSuccess && comm != nullptr) (void)ncclCommAbort(comm);
+    TORCH_CHECK(*made == ncclSuccess, what, " (", name, "): ncclCommInitRankConfig failed: ",
+                ncclGetErrorString(*made), ". ", ncclGetLastError(nullptr));
   }
-  lock.unlock();
-  watchdog_ = std::thread([this] { watch(); });
+  life_ = std::make_unique<CommLife>(library_, name, timeout);
+  life_->start(comm);
 }
 
-NcclCommunicator::~NcclCommunicator() {
-  try {
-    close();
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "cpshard NCCL: closing the communicator failed: %s\n", e.what());
-  }
-}
+NcclCommunicator::~NcclCommunicator() = default;  // CommLife's end closes the communicator
 
 at::Tensor NcclCommunicator::unique_id() {
   ncclUniqueId id;
@@ -321,127 +368,10 @@ bool NcclCommunicator::parent_matches(int64_t parent, int64_t rank, int64_t worl
          ncclCommCuDevice(comm, &dev) == ncclSuccess && dev == device;
 }
 
-std::string NcclCommunicator::error() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return error_;
-}
+std::string NcclCommunicator::error() { return life_->error(); }
 
-void NcclCommunicator::close() {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (closed_) return;
-  closed_ = true;  // later calls raise; the watchdog stops
-  wake_.notify_all();
-  // Calls in flight may finish first (an abort of a split child would also stop torch's
-  // communicator when they share resources), for at most the group's timeout or until an error.
-  const auto deadline = Clock::now() + timeout_;
-  while (comm_ != nullptr && healthy_locked() && !reap_locked() && Clock::now() < deadline) {
-    lock.unlock();
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    lock.lock();
-  }
-  if (comm_ != nullptr) {
-    // Destroying a quiescent communicator waits for nothing; anything else is aborted.
-    const bool quiescent = healthy_locked() && reap_locked();
-    const ncclResult_t status = quiescent ? ncclCommDestroy(comm_) : ncclCommAbort(comm_);
-    if (status != ncclSuccess) {
-      std::fprintf(stderr, "cpshard NCCL: ending the communicator failed: %s\n",
-                   ncclGetErrorString(status));
-    }
-    comm_ = nullptr;
-  }
-  release_events_locked();
-  lock.unlock();
-  if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
-}
-
-void NcclCommunicator::settle_locked(ncclResult_t status, const char* op) {
-  TORCH_CHECK(comm_ != nullptr, "cpshard NCCL: ", op, ": the communicator was aborted: ", error_);
-  if (status == ncclInProgress) {
-    // A non-blocking communicator works on the call in the background: poll its state until
-    // it is ready, an error shows, or the group's timeout passes (then abort it: peers that
-    // never arrive cannot hold this rank for ever). No other call can enter meanwhile (mu_ is
-    // held), and NCCL must not be given another call on it before it is ready.
-    const auto query = [this] {
-      ncclResult_t state = ncclInProgress;
-      const ncclResult_t polled = ncclCommGetAsyncError(comm_, &state);
-      return polled != ncclSuccess ? polled : state;
-    };
-    const Settled outcome = settle(query, ncclInProgress, ncclSuccess, timeout_, &status);
-    if (outcome == Settled::kTimedOut) {
-      const std::string reason = std::string(op) +
-                                 " has not completed within the process group's timeout of " +
-                                 std::to_string(timeout_.count()) + " ms";
-      abort_locked(reason);
-      TORCH_CHECK(false, "cpshard NCCL: ", reason);
-    }
-  }
-  // An error: raised here; the communicator is left to the watchdog, which aborts it on the
-  // asynchronous error (aborting here could free it inside an open NCCL group).
-  TORCH_CHECK(status == ncclSuccess, "cpshard NCCL: ", op, " failed: ",
-              ncclGetErrorString(status), ". ", ncclGetLastError(comm_));
-}
-
-bool NcclCommunicator::healthy_locked() {
-  ncclResult_t async = ncclSuccess;
-  return ncclCommGetAsyncError(comm_, &async) == ncclSuccess &&
-         (async == ncclSuccess || async == ncclInProgress);
-}
-
-void NcclCommunicator::watch() {
-  (void)cudaSetDevice(static_cast<int>(device_));  // for the event queries
-  // Relaxed: this thread's event queries must not invalidate a CUDA graph another thread is
-  // capturing in global mode (the default of torch.cuda.graph).
-  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-  (void)cudaThreadExchangeStreamCaptureMode(&mode);
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!closed_ && comm_ != nullptr) {
-    wake_.wait_for(lock, kPollInterval);
-    if (closed_ || comm_ == nullptr) break;
-    if (!healthy_locked()) {
-      ncclResult_t async = ncclSuccess;
-      const ncclResult_t polled = ncclCommGetAsyncError(comm_, &async);
-      abort_locked(std::string("asynchronous NCCL error: ") +
-                   ncclGetErrorString(polled != ncclSuccess ? polled : async) + ". " +
-                   ncclGetLastError(comm_));
-      break;
-    }
-    if (!reap_locked() && Clock::now() - pending_.front().second > timeout_) {
-      abort_locked("a call has not finished within the process group's timeout of " +
-                   std::to_string(timeout_.count()) + " ms");
-      break;
-    }
-  }
-}
-
-bool NcclCommunicator::reap_locked() {
-  while (!pending_.empty()) {
-    const cudaError_t state = cudaEventQuery(pending_.front().first);
-    if (state == cudaErrorNotReady) return false;
-    // Finished, or its stream failed (that error surfaces on the stream's own next check).
-    if (state != cudaSuccess) (void)cudaGetLastError();
-    spare_.push_back(pending_.front().first);
-    pending_.pop_front();
-  }
-  return true;
-}
-
-void NcclCommunicator::abort_locked(const std::string& reason) {
-  error_ = reason;
-  std::fprintf(stderr,
-               "cpshard NCCL (rank %lld of %lld, cuda:%lld): %s; aborting the communicator\n",
-               static_cast<long long>(rank_), static_cast<long long>(world_),
-               static_cast<long long>(device_), reason.c_str());
-  (void)ncclCommAbort(comm_);
-  comm_ = nullptr;
-  release_events_locked();
-}
-
-void NcclCommunicator::release_events_locked() {
-  for (const auto& [event, since] : pending_) (void)cudaEventDestroy(event);
-  for (const auto event : spare_) (void)cudaEventDestroy(event);
-  pending_.clear();
-  spare_.clear();
-  (void)cudaGetLastError();
+void NcclCommunicator::close(double grace_s) {
+  life_->close(grace_s < 0 ? life_->timeout() : to_milliseconds(grace_s));
 }
 
 void NcclCommunicator::check_tensor(const at::Tensor& t, const char* what, const char* arg) const {

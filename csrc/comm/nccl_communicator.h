@@ -17,19 +17,20 @@
 // ncclGroupStart/End would launch a partial group on this rank only), then enqueues on the
 // current CUDA stream of the communicator's device, marks every tensor as used on that stream
 // for the caching allocator (a caller on a side stream must not see its buffers reused while the
-// transfer runs), and records an event. A watchdog thread polls ncclCommGetAsyncError and the
-// oldest unfinished call every 100 ms: an asynchronous error, or a call older than the process
-// group's timeout, aborts the communicator (kernels blocked on a dead peer return) and every
-// later call raises the reason.
+// transfer runs), and records an event.
 //
-// The host-side waits are bounded by the same timeout, which needs non-blocking communicators
-// (NCCL launches each of their groups from a thread of its own and returns in progress; every
-// call settles it, see settle.h). A unique-id communicator is created non-blocking. A split
-// child is made non-blocking with torch's settings (the config torch made its communicator
-// with), so its first ncclGroupEnd of each pattern (which connects the peers) returns in
-// progress and is waited for within the timeout; the split itself follows the
-// parent's mode in NCCL (a blocking parent makes it wait for every peer), so it runs on a
-// thread of its own, given up after the timeout.
+// The communicator is blocking (the split child takes torch's settings with blocking = 1; a
+// unique-id one is made blocking): a verb enqueues its kernels on the caller's thread and
+// returns, with no thread of NCCL's per call and no polling. Hangs are bounded the way torch
+// bounds them for its own blocking communicators, by the watchdog of comm/life.h: an
+// asynchronous error, a call unfinished on the device after the process group's timeout, or a
+// host call stuck inside NCCL (a first connect to a peer that never comes) past the timeout
+// aborts the communicator, which releases what waits, and every later call raises the reason.
+// Creation runs where a hang is bounded: a unique-id creation and a split from a blocking
+// parent (NCCL takes the split's mode from the parent) on a thread of their own, given up after
+// the timeout (comm/within.h); a split from a non-blocking parent returns at once while NCCL's
+// thread still makes the child, which is waited for by polling its publication and the parent's
+// and child's asynchronous state (CommLife::await_child).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -37,17 +38,17 @@
 #include <nccl.h>
 #include <torch/custom_class.h>
 
-#include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <deque>
-#include <mutex>
+#include <memory>
 #include <string>
-#include <thread>
 #include <tuple>
 #include <vector>
 
+#include "comm/life.h"
+
 namespace cpshard {
+
+class NcclLibrary;  // NCCL and CUDA events behind comm/library.h
 
 class NcclCommunicator : public torch::CustomClassHolder {
  public:
@@ -56,7 +57,8 @@ class NcclCommunicator : public torch::CustomClassHolder {
   // ncclUniqueId bytes made by unique_id() on rank 0; ignored when splitting). timeout_s: the
   // process group's timeout, after which an unfinished call aborts the communicator.
   // parent_config: the address of the ncclConfig_t torch made the parent with (its options'
-  // config), whose settings the child takes, or 0 to inherit the parent's.
+  // config), whose settings the child takes (made blocking), or 0 for NCCL's defaults (made
+  // blocking: never the parent's mode, which may be non-blocking).
   NcclCommunicator(int64_t parent, int64_t parent_config, const at::Tensor& unique_id,
                    int64_t rank, int64_t world, int64_t device, double timeout_s);
   // Ends the communicator like close() if that was not called (cpshard/comm/nccl.py always
@@ -69,7 +71,7 @@ class NcclCommunicator : public torch::CustomClassHolder {
   static at::Tensor unique_id();
   // NCCL's version code (e.g. 23007) of the library this extension runs against.
   static int64_t version();
-  // What a split from a parent made with the config at `torch_config` passes NCCL: blocking,
+  // What a split from a parent made with the config at `torch_config` passes NCCL: blocking (1),
   // cgaClusterSize, minCTAs, maxCTAs, splitShare and the network name ("" for none). Reads only
   // host memory (needs no GPU).
   static std::tuple<std::vector<int64_t>, std::string> split_config(int64_t torch_config);
@@ -82,12 +84,12 @@ class NcclCommunicator : public torch::CustomClassHolder {
   int64_t device() const { return device_; }
   // Why the communicator was aborted, or "" while it is usable.
   std::string error();
-  // Ends the communicator: waits for the calls in flight (at most the timeout, and not past an
-  // error), then destroys it when they all finished without error, else aborts it (a split
-  // child shares its parent's abort flag when they share resources, so an abort also stops
-  // torch's communicator: only done when something already went wrong). Idempotent; later
-  // calls raise.
-  void close();
+  // Ends the communicator: waits for the calls in flight for at most `grace_s` (negative: the
+  // process group's timeout; not past an error), then destroys it when they all finished
+  // without error, else aborts it (a split child shares its parent's abort flag when they share
+  // resources, so an abort also stops torch's communicator: only done when something already
+  // went wrong, or at exit). Idempotent; later calls raise.
+  void close(double grace_s);
 
   // out[world * n] <- every rank's local[n]; in place when local is this rank's slot of out.
   void all_gather(const at::Tensor& out, const at::Tensor& local);
@@ -106,40 +108,19 @@ class NcclCommunicator : public torch::CustomClassHolder {
                  const std::vector<at::Tensor>& recvs, std::vector<int64_t> recv_peers);
 
  private:
-  class Call;  // one verb's enqueue: lock, stream, allocator bookkeeping, completion event
-  using Clock = std::chrono::steady_clock;
+  class Call;  // one verb's enqueue: CommLife's call, stream, allocator bookkeeping, event
 
   void check_tensor(const at::Tensor& t, const char* what, const char* arg) const;
   // out and `other` (named `arg`) both pass check_tensor and share one dtype.
   void check_pair(const at::Tensor& out, const at::Tensor& other, const char* what,
                   const char* arg) const;
   void check_sizes(const std::vector<int64_t>& sizes, const char* what) const;
-  void watch();
-  // With mu_ held: drops the events of finished calls; true when none is left.
-  bool reap_locked();
-  // With mu_ held (comm_ set): `status` of NCCL call `op` settled: returns on success; on
-  // ncclInProgress (a non-blocking communicator) polls until the communicator is ready, and
-  // aborts it (and raises) when that takes longer than the timeout; raises on any error.
-  void settle_locked(ncclResult_t status, const char* op);
-  // With mu_ held (comm_ set): no asynchronous error so far.
-  bool healthy_locked();
-  // With mu_ held: aborts the communicator for `reason` (kept for later calls).
-  void abort_locked(const std::string& reason);
-  void release_events_locked();
 
   const int64_t rank_;
   const int64_t world_;
   const int64_t device_;
-  const std::chrono::milliseconds timeout_;
-
-  std::mutex mu_;  // guards everything below; held while a call enqueues
-  ncclComm_t comm_ = nullptr;
-  std::string error_;
-  bool closed_ = false;
-  std::deque<std::pair<cudaEvent_t, Clock::time_point>> pending_;  // calls not known finished
-  std::vector<cudaEvent_t> spare_;                                  // finished events to reuse
-  std::condition_variable wake_;
-  std::thread watchdog_;
+  std::shared_ptr<NcclLibrary> library_;
+  std::unique_ptr<CommLife> life_;  // ended before library_ goes (it holds it too)
 };
 
 }  // namespace cpshard

@@ -1,8 +1,7 @@
-// Waiting for a non-blocking NCCL communicator to become ready, bounded by a timeout: the loop
-// the communicator runs after each call that returns ncclInProgress (creation, a split, and
-// every ncclGroupEnd: a non-blocking communicator launches each group from a thread of NCCL's
-// and returns in progress). Header-only and free of NCCL types, so a CPU build can drive it
-// with a stand-in state (cpshard._C._settle_with_states, for the tests).
+// Waiting for something NCCL does in the background to become ready, bounded by a timeout: the
+// loop that waits for a split child (comm/life.h: its publication and the parent's and child's
+// asynchronous state). Header-only and free of NCCL types, so a CPU build can drive it with a
+// stand-in state (cpshard._C._settle_with_states, for the tests).
 #pragma once
 
 #include <chrono>
@@ -12,9 +11,9 @@ namespace cpshard {
 
 enum class Settled { kReady, kFailed, kTimedOut };
 
-// How the communicator polls: yielding for the first kSettleSpin (a group's launch is done in
-// tens of microseconds: every call waits for it, so no call should sleep through it), then
-// sleeping kSettleInterval between polls (a connect, a creation: milliseconds to seconds).
+// How it polls: yielding for the first kSettleSpin (what is done in tens of microseconds should
+// not wait out a sleep), then sleeping kSettleInterval between polls (a split: milliseconds to
+// seconds).
 constexpr auto kSettleSpin = std::chrono::microseconds(200);
 constexpr auto kSettleInterval = std::chrono::microseconds(500);
 

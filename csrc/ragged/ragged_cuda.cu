@@ -2,10 +2,17 @@
 // chunk of the row); a group of kLanes threads moves one item (the real rows as one vectorised
 // byte copy, then, when packing into a padded buffer, the padding rows as one vectorised fill),
 // and groups stride over the items. The per-rank counts and offsets travel in the kernel
-// arguments for up to kInlineRanks ranks and in a small device table beyond that.
+// arguments for up to kInlineRanks ranks and in a small device table beyond that, made once per
+// distinct counts (once per step: a step's calls share their counts) and kept on the device.
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <utility>
 #include <vector>
 
 #include "common/bytes_cuda.cuh"
@@ -102,6 +109,81 @@ void launch_lanes(const RaggedArgs& a, const Ranks& ranks, bool narrow, cudaStre
   }
 }
 
+// The device tables of counts and prefixes beyond kInlineRanks ranks, one per (device, counts),
+// built on first use and reused by every later call with the same counts: no host->device copy
+// per call. Each entry owns its pinned host copy for as long as it lives, so a CUDA graph that
+// captured the table's upload replays it from memory nobody reuses; entries first used while a
+// stream was capturing are never evicted (the graph may replay at any time), the others are
+// evicted oldest first beyond kTableCacheSize (their device memory recorded on every stream that
+// used it, so the caching allocator reuses it only once those uses are done).
+class RankTables {
+ public:
+  static constexpr size_t kTableCacheSize = 64;
+
+  // The device table for `g` on `device`, uploaded on `stream` when new; usable on `stream`.
+  const int64_t* get(const RaggedGeometry& g, const c10::cuda::CUDAStream& on) {
+    const c10::DeviceIndex device = on.device_index();
+    const cudaStream_t stream = on.stream();
+    Key key{device, g.counts};
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = tables_.find(key);
+    if (found == tables_.end()) {
+      found = tables_.emplace(key, make(g, device, stream)).first;
+      order_.push_back(key);
+      evict_locked();
+    }
+    Entry& e = found->second;
+    c10::cuda::CUDACachingAllocator::recordStream(e.device.storage().data_ptr(), on);
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
+    e.captured |= capture != cudaStreamCaptureStatusNone;
+    return e.device.const_data_ptr<int64_t>();
+  }
+
+ private:
+  using Key = std::pair<c10::DeviceIndex, std::vector<int64_t>>;
+  struct Entry {
+    at::Tensor host;    // pinned, owned: the upload's source for as long as the entry lives
+    at::Tensor device;  // counts then prefixes, 2 * W int64
+    bool captured = false;
+  };
+
+  static Entry make(const RaggedGeometry& g, c10::DeviceIndex device, cudaStream_t stream) {
+    const int64_t world = g.world();
+    Entry e;
+    e.host = at::empty({2 * world},
+                       at::TensorOptions().dtype(at::kLong).device(at::kCPU).pinned_memory(true));
+    int64_t* h = e.host.data_ptr<int64_t>();
+    std::copy(g.counts.begin(), g.counts.end(), h);
+    std::copy(g.prefix.begin(), g.prefix.begin() + world, h + world);
+    e.device = at::empty({2 * world}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device));
+    C10_CUDA_CHECK(cudaMemcpyAsync(e.device.data_ptr(), h, 2 * world * sizeof(int64_t),
+                                   cudaMemcpyHostToDevice, stream));
+    return e;
+  }
+
+  void evict_locked() {
+    for (auto it = order_.begin(); tables_.size() > kTableCacheSize && it != order_.end();) {
+      const auto found = tables_.find(*it);
+      if (found->second.captured) {
+        ++it;
+        continue;
+      }
+      tables_.erase(found);
+      it = order_.erase(it);
+    }
+  }
+
+  std::mutex mu_;
+  std::map<Key, Entry> tables_;
+  std::deque<Key> order_;  // first-use order, for eviction
+};
+
+RankTables& rank_tables() {
+  static auto* tables = new RankTables();  // never destroyed: CUDA may be gone at exit
+  return *tables;
+}
+
 }  // namespace
 
 void ragged_move_cuda(const RaggedGeometry& g, const at::Tensor& compact, const at::Tensor& blocks,
@@ -124,7 +206,8 @@ void ragged_move_cuda(const RaggedGeometry& g, const at::Tensor& compact, const 
   if (max_slot == 0) return;
 
   c10::cuda::CUDAGuard guard(compact.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const c10::cuda::CUDAStream current = at::cuda::getCurrentCUDAStream();
+  const cudaStream_t stream = current.stream();
 
   // Short rows go to a warp each, long rows to a whole block in chunks of 16 bytes x 4 per lane.
   const bool narrow = max_slot * elem <= 2048;
@@ -159,15 +242,8 @@ void ragged_move_cuda(const RaggedGeometry& g, const at::Tensor& compact, const 
     }
     launch_lanes(a, ranks, narrow, stream);
   } else {
-    // One pinned host table, copied to the device on the current stream; the caching host
-    // allocator keeps the pinned block alive until the copy has run.
-    auto host = at::empty({2 * world},
-                          at::TensorOptions().dtype(at::kLong).device(at::kCPU).pinned_memory(true));
-    int64_t* h = host.data_ptr<int64_t>();
-    std::copy(g.counts.begin(), g.counts.end(), h);
-    std::copy(g.prefix.begin(), g.prefix.begin() + world, h + world);
-    const auto table = host.to(compact.device(), at::kLong, /*non_blocking=*/true);
-    launch_lanes(a, TableRanks{table.const_data_ptr<int64_t>(), world}, narrow, stream);
+    const int64_t* table = rank_tables().get(g, current);
+    launch_lanes(a, TableRanks{table, world}, narrow, stream);
   }
 }
 

@@ -9,10 +9,10 @@
   reference, the same way;
 * the variants, fp16 / bf16 against fp32 with the same bound (the sinks' gradient checked too):
   a sliding window and sinks (alone and together, GQA) on both paths; logit soft-capping alone
-  and with a window and sinks on the loop (no varlen kernel takes a soft-cap: cpshard runs the
-  loop, and the check asserts it). The reference is SDPA where it has the option (a window: a
-  band mask), else the explicit statement in the dtype under test (soft-cap, sinks; the sinks
-  themselves fp32).
+  and with a window and sinks on both paths (no flash kernel takes a soft-cap: the varlen path
+  runs the explicit varlen kernel in chunks, and the check asserts which path ran). The
+  reference is SDPA where it has the option (a window: a band mask), else the explicit
+  statement in the dtype under test (soft-cap, sinks; the sinks themselves fp32).
 
 Prints one ``ok`` / ``FAIL`` line per check with the errors and bounds; exits non-zero on a
 failure, 0 with ``skipped: <why>`` when there is no GPU. ``--device cpu`` runs the same checks
@@ -63,8 +63,10 @@ def path(name: str, seen: list[str]) -> Iterator[None]:
     """Route cp_attention to the varlen kernel (``varlen``: as chosen by cpshard) or the loop
     (``loop``: no varlen kernel); record which implementation each call used."""
     saved_kernel, saved_impl = engine.varlen_kernel, engine.implementation
+    saved_math = engine.math_varlen
     if name == "loop":
         engine.varlen_kernel = lambda q, d_k, d_v: None
+        engine.math_varlen = lambda part: None
 
     def recording(*args, **kwargs):
         impl = saved_impl(*args, **kwargs)
@@ -76,6 +78,7 @@ def path(name: str, seen: list[str]) -> Iterator[None]:
         yield
     finally:
         engine.varlen_kernel, engine.implementation = saved_kernel, saved_impl
+        engine.math_varlen = saved_math
 
 
 def explicit(q, k, v, visible: torch.Tensor, softcap: float | None, sinks) -> torch.Tensor:
@@ -192,7 +195,7 @@ def check(
         ok &= bool(err <= bound) and bool(torch.isfinite(a).all())
         parts.append(f"{what} err {err:.2e} <= {bound:.2e}")
     used = sorted(set(seen))
-    want = "loop" if variant.softcap is not None else impl  # no varlen kernel takes a soft-cap
+    want = impl  # a soft-cap on the varlen path: the explicit varlen kernel
     if device.type == "cuda" and used != [want]:
         ok = False
         parts.append(f"ran {used}, expected {want}")
@@ -245,8 +248,7 @@ def main() -> int:
         for dtype in dtypes:
             truth = torch.float32 if dtype != torch.float32 else torch.float64
             variants = [Variant(window=16), Variant(sinks=True), Variant(window=16, sinks=True)]
-            if impl == "loop":  # a soft-cap always runs the loop: a varlen pass would repeat it
-                variants += [Variant(softcap=3.0), Variant(window=16, softcap=3.0, sinks=True)]
+            variants += [Variant(softcap=3.0), Variant(window=16, softcap=3.0, sinks=True)]
             for variant in variants:
                 heads, kv_heads = (32, 8) if variant.sinks else (8, 2)
                 ok &= check(

@@ -1,6 +1,6 @@
-"""The native communicator's bounded wait for a non-blocking NCCL call (creation, a split, a
-pattern's first group end), driven on CPU through ``cpshard._C._settle_with_states`` by a
-stand-in communicator state: 1 = in progress, 0 = ready, anything else = an error."""
+"""The native communicator's bounded polling wait (for a split child NCCL makes in the
+background), driven on CPU through ``cpshard._C._settle_with_states`` by a stand-in state:
+1 = in progress, 0 = ready, anything else = an error."""
 
 from __future__ import annotations
 
@@ -46,8 +46,7 @@ def test_bad_arguments_are_named() -> None:
 
 
 def test_a_call_that_completes_within_the_spin_never_sleeps() -> None:
-    # every ncclGroupEnd of a non-blocking communicator returns in progress: a group launched
-    # within the spin must not cost a sleep (here a sleep would be 10 s)
+    # what is done within the spin must not cost a sleep (here a sleep would be 10 s)
     start = time.monotonic()
     states = [1] * 5 + [0]
     outcome, _, polls = _C._settle_with_states(

@@ -53,6 +53,43 @@ def test_cuda_kernels_match_cpu(dtype: torch.dtype) -> None:
 
 
 @needs_gpu
+def test_ragged_moves_beyond_the_inline_ranks_reuse_a_device_table() -> None:
+    """At W > 64 the counts travel in a device table made once per distinct counts: calls with
+    the same counts upload nothing (no sync either), and a captured CUDA graph replays its
+    table after other counts have had their own tables made and used."""
+    world = 80
+    counts = [(r * 7) % 5 for r in range(world)]
+    other = [(r * 3) % 4 + 1 for r in range(world)]
+    x = torch.randn(2, sum(counts), 3)
+    want = ops.pack_ragged(x, counts, 1, pad_to=5, fill=0)
+    xc = x.cuda()
+    assert torch.equal(ops.pack_ragged(xc, counts, 1, pad_to=5, fill=0).cpu(), want)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = ops.pack_ragged(xc, counts, 1, pad_to=5, fill=0)
+        back = ops.unpack_ragged(again, counts, xc.shape, 1, pad_to=5)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(again.cpu(), want) and torch.equal(back.cpu(), x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.pack_ragged(xc, counts, 1, pad_to=5, fill=0)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.pack_ragged(xc, counts, 1, pad_to=5, fill=0)
+    y = torch.randn(2, sum(other), 3, device="cuda")
+    for _ in range(3):  # other counts' tables made and used meanwhile
+        ops.pack_ragged(y, other, 1, pad_to=5, fill=0)
+    xc.copy_(x * 2)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.cpu(), ops.pack_ragged(x * 2, counts, 1, pad_to=5, fill=0))
+
+
+@needs_gpu
 def test_cuda_index_ops_do_not_sync() -> None:
     """The bounds check is on the device: no host read of the index per call."""
     src = torch.randn(3, 40, 32, device="cuda")  # rows of 128 bytes: the row kernel

@@ -1,12 +1,16 @@
-"""``scripts/gpu/check.sh`` exits 0 only when every step ran and passed: a failed step exits 1,
-and a step skipped because the time budget ran out exits 2 and says INCOMPLETE, so a green check
-means every step ran. Run without a GPU: ``true`` stands in for the interpreter (every Python
-step then passes at once) and a stand-in ``nvidia-smi`` passes or fails as told."""
+"""``scripts/gpu/check.sh``: its dry run executes every stage's logic on CPU (multi-rank
+correctness at W = 2 and 4 within the low-precision bound, compile, the steady state, the graph
+stage's calls, the benchmark's code) and writes each stage's JSON; and the check exits 0 only
+when every stage ran and passed: a failed stage exits 1, a stage skipped because the time budget
+ran out exits 2 and says INCOMPLETE. For the exit statuses ``true`` / ``false`` stand in for the
+interpreter (every stage then passes / fails at once)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,38 +18,53 @@ import pytest
 from tests.helpers import REPO
 
 CHECK = REPO / "scripts" / "gpu" / "check.sh"
+STAGES = ("smoke", "build", "correctness", "bench")
 
 
-def _check(tmp_path: Path, budget_s: int, smi_rc: int) -> tuple[int, str]:
-    """Run the check with a budget of ``budget_s`` and an ``nvidia-smi`` exiting ``smi_rc``;
-    its exit status and summary.txt."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text(f"#!/bin/sh\nexit {smi_rc}\n")
-    smi.chmod(0o755)
-    env = dict(
-        os.environ, PYTHON="true", BUDGET_S=str(budget_s), PATH=f"{bin_dir}:{os.environ['PATH']}"
-    )
+def _check(tmp_path: Path, *args: str, python: str, budget_s: int) -> tuple[int, str, Path]:
+    env = dict(os.environ, PYTHON=python, BUDGET_S=str(budget_s), PYTHONPATH=str(REPO))
     out = tmp_path / "out"
     proc = subprocess.run(
-        ["bash", str(CHECK), str(out)], env=env, capture_output=True, text=True, timeout=120
+        ["bash", str(CHECK), *args, str(out)], env=env, capture_output=True, text=True, timeout=300
     )
-    return proc.returncode, (out / "summary.txt").read_text()
+    return proc.returncode, (out / "summary.txt").read_text(), out
+
+
+def test_the_dry_run_runs_every_stage_on_cpu_and_writes_its_json(tmp_path: Path) -> None:
+    rc, summary, out = _check(tmp_path, "--dry-run", python=sys.executable, budget_s=280)
+    assert rc == 0, summary + (out / "log.txt").read_text()[-4000:]
+    for name in STAGES:
+        record = json.loads((out / f"stage_{name}.json").read_text())
+        assert record["status"] == "PASS" and record["dry_run"] is True, record
+    correctness = json.loads((out / "correctness.json").read_text())
+    assert correctness["ok"] and sorted(correctness["worlds"]) == ["2", "4"]
+    for world in correctness["worlds"].values():
+        for rank in world["ranks"]:
+            strategies = {case["strategy"] for case in rank["cases"]}
+            assert {"needed_rows", "heads", "mixer"} <= strategies, strategies
+            assert rank["world"] != 4 or "hierarchical" in strategies
+            errors = [e for case in rank["cases"] for e in case["errors"]]
+            assert errors and all(e["err"] <= e["bound"] for e in errors)
+            assert rank["compile"]["ok"] and rank["sync_free"]["ok"]
+    assert correctness["graph"]["ok"]
+    bench = json.loads((out / "bench.json").read_text())
+    assert bench["dry_run"] and bench["layer_step_w2_ms"] > 0
 
 
 @pytest.mark.parametrize(
-    "budget_s, smi_rc, rc, says, never",
+    "python, budget_s, rc, says, never",
     [
-        (300, 0, 0, "PASS gpu_compile_tests", ("SKIP", "FAIL", "INCOMPLETE")),
-        (300, 1, 1, "FAIL nvidia-smi", ("SKIP", "INCOMPLETE")),
-        (0, 0, 2, "INCOMPLETE: the budget (0 s) ran out before deps nvidia-smi", ("PASS", "FAIL")),
+        ("true", 300, 0, "PASS bench", ("SKIP", "FAIL", "INCOMPLETE")),
+        ("false", 300, 1, "FAIL smoke", ("SKIP", "INCOMPLETE", "PASS")),
+        ("true", 0, 2, "INCOMPLETE: the budget (0 s) ran out before smoke build", ("PASS", "FAIL")),
     ],
 )
-def test_the_check_is_green_only_when_every_step_ran_and_passed(
-    tmp_path: Path, budget_s: int, smi_rc: int, rc: int, says: str, never: tuple[str, ...]
+def test_the_check_is_green_only_when_every_stage_ran_and_passed(
+    tmp_path: Path, python: str, budget_s: int, rc: int, says: str, never: tuple[str, ...]
 ) -> None:
-    got, summary = _check(tmp_path, budget_s, smi_rc)
+    got, summary, out = _check(tmp_path, python=python, budget_s=budget_s)
     assert got == rc, summary
     assert says in summary, summary
     assert not [word for word in never if word in summary], summary
+    for name in STAGES:  # every stage leaves its JSON, skipped ones included
+        assert json.loads((out / f"stage_{name}.json").read_text())["stage"] == name

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from cpshard import check_mode, comm
 from cpshard.layouts import ShardLayout, make_layout
 from cpshard.sharder import ContextParallelSharder
-from tests.helpers import assert_no_mismatches
+from tests.helpers import assert_no_mismatches, per_document_positions
 
 WORLDS = [1, 2, 3, 4]
 F64, F32, BF16, I64 = torch.float64, torch.float32, torch.bfloat16, torch.int64
@@ -318,7 +318,7 @@ def _run_batches(rank: int, world: int) -> list[str]:
             mine = _positions(owner, rank)
             pos = batch.get("position_ids")
             if pos is None:  # created per document (the documents here have no interior pad)
-                pos = _per_document_positions(batch["_packed_seq_ids"] * batch["attention_mask"])
+                pos = per_document_positions(batch["_packed_seq_ids"] * batch["attention_mask"])
             pos_full = torch.cat([pos, pos[..., -1:] + torch.arange(1, padded - S + 1)], dim=-1)
             pad_full = _pad(
                 (batch["attention_mask"] == 0) | (batch["_packed_seq_ids"] == 0), 1, padded, True
@@ -372,16 +372,6 @@ def _run_batches(rank: int, world: int) -> list[str]:
             ):
                 bad.append(f"{tag}: gather of the sharded inputs_embeds")
     return bad
-
-
-def _per_document_positions(ids: torch.Tensor) -> torch.Tensor:
-    """0, 1, ... in every document (a maximal run of one non-zero id), pads continuing."""
-    out = torch.zeros_like(ids)
-    for b in range(ids.shape[0]):
-        for i in range(1, ids.shape[1]):
-            starts = ids[b, i] != 0 and ids[b, i] != ids[b, i - 1]
-            out[b, i] = 0 if starts else out[b, i - 1] + 1
-    return out
 
 
 def _pad_back(local: torch.Tensor, mine: torch.Tensor, padded: int) -> torch.Tensor:
@@ -495,6 +485,18 @@ def _run_direct_form(rank: int, world: int) -> list[str]:
         keep = pm[b] >= 0
         full[b, pm[b][keep]] = x[b, keep]
     local = sh.shard_token_tensor(x, fill=-5.0)
+    sh.gather_token_tensor(local, trim=True, fill=-7.0)
+    # after the step's first calls, the verbs read no tensor data (on a GPU: no sync per call)
+    reads: list[int] = []
+    real_any = torch.Tensor.any
+    torch.Tensor.any = lambda self, *a, **k: reads.append(1) or real_any(self, *a, **k)
+    try:
+        sh.shard_token_tensor(x, fill=-5.0)
+        sh.gather_token_tensor(local, trim=True, fill=-7.0)
+    finally:
+        torch.Tensor.any = real_any
+    if reads:
+        bad.append(f"repad: the per-call verbs read tensor data {len(reads)} times")
     if not _close(local, full[:, idx[rank]]):
         bad.append("repad: shard of [B, S_in] rows")
     if not _close(sh.shard_token_tensor(full), local):

@@ -1,0 +1,172 @@
+"""The native communicator's life (``csrc/comm/life.h``: the wait for a split child, the calls,
+the watchdog, close) on CPU, through ``cpshard._C._ScriptedCommunicator``: the same C++ the NCCL
+communicator runs, over a scripted NCCL. Scripted communicators are numbered: 1 is the parent,
+2 the split child."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cpshard import _C
+from cpshard.comm import nccl
+
+Scripted = _C._ScriptedCommunicator
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _eventually(check, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.02)
+
+
+# ---------------------------------------------------------------- the split's wait
+
+
+def test_a_child_published_after_the_split_returned_is_waited_for() -> None:
+    start = time.monotonic()
+    comm = Scripted(timeout_s=10.0, publish_ms=300)  # NCCL's thread publishes it 300 ms later
+    waited = time.monotonic() - start
+    assert 0.3 <= waited < 5.0, waited
+    assert comm.child() == 2 and comm.error() == "" and comm.events() == []
+    comm.enqueue(finish_ms=0)
+    comm.close(grace_s=5.0)
+    assert comm.events() == ["destroy 2"]  # quiescent: destroyed, not aborted
+
+
+def test_a_split_that_fails_on_ncclS_thread_raises_and_aborts_the_child() -> None:
+    with pytest.raises(RuntimeError, match="the split failed: the split failed on NCCL's thread"):
+        Scripted(timeout_s=10.0, publish_ms=100, child="failed")
+
+
+def test_a_child_never_published_raises_after_the_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="was never published"):
+        Scripted(timeout_s=0.3, publish_ms=-1)
+    assert 0.3 <= time.monotonic() - start < 3.0
+
+
+def test_a_child_published_after_the_timeout_is_aborted_when_it_comes() -> None:
+    """The wait gives up first; NCCL's thread writes the cell later (so the cell must still be
+    alive then) and the late child is aborted when it appears, not leaked."""
+    before = _C._scripted_aborts()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="was never published"):
+        Scripted(timeout_s=0.2, publish_ms=700)
+    assert time.monotonic() - start < 0.6  # gave up at the timeout, before the publication
+    _eventually(lambda: _C._scripted_aborts() == before + 1)
+    assert time.monotonic() - start >= 0.7
+
+
+# ---------------------------------------------------------------- the watchdog
+
+
+def test_a_call_unfinished_after_the_timeout_aborts_the_communicator() -> None:
+    comm = Scripted(timeout_s=0.3, publish_ms=0)
+    comm.enqueue(finish_ms=-1)  # a peer that died: the call never finishes
+    _eventually(lambda: comm.error() != "")
+    assert "has not finished within the process group's timeout of 300 ms" in comm.error()
+    assert comm.events() == ["abort 2"]
+    with pytest.raises(RuntimeError, match="rank 0 of 1.*the communicator was aborted"):
+        comm.enqueue(finish_ms=0)
+    comm.close(grace_s=1.0)
+    assert comm.events() == ["abort 2"]  # aborted once
+
+
+def test_an_asynchronous_error_aborts_the_communicator() -> None:
+    comm = Scripted(timeout_s=60.0, publish_ms=0)
+    comm.enqueue(finish_ms=0)
+    comm.fail("remote process exited")
+    _eventually(lambda: comm.error() != "", within=5.0)
+    assert comm.error() == "asynchronous NCCL error: remote process exited"
+    assert comm.events() == ["abort 2"]
+    comm.close(grace_s=1.0)
+
+
+def test_a_host_call_stuck_inside_nccl_is_released_by_the_watchdogs_abort() -> None:
+    comm = Scripted(timeout_s=0.3, publish_ms=0)
+    start = time.monotonic()
+    released = comm.enqueue_stuck(at_most_ms=20_000)  # a first connect to a peer that never comes
+    assert released and 0.3 <= time.monotonic() - start < 5.0
+    assert "inside NCCL for longer than the process group's timeout" in comm.error()
+    comm.close(grace_s=1.0)
+
+
+def test_a_call_in_time_is_not_aborted() -> None:
+    comm = Scripted(timeout_s=0.5, publish_ms=0)
+    for _ in range(5):
+        comm.enqueue(finish_ms=50)
+    time.sleep(0.8)  # longer than the timeout, but every call finished well within it
+    assert comm.error() == "" and comm.events() == []
+    comm.close(grace_s=1.0)
+    assert comm.events() == ["destroy 2"]
+
+
+# ---------------------------------------------------------------- the end
+
+
+def test_close_with_queued_work_waits_the_grace_then_aborts() -> None:
+    comm = Scripted(timeout_s=600.0, publish_ms=0)
+    comm.enqueue(finish_ms=-1)
+    start = time.monotonic()
+    comm.close(grace_s=0.2)
+    assert 0.2 <= time.monotonic() - start < 2.0  # the grace, not the 10-minute timeout
+    assert comm.events() == ["abort 2"]
+    comm.close(grace_s=0.2)  # idempotent
+    with pytest.raises(RuntimeError, match="the communicator is closed"):
+        comm.enqueue(finish_ms=0)
+
+
+def test_close_waits_for_work_that_finishes_within_the_grace() -> None:
+    comm = Scripted(timeout_s=600.0, publish_ms=0)
+    comm.enqueue(finish_ms=300)
+    start = time.monotonic()
+    comm.close(grace_s=10.0)
+    assert 0.25 <= time.monotonic() - start < 5.0
+    assert comm.events() == ["destroy 2"]
+
+
+def test_interpreter_exit_with_queued_work_returns_within_seconds(tmp_path: Path) -> None:
+    """cpshard.comm.nccl's exit path: a communicator of a live process group with a call that
+    never finishes (a dead peer) and the default ten-minute timeout ends within seconds."""
+    code = textwrap.dedent(
+        f"""
+        import time
+
+        import torch.distributed as dist
+        from cpshard import _C
+        from cpshard.comm import nccl
+        dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0,
+                                world_size=1)
+        native = _C._ScriptedCommunicator(timeout_s=600.0, publish_ms=0)
+        nccl.register(dist.group.WORLD, nccl.NcclTransport(native, "split"))
+        native.enqueue(finish_ms=-1)
+        print("exiting at", time.time(), flush=True)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    ended = time.time()
+    assert done.returncode == 0 and "exiting at" in done.stdout, done.stderr
+    assert "aborting the communicator" in done.stderr, done.stderr
+    exit_took = ended - float(done.stdout.split("exiting at")[1])
+    assert exit_took < nccl.EXIT_GRACE_S + 7.0, exit_took  # the grace, not ten minutes
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(RuntimeError, match='child must be "ready" or "failed", got "maybe"'):
+        Scripted(timeout_s=1.0, publish_ms=0, child="maybe")
+    with pytest.raises(RuntimeError, match="timeout_s must be positive and finite, got -1"):
+        Scripted(timeout_s=-1.0, publish_ms=0)
+    with pytest.raises(RuntimeError, match="poll_ms must be positive"):
+        Scripted(timeout_s=1.0, publish_ms=0, poll_ms=0)
