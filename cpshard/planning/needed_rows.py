@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from cpshard.batch.runs import DENSE_LOOKUPS
-from cpshard.planning.runs import LayoutRuns
+from cpshard.masks import MaskDescription
+from cpshard.planning.runs import LayoutRuns, mask_runs
 from cpshard.ranges import ragged_arange
 
 
@@ -63,8 +64,10 @@ class NeededRowsPlan:
     received rows go in its flattened ``[B * buffer_len]`` buffer, grouped by source
     (``recv_counts[q]`` from rank q). ``received[r]`` / ``sent[r]``: rows every rank receives
     from / sends to the others (alike on every rank). ``reach``: the most keys a query of the
-    step attends without a window. The two row tables, as long as the rows the rank moves,
-    are made when first read (a step whose calls attend head-parallel never reads them)."""
+    step attends without a window. ``causal``: per span, whether its queries see their keys
+    causally (a mask description's plan mixes both; None: every span as the state says). The
+    two row tables, as long as the rows the rank moves, are made when first read (a step whose
+    calls attend head-parallel never reads them)."""
 
     spans: torch.Tensor
     buffer_len: int
@@ -74,6 +77,7 @@ class NeededRowsPlan:
     sent: tuple[int, ...]
     reach: int
     recipe: _TableRecipe = field(repr=False, compare=False)
+    causal: torch.Tensor | None = None
     _made: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -156,19 +160,47 @@ class _Coverage:
         )
 
 
+def _sorted_for_merge(
+    rank: torch.Tensor, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, rows: int,
+    padded: int,
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Ranges ``[lo, hi)`` in any order, sorted by rank, row and ``lo`` with ``hi`` replaced by
+    its running maximum within each (rank, row) (what :func:`_merge` takes; same union)."""
+    group = rank * rows + row
+    order = torch.sort(group * (padded + 1) + lo, stable=True).indices
+    rank, row, lo, hi, group = (t[order] for t in (rank, row, lo, hi, group))
+    hi = torch.cummax(group * (padded + 1) + hi, 0).values - group * (padded + 1)
+    return rank, row, lo, hi
+
+
 def _per_rank(world: int, rank: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return torch.zeros(world, dtype=torch.int64).index_add_(0, rank, values)
 
 
 def plan_needed_rows(
-    rank: int, runs: LayoutRuns, causal: bool, window: int | None = None
+    rank: int,
+    runs: LayoutRuns,
+    causal: bool | None = None,
+    window: int | None = None,
+    mask: MaskDescription | None = None,
 ) -> NeededRowsPlan:
     """Rank ``rank``'s plan from the step's :class:`~cpshard.planning.runs.LayoutRuns`: each
     run reaches its document's keys from the document start to the run's end (``causal``) or
     to the document's end; with a (causal) ``window``, from the window's start of its first
-    query, at most ``window - 1`` rows before the run."""
+    query, at most ``window - 1`` rows before the run. Or, with ``mask`` instead of ``causal``
+    and ``window`` (a description of the padded batch), the runs cut at its segments
+    (:func:`~cpshard.planning.runs.mask_runs`, which refuses what the spans cannot state): each
+    piece reaches its ``[lo, hi)``, causally or all of it, and its span says which."""
     world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
-    mr, mrow, mlo, mhi = _merge(*runs.intervals(causal, window))  # every rank's needed rows
+    if (mask is None) == (causal is None) or (mask is not None and window is not None):
+        raise ValueError("plan_needed_rows takes causal (and a window) or a mask description")
+    if causal is not None:
+        intervals, reach = runs.intervals(causal, window), runs.reach(causal)
+    else:
+        pieces = mask_runs(runs, mask)
+        intervals = _sorted_for_merge(*pieces.intervals(), b, padded)
+        reach = pieces.reach()
+    mr, mrow, mlo, mhi = _merge(*intervals)  # every rank's needed rows
 
     # Counted for every rank: rows needed, of them its own, and its rows counted once per rank
     # that needs them (over its runs: padding is never needed).
@@ -211,10 +243,15 @@ def plan_needed_rows(
         mrow * length + send_first, send_count,
     )  # fmt: skip
 
-    row, q, n, ds, begin, de = runs.of_rank(rank)
-    end = begin + n if causal else de
-    lo = ds if window is None else torch.maximum(ds, begin - window + 1)
-    split = buffer_row(row, begin) if causal else buffer_row(row, end - 1) + 1
+    flags: torch.Tensor | None = None
+    if mask is None:
+        row, q, n, ds, begin, de = runs.of_rank(rank)
+        end = begin + n if causal else de
+        lo = ds if window is None else torch.maximum(ds, begin - window + 1)
+        split = buffer_row(row, begin) if causal else buffer_row(row, end - 1) + 1
+    else:
+        row, q, n, ds, begin, lo, hi, flags = pieces.of_rank(rank)
+        split = torch.where(flags, buffer_row(row, begin), buffer_row(row, hi - 1) + 1)
     spans = torch.stack((row, q, n, buffer_row(row, lo), split, ds), 1)
     return NeededRowsPlan(
         spans,
@@ -223,8 +260,9 @@ def plan_needed_rows(
         tuple(recv_counts.tolist()),
         tuple(received.tolist()),
         tuple(sent.tolist()),
-        runs.reach(causal),
+        reach,
         recipe,
+        flags,
     )
 
 

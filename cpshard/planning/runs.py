@@ -11,6 +11,7 @@ import torch
 
 from cpshard.batch.runs import document_bounds, document_runs_of
 from cpshard.layouts import ShardLayout
+from cpshard.masks import INF, MaskDescription, cut_runs
 from cpshard.planning.positions import RankPrefix, all_positions, layout_pieces
 from cpshard.planning.stripe_runs import StripePrefix, StripeRuns
 
@@ -125,6 +126,78 @@ class LayoutRuns:
             lengths = self.closed.doc_end - self.closed.doc_start
             return int(lengths.max()) if lengths.numel() else 0
         return int((self.ends(causal) - self.doc_start).max()) if self.n.numel() else 0
+
+
+@dataclass(frozen=True)
+class MaskRuns:
+    """Every rank's runs cut at a mask description's segments (ordered like the runs: by rank,
+    row and position), each piece's queries seeing the keys ``[lo, hi)`` of their batch row
+    either causally (query ``p`` sees ``[lo, p]``, ``hi`` one past the piece's last query) or
+    all of them: ``rank``, ``row``, first local index ``q``, length ``n``, document start
+    ``doc_start``, first global position ``begin``, ``lo``, ``hi`` (int64) and ``causal``
+    (bool)."""
+
+    rank: torch.Tensor
+    row: torch.Tensor
+    q: torch.Tensor
+    n: torch.Tensor
+    doc_start: torch.Tensor
+    begin: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    causal: torch.Tensor
+
+    def of_rank(self, rank: int) -> tuple[torch.Tensor, ...]:
+        """Rank ``rank``'s pieces: row, ``q``, ``n``, document start, ``begin``, ``lo``, ``hi``,
+        ``causal``."""
+        lo, hi = torch.searchsorted(self.rank, torch.tensor([rank, rank + 1])).tolist()
+        cols = (self.row, self.q, self.n, self.doc_start, self.begin, self.lo, self.hi)
+        return (*(t[lo:hi] for t in cols), self.causal[lo:hi])
+
+    def intervals(self) -> tuple[torch.Tensor, ...]:
+        """Every rank's key ranges, one per piece: rank, row, start, end."""
+        return self.rank, self.row, self.lo, self.hi
+
+    def reach(self) -> int:
+        """The most keys a query attends (0: no pieces)."""
+        return int((self.hi - self.lo).max()) if self.n.numel() else 0
+
+
+def mask_runs(runs: LayoutRuns, mask: MaskDescription) -> MaskRuns:
+    """Every rank's runs of ``runs`` cut at ``mask``'s segments (:func:`~cpshard.masks.cut_runs`,
+    O(runs + segments)). Raises ``ValueError`` for a mask the attention's spans cannot state:
+    a query whose keys follow a sliding start (a finite ``back``) or a look-ahead window
+    (``0 < ahead < INF``), a query that does not see itself, or a description of other
+    documents."""
+    if (mask.rows, mask.length) != tuple(runs.documents.shape):
+        raise ValueError(
+            f"the mask describes a [{mask.rows}, {mask.length}] batch, the step's padded "
+            f"documents are {list(runs.documents.shape)}"
+        )
+    cols = runs.columns
+    rank, row, q, n, doc_start, begin, doc_end = cols
+    pieces = cut_runs(mask, row, begin, n, doc_start, doc_end)
+    at = pieces.run
+    causal = pieces.ahead == 0
+    slide = pieces.back < INF
+    ahead = ~causal & (pieces.ahead < INF)
+    end = pieces.begin + pieces.n
+    own = (pieces.lo <= pieces.begin) & torch.where(causal, pieces.hi == end, pieces.hi >= end)
+    for bad, what in (
+        (slide, "a sliding start with keys up to a fixed end (a finite back)"),
+        (ahead, "a look-ahead window (0 < ahead < INF)"),
+        (~own, "a query that does not see itself"),
+    ):
+        if bool(bad.any()):
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"the mask has {what} (batch row {int(pieces.row[i])}, queries from position "
+                f"{int(pieces.begin[i])}): CP attention does not implement it"
+            )
+    return MaskRuns(
+        rank[at], pieces.row, q[at] + pieces.begin - begin[at], pieces.n, doc_start[at],
+        pieces.begin, pieces.lo, pieces.hi, causal,
+    )  # fmt: skip
 
 
 def layout_runs(layout: ShardLayout, doc: torch.Tensor) -> LayoutRuns:

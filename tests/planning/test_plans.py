@@ -12,8 +12,10 @@ import torch
 
 from cpshard.batch.runs import run_starts
 from cpshard.layouts import make_layout
+from cpshard.masks import INF, MaskDescription
 from cpshard.planning import layout_runs, plan_halo, plan_needed_rows
 from cpshard.planning.spans import Span, span_table
+from cpshard.ranges import ragged_arange
 
 LAYOUTS = ("contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced")
 
@@ -46,25 +48,16 @@ def _cover(shape, row, lo, hi) -> torch.Tensor:
     return delta.cumsum(1)[:, : shape[1]] > 0
 
 
-def reference_needed_rows(rank, layout, doc, causal, window=None) -> dict:
-    """Every rank's needed positions as a mask, one rank at a time (the plan's definition)."""
+def reference_exchange(layout, doc: torch.Tensor, me: int, needs: list[torch.Tensor]) -> dict:
+    """Rank ``me``'s tables and every rank's counts when rank r needs the positions ``needs[r]``
+    (``[B, P]`` bool), received grouped by owner, each owner's in global order."""
     b, padded = doc.shape
-    world, me = layout.world_size, rank
+    world = layout.world_size
     length = padded // world
-    starts = document_starts(doc)
-    ends = padded - document_starts(doc.flip(1)).flip(1)
     inv = layout.rank_major_inverse().to(torch.int64).expand(b, padded)
     owner, slot = inv // max(length, 1), inv % max(length, 1)
-    counts, reach, sends = [], 0, []
-    recv_rows = spans = width_me = None
-    for r in range(world):
-        idx = layout.indices(r).to(torch.int64).expand(b, length)
-        row, q, n, ds, begin = rank_runs(idx, doc, starts)
-        end = begin + n if causal else ends[row, begin]
-        lo = ds if window is None else torch.maximum(ds, begin - window + 1)
-        reach = max(reach, int((end - ds).max()) if n.numel() else 0)
-        need = _cover((b, padded), row, lo, end)
-        width = int(need.sum(1).max()) if b else 0
+    counts, sends, out = [], [], {}
+    for r, need in enumerate(needs):
         pb, pp = torch.nonzero(need, as_tuple=True)
         order = torch.sort(owner[pb, pp], stable=True).indices
         pb, pp = pb[order], pp[order]
@@ -72,25 +65,40 @@ def reference_needed_rows(rank, layout, doc, causal, window=None) -> dict:
         counts.append(torch.bincount(src, minlength=world).tolist())
         sends.append((pb * length + slot[pb, pp])[src == me])
         if r == me:
-            at = need.cumsum(1) - 1
-            recv_rows = pb * width + at[pb, pp]
+            width = int(need.sum(1).max()) if b else 0
+            out["recv_rows"] = pb * width + (need.cumsum(1) - 1)[pb, pp]
+            out["buffer_len"] = width
+    out.update(
+        send_rows=torch.cat(sends),
+        send_counts=tuple(row[me] for row in counts),
+        recv_counts=tuple(counts[me]),
+        received=tuple(sum(row) - row[r] for r, row in enumerate(counts)),
+        sent=tuple(sum(counts[q][r] for q in range(world) if q != r) for r in range(world)),
+    )
+    return out
+
+
+def reference_needed_rows(rank, layout, doc, causal, window=None) -> dict:
+    """Every rank's needed positions as a mask, one rank at a time (the plan's definition)."""
+    b, padded = doc.shape
+    world = layout.world_size
+    length = padded // world
+    starts = document_starts(doc)
+    ends = padded - document_starts(doc.flip(1)).flip(1)
+    reach, needs, spans = 0, [], None
+    for r in range(world):
+        idx = layout.indices(r).to(torch.int64).expand(b, length)
+        row, q, n, ds, begin = rank_runs(idx, doc, starts)
+        end = begin + n if causal else ends[row, begin]
+        lo = ds if window is None else torch.maximum(ds, begin - window + 1)
+        reach = max(reach, int((end - ds).max()) if n.numel() else 0)
+        needs.append(_cover((b, padded), row, lo, end))
+        if r == rank:
+            at = needs[-1].cumsum(1) - 1
             split = at[row, begin] if causal else at[row, end - 1] + 1
             cols = (row, q, n, at[row, lo], split, ds)
             spans = span_table([Span(*v) for v in zip(*(t.tolist() for t in cols), strict=True)])
-            width_me = width
-    received = [sum(row) - row[r] for r, row in enumerate(counts)]
-    sent = [sum(counts[q][r] for q in range(world) if q != r) for r in range(world)]
-    return {
-        "spans": spans,
-        "buffer_len": width_me,
-        "send_rows": torch.cat(sends),
-        "recv_rows": recv_rows,
-        "send_counts": tuple(row[me] for row in counts),
-        "recv_counts": tuple(counts[me]),
-        "received": tuple(received),
-        "sent": tuple(sent),
-        "reach": reach,
-    }
+    return {"spans": spans, "reach": reach, **reference_exchange(layout, doc, rank, needs)}
 
 
 def reference_halo(rank, world, doc, window=None) -> tuple:
@@ -253,3 +261,220 @@ def test_runs_equal_the_pass_over_every_position() -> None:
         every = [torch.cat(c) for c in zip(*map(runs.of_rank, range(world)), strict=True)]
         want = (torch.cat(mine), every[0], every[1], every[2], every[3], every[4], every[5])
         assert all(torch.equal(a, c) for a, c in zip(runs.columns, want, strict=True)), name
+
+
+# ---------------------------------------------------------------- plans from a mask description
+
+
+def fuzzed_block_ids(rng: random.Random, doc: torch.Tensor) -> torch.Tensor:
+    """``[B, P]`` block ids (-1 outside a block): random runs, each id used once per row."""
+    out = torch.full_like(doc, -1)
+    for r in range(doc.shape[0]):
+        p, next_id = 0, 0
+        while p < doc.shape[1]:
+            n = rng.randint(1, max(1, doc.shape[1] // 3))
+            if rng.random() < 0.5:
+                out[r, p : p + n] = next_id
+                next_id += 1
+            p += n
+    return out
+
+
+def prefix_ids(doc: torch.Tensor, rng: random.Random) -> torch.Tensor:
+    """Block 0 on the first few tokens of every document (a prefix-LM's prefix), else -1."""
+    pos = torch.arange(doc.shape[1]).expand_as(doc)
+    into = pos - document_starts(doc)
+    return torch.where((doc != 0) & (into < rng.randint(1, 6)), 0, -1)
+
+
+def fuzzed_masks(rng: random.Random, doc: torch.Tensor) -> list[tuple[str, MaskDescription]]:
+    """Descriptions whose pieces the spans state: chunked causal and bidirectional chunks,
+    image blocks and a prefix over causal attention, plain causal and bidirectional."""
+    causal = MaskDescription.within_documents(doc, ahead=0)
+    size = rng.randint(1, 9)
+    chunks = MaskDescription.chunks(doc, size)
+    out = [
+        (f"chunks({size}) & causal", chunks.intersect(causal)),
+        (f"chunks({size})", chunks),
+        ("causal", causal),
+        ("bidirectional", MaskDescription.within_documents(doc)),
+    ]
+    for name, ids in (("blocks", fuzzed_block_ids(rng, doc)), ("prefix", prefix_ids(doc, rng))):
+        blocks = MaskDescription.blocks(doc, ids)
+        assert blocks is not None
+        union = causal.union(blocks)
+        assert union is not None
+        out.append((f"causal | {name}", union))
+    return out
+
+
+def reference_mask_plan(rank: int, layout, doc: torch.Tensor, mask: MaskDescription) -> dict:
+    """The needed rows of every rank from the dense mask: a position is needed when one of the
+    rank's queries sees it; tables and counts as :func:`reference_exchange` lists them."""
+    dense = mask.dense()
+    b, padded = doc.shape
+    length = padded // layout.world_size
+    needs = []
+    for r in range(layout.world_size):
+        idx = layout.indices(r).to(torch.int64).expand(b, length)
+        needs.append(torch.stack([dense[i, idx[i]].any(0) for i in range(b)]))  # [B, P]
+        if r == rank:
+            queries = idx
+    out = reference_exchange(layout, doc, rank, needs)
+    out.update(
+        need=needs[rank], queries=queries, reach=int(dense.sum(-1).max()) if dense.numel() else 0
+    )
+    return out
+
+
+def _check_mask_spans(got, want: dict, dense: torch.Tensor, doc: torch.Tensor, where: str) -> None:
+    """Every query of the rank's documents is in one span, and the buffer keys its span lets it
+    see are, in global positions, exactly the keys the dense mask lets it see (needed positions
+    ascend in the buffer: a query's keys are its range of buffer rows when they are all needed,
+    as many, from its first to its last)."""
+    need, idx = want["need"], want["queries"]
+    row, q, n, k, split, _ = got.spans.unbind(1)
+    at = torch.arange(n.numel()).repeat_interleave(n)
+    i = ragged_arange(torch.zeros_like(n), n)
+    row, q = row[at], q[at] + i
+    first = k[at]
+    end = torch.where(got.causal[at], split[at] + i + 1, split[at])
+    seen = torch.zeros_like(idx).index_put_((row, q), torch.ones_like(q), accumulate=True)
+    assert torch.equal(seen, (doc.gather(1, idx) != 0).to(torch.int64)), where
+    visible = dense[row, idx[row, q]]  # [queries, P]
+    buffer = (need.cumsum(1) - 1)[row]
+    assert not bool((visible & ~need[row]).any()), where
+    assert torch.equal(visible.sum(1), end - first), where
+    big = doc.shape[1] + 1
+    lowest = torch.where(visible, buffer, big).min(1).values if visible.numel() else first
+    highest = torch.where(visible, buffer, -1).max(1).values if visible.numel() else end - 1
+    some = end > first
+    assert torch.equal(lowest[some], first[some]) and torch.equal(highest[some], end[some] - 1), where
+
+
+def _check_mask_plans(
+    world: int, layout_name: str, doc: torch.Tensor, rng: random.Random, masks=None
+) -> None:
+    layout = make_layout(layout_name, world, doc.shape[1], doc_ids=doc)
+    padded = _padded(layout, doc)
+    runs = layout_runs(layout, padded)
+    for name, mask in masks(padded) if masks else fuzzed_masks(rng, padded):
+        dense = mask.dense()
+        for rank in sorted({0, world - 1, world // 2}):
+            got = plan_needed_rows(rank, runs, mask=mask)
+            want = reference_mask_plan(rank, layout, padded, mask)
+            where = f"{name} {layout_name} W={world} rank {rank} doc={padded.tolist()}"
+            for field_name, value in want.items():
+                if field_name in ("need", "queries"):
+                    continue
+                mine = getattr(got, field_name)
+                if isinstance(value, torch.Tensor):
+                    assert torch.equal(mine, value), (field_name, where)
+                else:
+                    assert mine == value, (field_name, where)
+            _check_mask_spans(got, want, dense, padded, where)
+            if name in ("causal", "bidirectional"):  # today's plans, byte for byte
+                causal = name == "causal"
+                plain = plan_needed_rows(rank, runs, causal)
+                assert torch.equal(got.spans, plain.spans), where
+                assert bool((got.causal == causal).all()), where
+                for field_name in ("send_rows", "recv_rows", "buffer_len", "reach"):
+                    assert torch.equal(
+                        torch.as_tensor(getattr(got, field_name)),
+                        torch.as_tensor(getattr(plain, field_name)),
+                    ), (field_name, where)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_mask_plans_equal_the_dense_mask(seed: int) -> None:
+    rng = random.Random(seed + 700)
+    for world, layout_name, doc, _ in _cases(seed + 700, 15, (1, 2, 3, 4, 5, 6, 7, 8), 32):
+        _check_mask_plans(world, layout_name, doc, rng)
+
+
+def test_mask_plans_equal_the_dense_mask_at_large_world() -> None:
+    rng = random.Random(800)
+    for world, layout_name, doc, _ in _cases(800, 3, (16, 32, 64), 128):
+        _check_mask_plans(world, layout_name, doc, rng)
+
+
+def test_mask_halo_equals_the_dense_mask() -> None:
+    """Contiguous shards, causal pieces: each rank's halo reaches its queries' first keys, and
+    each piece's queries see from its first key up to themselves, as the dense mask says."""
+    rng = random.Random(900)
+    for world, _, doc, _ in _cases(900, 20, (1, 2, 3, 4, 7, 8), 40):
+        layout = make_layout("contiguous", world, doc.shape[1])
+        padded = _padded(layout, doc)
+        runs = layout_runs(layout, padded)
+        local = padded.shape[1] // world
+        causal = MaskDescription.within_documents(padded, ahead=0)
+        chunked = MaskDescription.chunks(padded, rng.randint(1, 9)).intersect(causal)
+        for mask in (causal, chunked):
+            dense = mask.dense()
+            keys = torch.arange(padded.shape[1])
+            first_key = torch.where(dense, keys, padded.shape[1]).min(-1).values  # [B, P]
+            for rank in range(world):
+                got = plan_halo(rank, runs, mask=mask)
+                for r in range(world):
+                    mine = first_key[:, r * local : (r + 1) * local]
+                    want = max(0, r * local - int(mine.min())) if mine.numel() else 0
+                    assert got.halos[r] == want, (r, padded.tolist())
+                covered = torch.zeros_like(padded)
+                for (row, begin, n, _), first in zip(got.runs, got.firsts, strict=True):
+                    for i in range(n):
+                        covered[row, begin + i] += 1
+                        want_keys = torch.nonzero(dense[row, begin + i]).flatten()
+                        assert torch.equal(want_keys, torch.arange(first, begin + i + 1))
+                mine = padded[:, rank * local : (rank + 1) * local] != 0
+                assert torch.equal(covered[:, rank * local : (rank + 1) * local], mine.long())
+                assert covered.sum() == mine.sum()
+            if mask is causal:
+                for rank in range(world):
+                    got, plain = plan_halo(rank, runs, mask=mask), plan_halo(rank, runs)
+                    assert (got.halos, got.runs, got.reach) == (plain.halos, plain.runs, plain.reach)
+
+
+def test_mask_plans_refuse_what_the_spans_cannot_state() -> None:
+    """A sliding start with a fixed end, a look-ahead window, a query that sees nothing, and a
+    description of another batch are refused, never planned."""
+    doc = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 0]])
+    layout = make_layout("head_tail", 2, 8)
+    runs = layout_runs(layout, doc)
+    image = torch.tensor([[-1, 0, 0, -1, -1, 1, 1, -1]])
+    causal = MaskDescription.within_documents(doc, ahead=0)
+    sliding_image = causal.union(MaskDescription.blocks(doc, image)).intersect(
+        MaskDescription.within_documents(doc, back=1)
+    )
+    for mask, what in (
+        (MaskDescription.within_documents(doc, back=1), "sliding start"),
+        (MaskDescription.within_documents(doc, ahead=1), "look-ahead"),
+        (sliding_image, "sliding start"),
+        (MaskDescription.blocks(doc, image), "does not see itself"),
+        (MaskDescription.within_documents(doc[:, :6], ahead=0), "batch"),
+    ):
+        with pytest.raises(ValueError, match=what):
+            plan_needed_rows(0, runs, mask=mask)
+    causal = MaskDescription.within_documents(doc, ahead=0)
+    for kwargs in ({}, {"causal": True, "mask": causal}, {"window": 2, "mask": causal}):
+        with pytest.raises(ValueError, match="causal .* or a mask"):
+            plan_needed_rows(0, runs, **kwargs)
+    contiguous = layout_runs(make_layout("contiguous", 2, 8), doc)
+    with pytest.raises(ValueError, match="window or a mask"):
+        plan_halo(0, contiguous, 2, mask=causal)
+    with pytest.raises(ValueError, match="causal pieces only"):
+        plan_halo(0, layout_runs(make_layout("contiguous", 2, 8), doc), mask=MaskDescription.within_documents(doc))
+
+
+def test_mask_plans_merge_ranges_that_do_not_ascend() -> None:
+    """A piece whose range holds a later piece's (a fully visible head before causal queries of
+    one document): the rank needs the union, not the ranges in run order."""
+
+    def masks(padded: torch.Tensor) -> list[tuple[str, MaskDescription]]:
+        cols = ([0, 0], [0, 2], [2, 12], [0, 0], [12, 12], [0, 2], [INF, INF], [12, 12], [INF, 0])
+        one = MaskDescription(1, padded.shape[1], *(torch.tensor(c) for c in cols))
+        return [("head sees the document", one)]
+
+    doc = torch.tensor([[1] * 12])
+    for world in (2, 3):
+        for layout_name in LAYOUTS:
+            _check_mask_plans(world, layout_name, doc, random.Random(0), masks)
