@@ -54,15 +54,17 @@ class HaloExchange:
 
     @property
     def most_rows_moved(self) -> int:
+        if not self.halos:
+            return 0
         length = self.local_len
-        spans = [(r * length - min(h, r * length), r * length) for r, h in enumerate(self.halos)]
-
-        def sent(r: int) -> int:  # rows of rank r's shard in the others' halos
-            lo, hi = r * length, (r + 1) * length
-            return sum(max(0, min(hi, e) - max(lo, b)) for b, e in spans)
-
-        moved = (2 * (e - b) + sent(r) for r, (b, e) in enumerate(spans))
-        return max(moved, default=0) * self.batch_size
+        first = torch.arange(len(self.halos)) * length  # every rank's first position
+        start = first - torch.minimum(torch.tensor(self.halos), first)  # its halo's start
+        # rows of rank r's shard in rank q's halo, for every (r, q) at once
+        inside = torch.minimum(first[:, None] + length, first[None]) - torch.maximum(
+            first[:, None], start[None]
+        )
+        sent = inside.clamp(min=0).sum(1)
+        return int((2 * (first - start) + sent).max()) * self.batch_size
 
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return kv_halo(kv, key) if self.group.world > 1 else kv
