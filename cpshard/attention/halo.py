@@ -54,17 +54,24 @@ class HaloExchange:
 
     @property
     def most_rows_moved(self) -> int:
-        if not self.halos:
-            return 0
-        length = self.local_len
-        first = torch.arange(len(self.halos)) * length  # every rank's first position
-        start = first - torch.minimum(torch.tensor(self.halos), first)  # its halo's start
-        # rows of rank r's shard in rank q's halo, for every (r, q) at once
-        inside = torch.minimum(first[:, None] + length, first[None]) - torch.maximum(
-            first[:, None], start[None]
+        length, world = self.local_len, len(self.halos)
+        starts = [r * length - min(h, r * length) for r, h in enumerate(self.halos)]
+        # covered(k): halo rows (counted per halo) below position k * length, by one sweep over
+        # the halos' bounds (host integers: this runs inside a step's first call)
+        bounds = sorted([(b, 1) for b in starts] + [(r * length, -1) for r in range(world)])
+        covered, depth, last, total, i = [], 0, 0, 0, 0
+        for k in range(world + 1):
+            x = k * length
+            while i < len(bounds) and bounds[i][0] <= x:
+                total += depth * (bounds[i][0] - last)
+                last, depth, i = bounds[i][0], depth + bounds[i][1], i + 1
+            total += depth * (x - last)
+            last = x
+            covered.append(total)
+        moved = (
+            2 * (r * length - starts[r]) + covered[r + 1] - covered[r] for r in range(world)
         )
-        sent = inside.clamp(min=0).sum(1)
-        return int((2 * (first - start) + sent).max()) * self.batch_size
+        return max(moved, default=0) * self.batch_size
 
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return kv_halo(kv, key) if self.group.world > 1 else kv

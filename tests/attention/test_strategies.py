@@ -348,3 +348,29 @@ def test_ranks_on_other_strategies_raise(pool2) -> None:
     issue different collectives)."""
     for message in pool2.run(_disagreeing, timeout=120):
         assert "attention strategy" in message, message
+
+
+def test_halo_most_rows_moved_equals_the_pairwise_count() -> None:
+    """The halo's busiest rank (the cost model's figure, one sweep over the halos' bounds)
+    equals counting every rank's shard rows in every other rank's halo, pair by pair."""
+    import dataclasses
+    import random
+
+    from cpshard.attention.halo import HaloExchange
+
+    rng = random.Random(5)
+    names = {f.name for f in dataclasses.fields(HaloExchange)}
+    for _ in range(300):
+        world, length, rows = rng.randint(1, 12), rng.randint(0, 9), rng.randint(1, 3)
+        halos = tuple(rng.randint(0, world * length + 3) for _ in range(world))
+        spans = [(r * length - min(h, r * length), r * length) for r, h in enumerate(halos)]
+
+        def sent(r: int) -> int:
+            return sum(max(0, min((r + 1) * length, e) - max(r * length, b)) for b, e in spans)
+
+        want = max(2 * (e - b) + sent(r) for r, (b, e) in enumerate(spans)) * rows
+        exchange = object.__new__(HaloExchange)
+        for name, value in (("halos", halos), ("local_len", length), ("batch_size", rows)):
+            assert name in names
+            object.__setattr__(exchange, name, value)
+        assert exchange.most_rows_moved == want, (world, length, halos)
