@@ -14,9 +14,11 @@ length is a multiple of ``W``.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from cpshard.batch.runs import document_runs
+from cpshard.batch.runs import id_runs
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.owners import RowPieces, check_doc_ids, owner_of_pieces
 from cpshard.layouts.serpentine import default_num_chunks, zigzag_pieces
@@ -47,12 +49,12 @@ def per_document_head_tail_pieces(
         raise ValueError(
             f"{what}: num_chunks must be a positive multiple of world = {world}, got {num_chunks!r}"
         )
-    rows = []
-    for row in doc_ids:
-        runs = torch.tensor([(s, n) for s, n, _ in document_runs(row)], dtype=torch.int64)
-        starts, lengths = runs.reshape(-1, 2).unbind(1)
-        rows.append(zigzag_pieces(starts, lengths, world, chunks))
-    return rows
+    row, start, end, _ = id_runs(doc_ids.detach().to("cpu", torch.int64))
+    bounds = torch.searchsorted(row, torch.arange(doc_ids.shape[0] + 1)).tolist()
+    return [
+        zigzag_pieces(start[a:b], end[a:b] - start[a:b], world, chunks)
+        for a, b in itertools.pairwise(bounds)
+    ]
 
 
 PER_DOCUMENT_HEAD_TAIL = LayoutStrategy(

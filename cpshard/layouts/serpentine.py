@@ -53,14 +53,17 @@ def _deal(world: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def zigzag_sizes(
-    lengths: torch.Tensor, world: int, chunks: int
+    lengths: torch.Tensor, world: int, chunks: int, counter: torch.Tensor | None = None
 ) -> Iterator[tuple[slice, torch.Tensor]]:
     """The chunk sizes ``[R, C]`` of runs of ``lengths`` (int64 ``[R]``, in position order)
     zig-zagged over ``chunks`` chunks (module doc), a block of runs at a time (whole-tensor
-    work, bounded memory): yields the block's slice of the runs and its sizes."""
+    work, bounded memory): yields the block's slice of the runs and its sizes. ``counter``:
+    the extras counter at each run (mod ``W``; default: one counter running along these
+    runs from 0)."""
     extra_index = _deal(world, chunks)[1]
     q, m = lengths // chunks, lengths % chunks
-    counter = (torch.cumsum(m, 0) - m) % world
+    if counter is None:
+        counter = (torch.cumsum(m, 0) - m) % world
     block = max(1, BLOCK_ELEMENTS // chunks)
     for b in range(0, lengths.numel(), block):
         e = slice(b, b + block)
@@ -74,15 +77,14 @@ def zigzag_pieces(
     zig-zagged over ``chunks`` chunks (:func:`zigzag_sizes`): start, length and rank of each
     (int64 vectors, in position order).
 
-    Empty chunks are pieces too (of length 0, just before the piece at their start) unless they
-    are most of a block (runs shorter than ``chunks``), which keeps the output within twice the
-    tokens plus one block."""
+    Empty chunks (runs shorter than ``chunks``) are left out: every later pass over the pieces
+    (the layout record's check and sort, the planners) costs by the piece."""
     ranks = _deal(world, chunks)[0]
     out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for e, sizes in zigzag_sizes(lengths, world, chunks):
         at = torch.cumsum(sizes, 1).sub_(sizes).add_(starts[e, None])  # one big temporary
         owner = ranks.expand_as(sizes)
-        if sizes.numel() > 2 * int(lengths[e].sum()):
+        if bool((lengths[e] < chunks).any()):
             keep = sizes > 0
             out.append((at[keep], sizes[keep], owner[keep]))
         else:
