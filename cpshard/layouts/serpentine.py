@@ -18,10 +18,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["chunk_ranks", "default_num_chunks", "zigzag_pieces", "zigzag_sizes"]
+from cpshard.batch.runs import id_runs
+from cpshard.ranges import ragged_arange
+
+__all__ = [
+    "chunk_ranks",
+    "default_num_chunks",
+    "owned_chunks",
+    "ZigzagTable",
+    "zigzag_pieces",
+    "zigzag_sizes",
+    "zigzag_table",
+]
 
 CHUNKS_PER_RANK = 2  # the default chunk count is 2W: one head and one tail chunk per rank
 BLOCK_ELEMENTS = 1 << 21  # runs x chunks zig-zagged at once (bounds the memory)
@@ -37,6 +49,11 @@ def chunk_ranks(world: int, chunks: int) -> torch.Tensor:
     k = torch.arange(chunks)
     i = k % world
     return torch.where((k // world) % 2 == 0, i, world - 1 - i)
+
+
+def owned_chunks(world: int, chunks: int) -> torch.Tensor:
+    """``[W, C / W]``: the chunks rank ``r`` owns, ascending (one per pass)."""
+    return torch.argsort(chunk_ranks(world, chunks), stable=True).view(world, chunks // world)
 
 
 @functools.lru_cache(maxsize=16)
@@ -95,3 +112,45 @@ def zigzag_pieces(
         return out[0]  # no copy
     at, sizes, owner = (torch.cat(parts) for parts in zip(*out, strict=True))
     return at, sizes, owner
+
+
+@dataclass(frozen=True, eq=False)
+class ZigzagTable:
+    """Every run of one id of every row of the padded ids ``doc_ids`` ``[B, P]`` (documents and
+    padding) zig-zagged over ``chunks`` chunks for ``world`` ranks, the extras counter
+    restarting at every row: the runs' ``row``, ``start``, ``end`` and ``ids`` ``[R]`` (ordered
+    by row and start) and every chunk's ``first`` position and ``size`` ``[R, C]``."""
+
+    doc_ids: torch.Tensor
+    world: int
+    chunks: int
+    row: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    ids: torch.Tensor
+    first: torch.Tensor
+    size: torch.Tensor
+
+    def indices(self) -> torch.Tensor:
+        """``[W, B, P / W]``: every rank's positions, listed rank by rank (its chunks of every
+        run in row and position order: no sort; every rank holds ``P / W`` of every row)."""
+        owned = owned_chunks(self.world, self.chunks)
+        runs = torch.arange(self.size.shape[0]) * self.chunks
+        flat = (runs[None, :, None] + owned[:, None, :]).view(-1)  # [W, R, C / W]: rank-major
+        at, n = self.first.view(-1)[flat], self.size.view(-1)[flat]
+        return ragged_arange(at, n).view(self.world, self.doc_ids.shape[0], -1)
+
+
+def zigzag_table(doc_ids: torch.Tensor, world: int, chunks: int) -> ZigzagTable:
+    """The :class:`ZigzagTable` of the padded ids ``doc_ids`` ``[B, P]`` (host int64)."""
+    row, start, end, ids = id_runs(doc_ids)
+    lengths = end - start
+    m = lengths % chunks
+    running = torch.cumsum(m, 0) - m
+    counter = (running - running[torch.searchsorted(row, row)]) % world  # from 0 every row
+    size = torch.cat(
+        [s for _, s in zigzag_sizes(lengths, world, chunks, counter)]
+        or [torch.zeros(0, chunks, dtype=torch.int64)]
+    )
+    first = torch.cumsum(size, 1).sub_(size).add_(start[:, None])
+    return ZigzagTable(doc_ids, world, chunks, row, start, end, ids, first, size)

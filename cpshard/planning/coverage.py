@@ -1,6 +1,6 @@
 """How many (interval, position) pairs a list of key intervals covers below a position: the
-count behind every rank's served rows (each of its tokens counted once per interval holding it),
-whatever form the ranks' tokens take (runs, or a closed form's chunks)."""
+count behind every rank's served rows (each of its tokens counted once per interval holding it)
+read at the bounds of its runs."""
 
 from __future__ import annotations
 

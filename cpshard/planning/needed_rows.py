@@ -155,7 +155,8 @@ def plan_needed_rows(
     # Its own rows among them: all its document tokens (each run lies in its own interval, and
     # the intervals hold document positions only).
     own = runs.tokens()
-    received, sent = needed - own, _served(runs, mrow, mlo, mhi) - own
+    rule = (causal, window) if causal is not None else None
+    received, sent = needed - own, _served(runs, mrow, mlo, mhi, rule) - own
 
     # This rank's buffer: its intervals back to back per row, in global order.
     lo_i, hi_i = torch.searchsorted(mr, torch.tensor([rank, rank + 1])).tolist()
@@ -215,12 +216,14 @@ def plan_needed_rows(
 
 
 def _served(
-    runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-) -> torch.Tensor:
+    runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+    rule: tuple[bool, int | None] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``[W]``: every rank's document tokens counted once per interval ``[lo, hi)`` (of batch
-    rows ``row``; intervals of document positions) that holds them."""
+    rows ``row``; intervals of document positions) that holds them. ``rule``: the ``(causal,
+    window)`` the intervals follow, for a closed form that counts from it (None: a mask's)."""
     if runs.closed is not None:
-        return runs.closed.served(row, lo, hi)
+        return runs.closed.served(row, lo, hi, rule)
     covered = Coverage(row, lo, hi, runs.rows, runs.padded, runs.n.numel())
     start = runs.begin
     counts = covered.below(runs.row, start + runs.n) - covered.below(runs.row, start)

@@ -83,9 +83,12 @@ class StripeRuns:
         """The global position of ``rank``'s local index ``slot`` (the same in every row)."""
         return slot * self.world + rank
 
-    def served(self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    def served(
+        self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+        rule: tuple[bool, int | None] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """``[W]``: every rank's positions inside the ranges ``[lo, hi)`` (document positions,
-        counted once per range; the same in every row)."""
+        counted once per range; the same in every row; ``rule`` unused)."""
         return _per_residue(self.world, lo, hi)
 
     def prefix(self) -> StripePrefix:

@@ -2,13 +2,13 @@
 padding alike) is cut into ``C`` chunks dealt serpentine-wise (:mod:`cpshard.layouts.serpentine`),
 so rank ``r`` holds chunk ``k(r, t)`` of pass ``t`` of every run, and everything the needed-rows
 planner asks of every rank's runs follows from the chunk table ``[runs, C]``: a rank's runs, its
-key intervals per document, its token counts, the intervals' coverage of its chunks, and how many
-of its positions lie below a position (a binary search over the runs, then its ``C / W`` chunks
-of that run). O(runs x C) whole-tensor work per step (at most about the padded tokens), instead
-of cutting, sorting and searching every rank's pieces.
+key intervals per document, its token counts, how many intervals hold each of its positions, and
+how many of its positions lie below a position (a binary search over the runs, then the chunks
+of that run). O(runs x C + positions) whole-tensor work per step, instead of cutting, sorting
+and searching every rank's pieces.
 
-The table is made from the documents and checked against the layout's own pieces (a layout of
-that name whose pieces are not the deal of these documents is planned from its pieces).
+The table is made from the documents and checked against the layout's positions (a layout of
+that name whose positions are not the deal of these documents is planned from its positions).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from cpshard.batch.runs import DENSE_LOOKUPS, id_runs, maximal_runs
+from cpshard.batch.runs import DENSE_LOOKUPS, maximal_runs
 from cpshard.layouts import ShardLayout
-from cpshard.layouts.serpentine import chunk_ranks, zigzag_sizes
+from cpshard.layouts.serpentine import ZigzagTable, chunk_ranks, owned_chunks, zigzag_table
 from cpshard.planning.coverage import Coverage
 
 
@@ -47,36 +47,31 @@ class ZigzagRuns:
     @classmethod
     def of(cls, layout: ShardLayout, documents: torch.Tensor) -> ZigzagRuns | None:
         """The table of ``layout`` for the padded document ids ``documents`` ``[B, P]``, or None
-        when its pieces are not the serpentine deal of these runs."""
+        when its positions are not the serpentine deal of these runs. The table the layout was
+        planned from is taken when it was made for these ids (one comparison of the ids);
+        otherwise it is made here and checked against the positions in full."""
         world, chunks, padded = layout.world_size, layout.num_chunks, layout.padded_seq_len
-        pieces, idx = layout.owner_pieces, layout.local_token_global_indices
-        if chunks is None or pieces is None or not isinstance(idx, torch.Tensor):
+        idx = layout.local_token_global_indices
+        rows = int(documents.shape[0])
+        if chunks is None or not isinstance(idx, torch.Tensor) or documents.shape[1] != padded:
             return None
-        row, start, end, ids = id_runs(documents)
-        lengths = end - start
-        m = lengths % chunks
-        running = torch.cumsum(m, 0) - m
-        row_first = torch.searchsorted(row, row)  # each run's row's first run
-        counter = (running - running[row_first]) % world  # the counter restarts every row
-        size = torch.cat(
-            [s for _, s in zigzag_sizes(lengths, world, chunks, counter)]
-            or [torch.zeros(0, chunks, dtype=torch.int64)]
-        )
-        ranks = chunk_ranks(world, chunks)
-        if len(pieces) != documents.shape[0] or documents.shape[1] != padded:
-            return None
-        theirs_size = torch.cat([p[1] for p in pieces]) if pieces else size.new_zeros(0)
-        theirs_rank = torch.cat([p[2] for p in pieces]) if pieces else size.new_zeros(0)
-        theirs = (theirs_size * world + theirs_rank)[theirs_size > 0]
-        if not torch.equal((size * world + ranks)[size > 0], theirs):
-            return None  # the layout's non-empty pieces in order: not this deal
-        first = torch.cumsum(size, 1).sub_(size).add_(start[:, None])
-        owned = torch.argsort(ranks, stable=True).view(world, chunks // world)
-        per_run = torch.zeros(size.shape[0], world, dtype=torch.int64).index_add_(1, ranks, size)
-        before_run = torch.cumsum(per_run, 0).sub_(per_run).sub_(row[:, None] * idx.shape[-1])
+        idx = idx.view(world, 1, -1).expand(world, rows, -1) if idx.dim() == 2 else idx
+        table = layout.planned_from
+        if not (
+            isinstance(table, ZigzagTable) and (table.world, table.chunks) == (world, chunks)
+            and torch.equal(table.doc_ids, documents)
+        ):  # fmt: skip
+            table = zigzag_table(documents, world, chunks)
+            mine = table.indices()
+            if idx.shape != mine.shape or not torch.equal(idx, mine):
+                return None
+        size = table.size
+        per_run = torch.zeros(size.shape[0], world, dtype=torch.int64)
+        per_run.index_add_(1, chunk_ranks(world, chunks), size)
+        before_run = torch.cumsum(per_run, 0).sub_(per_run).sub_(table.row[:, None] * idx.shape[-1])
         return cls(
-            world, padded, int(documents.shape[0]), row, start, end, ids != 0, first, size,
-            owned, before_run, idx,
+            world, padded, rows, table.row, table.start, table.end, table.ids != 0, table.first,
+            size, owned_chunks(world, chunks), before_run, idx,
         )  # fmt: skip
 
     @property
@@ -137,17 +132,60 @@ class ZigzagRuns:
         hi = (begin + n).permute(1, 0, 2)[keep] if causal else de[doc]
         return rank, row[doc], lo, hi
 
-    def served(self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    def served(
+        self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+        rule: tuple[bool, int | None] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """``[W]``: every rank's document tokens counted once per interval ``[lo, hi)`` of batch
-        row ``row`` that holds them (each chunk's share from the coverage at its bounds)."""
+        row ``row`` that holds them. Intervals of :meth:`intervals` without a window (``rule``
+        ``(causal, None)``): counted per chunk from the ranks that need it. Otherwise, few
+        chunks: the intervals' coverage read at the chunks' bounds
+        (:class:`~cpshard.planning.coverage.Coverage`); about a chunk per few positions: how
+        many intervals hold each position, summed by owner (O(positions) whatever the world
+        size; the intervals hold document positions only)."""
+        b, padded = self.rows, self.padded
         d = torch.nonzero(self.is_doc).flatten()
-        bounds = torch.cat([self.first[d], self.run_end[d][:, None]], 1)  # [D, C + 1]
-        covered = Coverage(row, lo, hi, self.rows, self.padded, bounds.numel())
-        below = covered.below(self.run_row[d][:, None].expand_as(bounds), bounds)
-        per_chunk = torch.diff(below, dim=1).sum(0)
+        if rule is not None and rule[1] is None:
+            return self._served_by_chunk(d, rule[0])
+        if d.numel() * (self.size.shape[1] + 1) * DENSE_LOOKUPS <= b * padded:
+            bounds = torch.cat([self.first[d], self.run_end[d][:, None]], 1)  # [D, C + 1]
+            covered = Coverage(row, lo, hi, b, padded, bounds.numel())
+            below = covered.below(self.run_row[d][:, None].expand_as(bounds), bounds)
+            per_chunk = torch.diff(below, dim=1).sum(0)
+            return torch.zeros(self.world, dtype=torch.int64).index_add_(
+                0, chunk_ranks(self.world, per_chunk.numel()), per_chunk
+            )
+        delta = torch.zeros(b * (padded + 1), dtype=torch.int64)
+        delta.index_add_(0, row * (padded + 1) + lo, torch.ones_like(lo))
+        delta.index_add_(0, row * (padded + 1) + hi, torch.full_like(hi, -1))
+        held = torch.cumsum(delta, 0).view(b, padded + 1)[:, :padded]
+        owner = torch.empty(b, padded, dtype=torch.int64)
+        length = self.indices.shape[-1]
+        ranks = torch.arange(self.world).repeat_interleave(length).expand(b, -1)
+        owner.scatter_(1, self.indices.permute(1, 0, 2).reshape(b, -1), ranks)
         return torch.zeros(self.world, dtype=torch.int64).index_add_(
-            0, chunk_ranks(self.world, per_chunk.numel()), per_chunk
+            0, owner.view(-1), held.reshape(-1)
         )
+
+    def _served_by_chunk(self, d: torch.Tensor, causal: bool) -> torch.Tensor:
+        """:meth:`served` of the documents ``d``'s intervals without a window: rank ``r'``
+        needs its document from the start to the end of its last chunk (causal) or to the
+        document's end, so chunk ``j`` is served once to every rank whose last chunk is ``j``
+        or later (causal) or that holds a token of the document."""
+        size = self.size[d]  # [D, C]
+        chunks = size.shape[1]
+        ranks = chunk_ranks(self.world, chunks)
+        index = torch.arange(chunks).expand_as(size)
+        last = torch.full((d.numel(), self.world), -1, dtype=torch.int64)
+        last.scatter_reduce_(1, ranks.expand_as(size), torch.where(size > 0, index, -1), "amax")
+        if causal:  # needers[:, j]: ranks whose last chunk is j or later
+            ends = torch.zeros(d.numel(), chunks + 1, dtype=torch.int64)
+            ends.scatter_add_(1, last + 1, torch.ones_like(last))  # column 0: holds none
+            needers = ends[:, 1:].flip(1).cumsum(1).flip(1)
+        else:
+            needers = (last >= 0).sum(1, keepdim=True)
+        per_chunk = (size * needers).sum(0)
+        return torch.zeros(self.world, dtype=torch.int64).index_add_(0, ranks, per_chunk)
 
     def position(self, rank: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """The global position of ``rank``'s local index ``slot`` in batch row ``row``."""

@@ -274,6 +274,7 @@ def test_zigzag_closed_form_answers_as_the_runs_do() -> None:
     rng = random.Random(31)
     used = 0
     for world, _, doc, window in _cases(31, 60, (1, 2, 3, 4, 8, 32), 160):
+        # long rows of few documents count served rows at chunk bounds, others per position
         chunks = world * rng.choice((2, 2, 4))
         layout = make_layout(
             "per_document_head_tail", world, doc.shape[1], doc_ids=doc, num_chunks=chunks
@@ -295,7 +296,9 @@ def test_zigzag_closed_form_answers_as_the_runs_do() -> None:
                                     _merge(*plain.intervals(causal, w)), strict=True)
                 ), (world, causal, w)  # fmt: skip
                 _, row, lo, hi = _merge(*plain.intervals(causal, w))
-                assert torch.equal(_served(closed, row, lo, hi), _served(plain, row, lo, hi))
+                want = _served(plain, row, lo, hi)
+                assert torch.equal(_served(closed, row, lo, hi), want)  # from the intervals
+                assert torch.equal(_served(closed, row, lo, hi, (causal, w)), want)  # the rule
         b, p = padded.shape
         n = 200
         rank = torch.randint(0, world, (n,))
@@ -321,8 +324,8 @@ def test_zigzag_closed_form_answers_as_the_runs_do() -> None:
 
 
 def test_zigzag_closed_form_is_not_used_for_other_pieces() -> None:
-    """A layout named ``per_document_head_tail`` whose pieces are not the deal of its documents
-    is planned from its pieces, exactly."""
+    """A layout named ``per_document_head_tail`` whose positions are not the deal of its
+    documents is planned from its positions, exactly."""
     from cpshard.layouts import ShardLayout
 
     doc = torch.tensor([[1, 1, 1, 1, 1, 2, 2, 2]])
