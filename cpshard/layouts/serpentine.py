@@ -135,9 +135,12 @@ class ZigzagTable:
         """``[W, B, P / W]``: every rank's positions, listed rank by rank (its chunks of every
         run in row and position order: no sort; every rank holds ``P / W`` of every row)."""
         owned = owned_chunks(self.world, self.chunks)
-        runs = torch.arange(self.size.shape[0]) * self.chunks
-        flat = (runs[None, :, None] + owned[:, None, :]).view(-1)  # [W, R, C / W]: rank-major
-        at, n = self.first.view(-1)[flat], self.size.view(-1)[flat]
+
+        def rank_major(t: torch.Tensor) -> torch.Tensor:  # [R, C] -> [W, R, C / W], flat
+            # chunk-major first: each rank's chunk of every run is then one contiguous read
+            return t.T.contiguous()[owned].transpose(1, 2).reshape(-1)
+
+        at, n = rank_major(self.first), rank_major(self.size)
         return ragged_arange(at, n).view(self.world, self.doc_ids.shape[0], -1)
 
 

@@ -13,7 +13,8 @@ that name whose positions are not the deal of these documents is planned from it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,7 @@ class ZigzagRuns:
     owned: torch.Tensor
     before_run: torch.Tensor
     indices: torch.Tensor
+    _made: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, layout: ShardLayout, documents: torch.Tensor) -> ZigzagRuns | None:
@@ -108,24 +110,40 @@ class ZigzagRuns:
             0, chunk_ranks(self.world, per_chunk.numel()), per_chunk
         )
 
+    def _last_chunks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The document runs and, per (document, rank), the index of the rank's last non-empty
+        chunk of it (-1: none): what the intervals and served counts without a window need
+        (made once per step)."""
+        if "last" not in self._made:
+            d = torch.nonzero(self.is_doc).flatten()
+            size = self.size[d]  # [D, C]
+            ranks = chunk_ranks(self.world, size.shape[1]).expand_as(size)
+            index = torch.arange(size.shape[1]).expand_as(size)
+            last = torch.full((d.numel(), self.world), -1, dtype=torch.int64)
+            last.scatter_reduce_(1, ranks, torch.where(size > 0, index, -1), "amax")
+            self._made["last"] = (d, last)
+        return self._made["last"]
+
     def intervals(self, causal: bool, window: int | None) -> tuple[torch.Tensor, ...]:
         """Every rank's key intervals, ordered by rank, row and start (overlapping or adjacent
         ones not yet merged): without a window one per (rank, document it holds a token of),
         from the document's start to its last chunk's end (or the document's); with one, one
         per chunk, from its first query's window."""
+        if window is None:
+            d, last = self._last_chunks()
+            last = last.T.contiguous()  # [W, D]
+            held = last >= 0
+            rank, doc = torch.nonzero(held, as_tuple=True)
+            run = d[doc]
+            if causal:
+                at = run * self.size.shape[1] + last[held]
+                hi = self.first.view(-1)[at] + self.size.view(-1)[at]
+            else:
+                hi = self.run_end[run]
+            return rank, self.run_row[run], self.run_start[run], hi
         d = torch.nonzero(self.is_doc).flatten()
         row, ds, de = self.run_row[d], self.run_start[d], self.run_end[d]
-        size = self.size[d]
-        end = (self.first[d] + size).mul_(size > 0)  # [D, C]; 0: an empty chunk
-        if window is None:
-            ranks = chunk_ranks(self.world, size.shape[1]).expand_as(size)
-            last = torch.zeros(d.numel(), self.world, dtype=torch.int64)
-            last.scatter_reduce_(1, ranks, end, "amax")  # each rank's last chunk's end
-            held = (last > 0).T  # [W, D]
-            rank, doc = torch.nonzero(held, as_tuple=True)
-            hi = last.T[held] if causal else de[doc]
-            return rank, row[doc], ds[doc], hi
-        begin, n = self.first[d][:, self.owned], size[:, self.owned]  # [D, W, C / W]
+        begin, n = self.first[d][:, self.owned], self.size[d][:, self.owned]  # [D, W, C / W]
         keep = (n > 0).permute(1, 0, 2)  # [W, D, C / W]
         rank, doc, _ = torch.nonzero(keep, as_tuple=True)
         lo = torch.maximum(ds[doc], begin.permute(1, 0, 2)[keep] - window + 1)
@@ -143,10 +161,10 @@ class ZigzagRuns:
         (:class:`~cpshard.planning.coverage.Coverage`); about a chunk per few positions: how
         many intervals hold each position, summed by owner (O(positions) whatever the world
         size; the intervals hold document positions only)."""
+        if rule is not None and rule[1] is None:
+            return self._served_by_chunk(rule[0])
         b, padded = self.rows, self.padded
         d = torch.nonzero(self.is_doc).flatten()
-        if rule is not None and rule[1] is None:
-            return self._served_by_chunk(d, rule[0])
         if d.numel() * (self.size.shape[1] + 1) * DENSE_LOOKUPS <= b * padded:
             bounds = torch.cat([self.first[d], self.run_end[d][:, None]], 1)  # [D, C + 1]
             covered = Coverage(row, lo, hi, b, padded, bounds.numel())
@@ -167,17 +185,14 @@ class ZigzagRuns:
             0, owner.view(-1), held.reshape(-1)
         )
 
-    def _served_by_chunk(self, d: torch.Tensor, causal: bool) -> torch.Tensor:
-        """:meth:`served` of the documents ``d``'s intervals without a window: rank ``r'``
-        needs its document from the start to the end of its last chunk (causal) or to the
-        document's end, so chunk ``j`` is served once to every rank whose last chunk is ``j``
-        or later (causal) or that holds a token of the document."""
+    def _served_by_chunk(self, causal: bool) -> torch.Tensor:
+        """:meth:`served` of the intervals without a window: rank ``r'`` needs a document from
+        its start to the end of its last chunk (causal) or to the document's end, so chunk
+        ``j`` is served once to every rank whose last chunk is ``j`` or later (causal) or that
+        holds a token of the document."""
+        d, last = self._last_chunks()
         size = self.size[d]  # [D, C]
         chunks = size.shape[1]
-        ranks = chunk_ranks(self.world, chunks)
-        index = torch.arange(chunks).expand_as(size)
-        last = torch.full((d.numel(), self.world), -1, dtype=torch.int64)
-        last.scatter_reduce_(1, ranks.expand_as(size), torch.where(size > 0, index, -1), "amax")
         if causal:  # needers[:, j]: ranks whose last chunk is j or later
             ends = torch.zeros(d.numel(), chunks + 1, dtype=torch.int64)
             ends.scatter_add_(1, last + 1, torch.ones_like(last))  # column 0: holds none
@@ -185,6 +200,7 @@ class ZigzagRuns:
         else:
             needers = (last >= 0).sum(1, keepdim=True)
         per_chunk = (size * needers).sum(0)
+        ranks = chunk_ranks(self.world, chunks)
         return torch.zeros(self.world, dtype=torch.int64).index_add_(0, ranks, per_chunk)
 
     def position(self, rank: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
