@@ -116,12 +116,14 @@ def zigzag_pieces(
 
 @dataclass(frozen=True, eq=False)
 class ZigzagTable:
-    """Every run of one id of every row of the padded ids ``doc_ids`` ``[B, P]`` (documents and
+    """Every run of one id of every row of padded ids ``[rows, padded]`` (documents and
     padding) zig-zagged over ``chunks`` chunks for ``world`` ranks, the extras counter
     restarting at every row: the runs' ``row``, ``start``, ``end`` and ``ids`` ``[R]`` (ordered
-    by row and start) and every chunk's ``first`` position and ``size`` ``[R, C]``."""
+    by row and start: they are the ids, run by run) and every chunk's ``first`` position and
+    ``size`` ``[R, C]``."""
 
-    doc_ids: torch.Tensor
+    rows: int
+    padded: int
     world: int
     chunks: int
     row: torch.Tensor
@@ -141,7 +143,18 @@ class ZigzagTable:
             return t.T.contiguous()[owned].transpose(1, 2).reshape(-1)
 
         at, n = rank_major(self.first), rank_major(self.size)
-        return ragged_arange(at, n).view(self.world, self.doc_ids.shape[0], -1)
+        return ragged_arange(at, n).view(self.world, self.rows, -1)
+
+    def describes(self, doc_ids: torch.Tensor) -> bool:
+        """Whether the padded ids ``doc_ids`` ``[B, P]`` are the ones the table was made from
+        (the same runs of the same ids)."""
+        if tuple(doc_ids.shape) != (self.rows, self.padded):
+            return False
+        runs = id_runs(doc_ids)
+        return all(
+            torch.equal(a, b)
+            for a, b in zip(runs, (self.row, self.start, self.end, self.ids), strict=True)
+        )
 
 
 def zigzag_table(doc_ids: torch.Tensor, world: int, chunks: int) -> ZigzagTable:
@@ -156,4 +169,5 @@ def zigzag_table(doc_ids: torch.Tensor, world: int, chunks: int) -> ZigzagTable:
         or [torch.zeros(0, chunks, dtype=torch.int64)]
     )
     first = torch.cumsum(size, 1).sub_(size).add_(start[:, None])
-    return ZigzagTable(doc_ids, world, chunks, row, start, end, ids, first, size)
+    b, padded = doc_ids.shape
+    return ZigzagTable(b, padded, world, chunks, row, start, end, ids, first, size)

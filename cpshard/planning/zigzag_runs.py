@@ -50,7 +50,7 @@ class ZigzagRuns:
     def of(cls, layout: ShardLayout, documents: torch.Tensor) -> ZigzagRuns | None:
         """The table of ``layout`` for the padded document ids ``documents`` ``[B, P]``, or None
         when its positions are not the serpentine deal of these runs. The table the layout was
-        planned from is taken when it was made for these ids (one comparison of the ids);
+        planned from is taken when it was made for these ids (the same runs: one pass);
         otherwise it is made here and checked against the positions in full."""
         world, chunks, padded = layout.world_size, layout.num_chunks, layout.padded_seq_len
         idx = layout.local_token_global_indices
@@ -61,7 +61,7 @@ class ZigzagRuns:
         table = layout.planned_from
         if not (
             isinstance(table, ZigzagTable) and (table.world, table.chunks) == (world, chunks)
-            and torch.equal(table.doc_ids, documents)
+            and table.describes(documents)
         ):  # fmt: skip
             table = zigzag_table(documents, world, chunks)
             mine = table.indices()

@@ -337,6 +337,16 @@ def test_zigzag_closed_form_is_not_used_for_other_pieces() -> None:
         got = plan_needed_rows(rank, runs, True)
         want = reference_needed_rows(rank, layout, doc, True)
         assert torch.equal(got.spans, want["spans"]) and got.recv_counts == want["recv_counts"]
+    # a layout planned for other documents: its table is not taken for these
+    other = torch.tensor([[1, 1, 2, 2, 2, 2, 2, 2]])
+    layout = make_layout("per_document_head_tail", 2, 8, doc_ids=other)
+    assert layout_runs(layout, other).closed is not None
+    runs = layout_runs(layout, doc)
+    for rank in range(2):
+        got = plan_needed_rows(rank, runs, True)
+        want = reference_needed_rows(rank, layout, doc, True)
+        assert torch.equal(got.spans, want["spans"]) and got.recv_counts == want["recv_counts"]
+        assert got.send_counts == want["send_counts"] and got.received == want["received"]
 
 
 # ---------------------------------------------------------------- plans from a mask description
