@@ -1,6 +1,8 @@
 """The ``per_document_head_tail`` layout: the serpentine zig-zag inside every run of a packed
 row (documents and padding runs alike), planned from the batch's document ids with whole-tensor
-work over the runs of a row (:func:`~cpshard.layouts.serpentine.zigzag_pieces`).
+work over the runs of a row: every rank's positions listed rank by rank from the runs' chunk
+table (:class:`~cpshard.layouts.serpentine.ZigzagTable`, kept on the record for the step's
+planners), or the rows' pieces (:func:`~cpshard.layouts.serpentine.zigzag_pieces`).
 
 A run of ``n`` tokens is cut into ``C`` chunks (default ``2W``) of ``n // C`` tokens, chunk
 ``k`` owned by rank ``k`` on even passes of ``W`` chunks and by ``W - 1 - k % W`` on odd ones

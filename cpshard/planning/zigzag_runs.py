@@ -7,8 +7,10 @@ how many of its positions lie below a position (a binary search over the runs, t
 of that run). O(runs x C + positions) whole-tensor work per step, instead of cutting, sorting
 and searching every rank's pieces.
 
-The table is made from the documents and checked against the layout's positions (a layout of
-that name whose positions are not the deal of these documents is planned from its positions).
+The table is the one the layout was planned from (``ShardLayout.planned_from``) when it
+describes the step's documents, else made here and checked against the layout's positions: a
+layout of that name whose positions are not the deal of these documents is planned from its
+positions.
 """
 
 from __future__ import annotations
