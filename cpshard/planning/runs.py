@@ -166,8 +166,16 @@ class MaskRuns:
         return self.rank, self.row, self.lo, self.hi
 
     def reach(self) -> int:
-        """The most keys a query attends (0: no pieces)."""
-        return int((self.hi - self.lo).max()) if self.n.numel() else 0
+        """The most keys a query attends (0: no pieces): each piece's count of keys per query
+        is concave in the query (a minimum of lines less a maximum of lines), so its largest
+        is at an end of the piece or where a bound changes form."""
+        if not self.n.numel():
+            return 0
+        first, last = self.begin, self.begin + self.n - 1
+        turns = (first, last, self.lo + self.back, self.hi - 1 - self.ahead)
+        q = torch.stack([torch.minimum(torch.maximum(t, first), last) for t in turns])
+        end = torch.minimum(self.hi, q + 1 + self.ahead)
+        return int((end - torch.maximum(self.lo, q - self.back)).max())
 
 
 def mask_runs(runs: LayoutRuns, mask: MaskDescription) -> MaskRuns:

@@ -10,7 +10,7 @@ import torch
 
 from cpshard.attention.blocks import BLOCK_QUERIES, SHORT_SPAN, Block, plan_blocks
 from cpshard.attention.packing import overlap as _overlap
-from cpshard.planning.spans import Span, span_table
+from cpshard.planning.spans import Span, span_rules, span_table
 
 
 def _visible(spans: list[Span], causal: bool) -> set[tuple[int, int, int]]:
@@ -45,7 +45,8 @@ def _random_spans(rng: random.Random, rows: int) -> list[Span]:
 def test_blocks_attend_exactly_the_spans_pairs(seed: int, causal: bool) -> None:
     rng = random.Random(seed)
     spans = _random_spans(rng, rows=rng.randint(1, 3))
-    blocks = plan_blocks(span_table(spans), causal)
+    table = span_table(spans)
+    blocks = plan_blocks(table, span_rules(table, causal))
     got = set()
     for item in blocks.items:
         if not isinstance(item, Block):
@@ -142,7 +143,8 @@ def test_blocks_equal_the_walk_over_every_span(seed: int, causal: bool, window: 
     spans = [s._replace(doc=s.k) for s in _random_spans(rng, rows=rng.randint(1, 3))]
     if window is not None and not causal:
         return  # a window needs causal attention
-    blocks = plan_blocks(span_table(spans), causal, window)
+    table = span_table(spans)
+    blocks = plan_blocks(table, span_rules(table, causal, window))
     got = []
     for item in blocks.items:
         if isinstance(item, Span):

@@ -22,7 +22,14 @@ import torch.distributed as dist
 
 from cpshard.layouts import LAYOUTS
 from cpshard.masks import MaskDescription
-from tests.helpers import D, cp_mesh, kernel_path, packed_doc_ids, step_context
+from tests.helpers import (
+    D,
+    cp_mesh,
+    kernel_path,
+    packed_doc_ids,
+    recording_routes,
+    step_context,
+)
 
 LAYOUTS_AND_BATCH = [*LAYOUTS, "blockdiag"]
 # packing, B, S, query heads, KV heads (S not a multiple of W: trailing padding)
@@ -148,9 +155,17 @@ def _distributed(
     names: list[str], path: str = "per_segment",
 ) -> list[tuple]:  # fmt: skip
     """Per (layout, case, description): the gathered output, this rank's gradients of the full
-    q/k/v and the reach mismatches."""
-    with kernel_path(path):
-        return _cases(world, strategy, mesh, layouts, cases, names)
+    q/k/v and the reach mismatches. The varlen stand-in must have been handed packings of each
+    kind (causal, windowed, every key visible), the head-parallel strategies must have routed
+    their calls through their plans."""
+    with kernel_path(path) as kernel, recording_routes() as kinds:
+        results = _cases(world, strategy, mesh, layouts, cases, names)
+    if kernel is not None:
+        seen = {(p.causal, p.window) for p in kernel.packings}
+        assert {(True, None), (True, 3), (False, None)} <= seen, seen
+    if strategy in ("heads", "hierarchical"):
+        assert kinds and set(kinds) == {strategy}, kinds
+    return results
 
 
 def _cases(
