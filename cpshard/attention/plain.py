@@ -1,7 +1,7 @@
 """Single-device attention with the variants CP attention supports (a sliding window, a mask
 description, logit soft-capping, sinks): what the CP attention functions run when no CP
-attention context is active. SDPA where it serves the call; the explicit statement (plain PyTorch, autograd) where
-SDPA has no such option."""
+attention context is active. SDPA where it serves the call; the explicit statement (plain
+PyTorch, autograd) where SDPA has no such option."""
 
 from __future__ import annotations
 

@@ -295,7 +295,6 @@ class AttentionState:
             state = self._windows[window] = self.plan_window(window)
         return state
 
-
     def masked(self, mask: MaskDescription) -> AttentionState:
         """The step's state executing the mask description ``mask`` (of the step's batch: its
         rows and documents, over the padded length or the unpadded one), planned on its first

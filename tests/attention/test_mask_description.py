@@ -305,7 +305,9 @@ def _same_as_today(rank: int, world: int, layout: str) -> list[str]:
             if not torch.equal(masked.span_table, plain.span_table):
                 problems.append(f"{label}: spans {masked.span_table} vs {plain.span_table}")
             if masked.exchange.plan != plain.exchange.plan:
-                problems.append(f"{label}: exchange {masked.exchange.plan} vs {plain.exchange.plan}")
+                problems.append(
+                    f"{label}: exchange {masked.exchange.plan} vs {plain.exchange.plan}"
+                )
             for j, (a, b) in enumerate(zip(*results, strict=True)):
                 if not torch.equal(a, b):
                     problems.append(f"{label}: result {j} differs")
@@ -318,6 +320,34 @@ def test_causal_bidirectional_and_window_descriptions_are_todays_arguments(
 ) -> None:
     problems = [p for got in pool2.run(_same_as_today, layout, timeout=300) for p in got]
     assert not problems, problems
+
+
+def _second_call_reads(rank: int, world: int, path: str) -> list[str]:
+    """Host reads of tensor data in a layer's call (forward and backward) with the description
+    an earlier layer of the step passed: its state is the one planned then."""
+    from cpshard import cp_attention
+    from cpshard.attention import active_state
+    from tests.helpers import recording_host_reads
+
+    doc, *full, _ = _full(CASES[0])
+    ctx, sharder = step_context("balanced", doc)
+    mask = describe("sliding_image", doc)
+    qkv = tuple(_sharded(sharder, t).detach().requires_grad_() for t in full)
+    reads: list[str] = []
+    with kernel_path(path):
+        for layer in range(2):
+            with ctx():
+                keys = (active_state().key, active_state().masked(mask).key)
+            with recording_host_reads(reads if layer else [], keys):
+                with ctx():
+                    out = cp_attention(*qkv, enable_gqa=True, mask=mask)
+                out.sum().backward()
+    return reads
+
+
+@pytest.mark.parametrize("path", ["per_segment", "varlen"])
+def test_a_description_is_planned_once_per_step(pool2, path: str) -> None:
+    assert pool2.run(_second_call_reads, path, timeout=120) == [[], []]
 
 
 def _refusal(rank: int, world: int, kind: str) -> None:
