@@ -403,3 +403,32 @@ def test_outside_cp_the_dense_mask() -> None:
         cp_attention(q, k, v, mask=describe("chunked", doc[:, :29]))
     with pytest.raises(ValueError, match="is_causal=True conflicts with mask"):
         cp_attention(q, k, v, is_causal=True, mask=describe("chunked", doc))
+
+
+def test_torch_flash_varlen_calls_for_a_description() -> None:
+    """The launches of descriptions' packings (causal, a causal window, every key visible)
+    with torch's real varlen flash ops, on meta tensors (their meta kernels check the
+    arguments and give the shapes): GQA bf16 forward and backward."""
+    from cpshard import make_cp_blockdiag_batch_and_ctx
+    from cpshard.attention import active_state
+    from cpshard.attention.engine import Varlen
+    from cpshard.attention.kernels import TorchFlashVarlen
+
+    doc = packed_doc_ids("random", 2, 37)
+    batch = {"input_ids": doc.clone(), "_packed_seq_ids": doc}
+    ctx, _ = make_cp_blockdiag_batch_and_ctx(None, None, batch)
+    kinds = set()
+    for name in ("image", "sliding_image"):
+        with ctx():
+            state = active_state().masked(describe(name, doc))
+        packed = state.packing_on(torch.device("meta"))
+        kinds |= {(p.causal, p.window) for p in packed.packings}
+        assert bool(packed.rest) == (name == "sliding_image")  # sliding starts: the loop's
+        impl = Varlen(TorchFlashVarlen(), packed.packings)
+        q = torch.empty(2, 4, 38, 64, dtype=torch.bfloat16, device="meta")
+        k = torch.empty(2, 2, state.exchange.key_len, 64, dtype=torch.bfloat16, device="meta")
+        out, lse = impl.forward(q, k, k, None)
+        assert out.shape == q.shape and lse.shape == q.shape[:3] and lse.dtype == torch.float32
+        grads = impl.backward(torch.empty_like(out), q, k, k, out, lse, 0.125)
+        assert [t.shape for t in grads] == [q.shape, k.shape, k.shape]
+    assert kinds == {(True, None), (True, 3), (False, None)}, kinds
