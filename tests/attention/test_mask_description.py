@@ -26,6 +26,7 @@ from tests.helpers import (
     D,
     cp_mesh,
     kernel_path,
+    masked_attention,
     packed_doc_ids,
     recording_routes,
     step_context,
@@ -348,6 +349,59 @@ def _second_call_reads(rank: int, world: int, path: str) -> list[str]:
 @pytest.mark.parametrize("path", ["per_segment", "varlen"])
 def test_a_description_is_planned_once_per_step(pool2, path: str) -> None:
     assert pool2.run(_second_call_reads, path, timeout=120) == [[], []]
+
+
+def _capped(rank: int, world: int, layouts: list[str]) -> list[tuple]:
+    """Per (layout, description): soft-capped logits and sinks under a description (the
+    explicit varlen kernel's packings next to the loop): the gathered output and this rank's
+    gradients of q, k, v and the sinks."""
+    from cpshard import cp_attention
+
+    results = []
+    doc, *full, w = _full(CASES[0])
+    sinks = torch.linspace(-1.0, 1.0, full[0].shape[1], dtype=torch.float64)
+    for layout in layouts:
+        for name in DESCRIPTIONS:
+            q, k, v, s = (t.detach().clone().requires_grad_() for t in (*full, sinks))
+            ctx, sharder = step_context(layout, doc)
+            with ctx():
+                out = cp_attention(
+                    *(_sharded(sharder, t) for t in (q, k, v)),
+                    enable_gqa=True,
+                    mask=describe(name, doc),
+                    softcap=2.0,
+                    sinks=s,
+                )
+            (out * _sharded(sharder, w)).sum().backward()
+            gathered = sharder.gather_token_tensor(out.detach().transpose(1, 2), 1, trim=True)
+            results.append((gathered.transpose(1, 2), q.grad, k.grad, v.grad, s.grad))
+    return results
+
+
+def test_softcap_and_sinks_with_a_description(pool2) -> None:
+    """Soft-capping and sinks (the explicit kernels, its varlen packings per kind next to the
+    loop's tiles) under every description, against the per-head weighted sum on the whole rows
+    (:func:`tests.helpers.masked_attention`)."""
+    layouts = ["stripe", "contiguous", "blockdiag"]
+    got = pool2.run(_capped, layouts, timeout=300)
+    doc, q, k, v, w = _full(CASES[0])
+    sinks = torch.linspace(-1.0, 1.0, q.shape[1], dtype=torch.float64)
+    at = 0
+    for layout in layouts:
+        for name in DESCRIPTIONS:
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+            dense = describe(name, doc).dense()
+            want = masked_attention(*leaves[:3], dense, D**-0.5, 2.0, leaves[3])
+            grads = torch.autograd.grad((want * w).sum(), leaves)
+            label = f"{layout} {name}"
+            for r in range(2):
+                torch.testing.assert_close(got[r][at][0], want, rtol=0, atol=1e-12, msg=label)
+            for j, grad_name in enumerate(("q", "k", "v", "sinks")):
+                total = sum(got[r][at][1 + j] for r in range(2))
+                torch.testing.assert_close(
+                    total, grads[j], rtol=0, atol=1e-10, msg=f"{label} grad {grad_name}"
+                )
+            at += 1
 
 
 def _refusal(rank: int, world: int, kind: str) -> None:
