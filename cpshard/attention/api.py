@@ -65,20 +65,24 @@ def _mask(mask: object) -> MaskDescription | None:
     return mask
 
 
-def _mask_problem(
-    mask: MaskDescription | None, is_causal: bool | None, window: int | None
-) -> str | None:
+def _mask_problem(mask: MaskDescription | None, window: int | None) -> str | None:
     """What conflicts with ``mask`` among the call's other arguments (None: nothing)."""
-    if mask is None:
-        return None
-    if window is not None:
+    if mask is not None and window is not None:
         return "window must be None with mask (a description states its windows)"
-    if is_causal and not bool((mask.ahead == 0).all()):
-        return (
-            "is_causal=True conflicts with mask: some of its queries see later keys (leave "
-            "is_causal unset or pass False: the description says which keys each query sees)"
-        )
     return None
+
+
+def _causal_claim_problem(
+    mask: MaskDescription | None, causal: bool, looks_ahead: bool
+) -> str | None:
+    """``is_causal=True`` with a ``mask`` some of whose queries see later keys (None: no
+    conflict)."""
+    if mask is None or not causal or not looks_ahead:
+        return None
+    return (
+        "is_causal=True conflicts with mask: some of its queries see later keys (leave "
+        "is_causal unset or pass False: the description says which keys each query sees)"
+    )
 
 
 def _sinks_problem(sinks: object, q: torch.Tensor) -> str | None:
@@ -157,7 +161,7 @@ def cp_attention(
     state = state_for_tokens(position_ids, active_state())
     if state is not None:
         problem = token_problem(position_ids, state) or _sinks_problem(sinks, query)
-        problem = problem or _mask_problem(mask, is_causal, window)
+        problem = problem or _mask_problem(mask, window)
         if problem is None and window is not None and not causal:
             problem = "window needs is_causal=True"
         return attend(
@@ -178,7 +182,9 @@ def cp_attention(
             mask=mask,
         )
     check_outside(position_ids, _WHAT)
-    problem = _sinks_problem(sinks, query) or _mask_problem(mask, is_causal, window)
+    problem = _sinks_problem(sinks, query) or _mask_problem(mask, window)
+    if problem is None and mask is not None:
+        problem = _causal_claim_problem(mask, causal, bool((mask.ahead > 0).any()))
     if problem is not None:
         raise ValueError(f"{_WHAT}: {problem}")
     if mask is not None:
@@ -307,6 +313,8 @@ def attend(
             chosen = state.variant(causal, mask)
         except ValueError as e:  # a description of another batch, or one it cannot execute
             problem = str(e)
+        else:
+            problem = _causal_claim_problem(mask, causal, chosen.looks_ahead)
     problem = problem or _problem(chosen, query, key, value, attn_mask, dropout_p, enable_gqa)
     fields = _fields(chosen, query, key, value, window, softcap, sinks)
     check_call(chosen.group, what, problem, fields)

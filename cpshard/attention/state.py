@@ -206,6 +206,15 @@ class AttentionState:
         return self._made("rules", lambda: span_rules(self.span_table, self.causal, self.window))
 
     @property
+    def looks_ahead(self) -> bool:
+        """Whether a query of the state's mask description sees a later key (made once from the
+        description: alike on every rank; a state without one: not causal)."""
+        if self.mask is None:
+            return not self.causal
+        mask = self.mask
+        return self._made("looks ahead", lambda: bool((mask.ahead > 0).any()))
+
+    @property
     def packing(self) -> Packed | None:
         """The spans' varlen packings (host; None: the step has none, see
         :func:`~cpshard.attention.packing.pack_spans`), made on first use."""
