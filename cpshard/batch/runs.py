@@ -31,17 +31,24 @@ def document_runs(row: torch.Tensor) -> list[tuple[int, int, int]]:
     return list(zip(starts.tolist(), (ends - starts).tolist(), row[starts].tolist(), strict=True))
 
 
-def document_bounds(doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The documents (maximal runs of one non-zero id) of ``doc`` ``[B, P]``: row, start and
-    end (one past the last token) int64 vectors, ordered by row and start."""
+def id_runs(doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every maximal run of one id of ``doc`` ``[B, P]``, padding runs included: row, start,
+    end (one past the last token) and id, int64 vectors ordered by row and start."""
     padded = doc.shape[1]
     bounds = torch.nonzero(run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1))
     bounds = bounds.flatten()  # every row's first position starts a run
     after = torch.cat([bounds[1:], bounds.new_tensor([doc.numel()])])
-    keep = doc.reshape(-1)[bounds] != 0
-    bounds, after = bounds[keep], after[keep]
     row = bounds // max(padded, 1)
-    return row, bounds - row * padded, after - row * padded
+    # a run never crosses a row: the next row's first position starts one
+    return row, bounds - row * padded, after - row * padded, doc.reshape(-1)[bounds]
+
+
+def document_bounds(doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The documents (maximal runs of one non-zero id) of ``doc`` ``[B, P]``: row, start and
+    end (one past the last token) int64 vectors, ordered by row and start."""
+    row, start, end, ids = id_runs(doc)
+    keep = ids != 0
+    return row[keep], start[keep], end[keep]
 
 
 def document_runs_of(
@@ -87,10 +94,10 @@ def document_runs_of(
     if not bool(real.all()):
         keep = torch.nonzero(real).flatten()  # not padding
         cols = tuple(t[keep] for t in cols)
-    return _maximal(cols)
+    return maximal_runs(cols)
 
 
-def _maximal(cols: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def maximal_runs(cols: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Runs that meet (one rank's consecutive pieces of one document, e.g. two chunks a
     serpentine deal gives it in a row) merged into one."""
     rank, row, q, n, start, begin, end = cols

@@ -14,6 +14,7 @@ from cpshard.layouts import ShardLayout
 from cpshard.masks import MaskDescription, cut_runs
 from cpshard.planning.positions import RankPrefix, all_positions, layout_pieces
 from cpshard.planning.stripe_runs import StripePrefix, StripeRuns
+from cpshard.planning.zigzag_runs import ZigzagPrefix, ZigzagRuns
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class LayoutRuns:
     start ``doc_start`` and first global position ``begin`` (int64 vectors) and its document's
     end ``doc_end`` (one past its last token). What the planners ask of them (a rank's own runs,
     every rank's key intervals and token counts, how intervals cover the runs) is answered from
-    these columns, or in closed form where the layout has one (:mod:`stripe_runs`), so the
+    these columns, or in closed form where the layout has one (:mod:`stripe_runs`,
+    :mod:`zigzag_runs`), so the
     columns, :attr:`positions` ``[W, B, L]`` and :attr:`prefix` are made when first read."""
 
     world: int
@@ -32,7 +34,7 @@ class LayoutRuns:
     padded: int
     layout: ShardLayout
     documents: torch.Tensor
-    closed: StripeRuns | None = None
+    closed: StripeRuns | ZigzagRuns | None = None
     _made: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     def _get(self, name: str, make: Callable[[], object]) -> Any:
@@ -70,17 +72,19 @@ class LayoutRuns:
         return self._get("positions", lambda: all_positions(self.layout, self.rows))
 
     @property
-    def prefix(self) -> RankPrefix | StripePrefix:
-        """Counts of every rank's positions below a position, and a rank's position of a local
-        index (:class:`RankPrefix`, or its closed form)."""
+    def prefix(self) -> RankPrefix | StripePrefix | ZigzagPrefix:
+        """Counts of every rank's positions below a position (:class:`RankPrefix`, or its
+        closed form)."""
         if self.closed is not None:
-            return StripePrefix(self.world)
-        return self._get("prefix", lambda: RankPrefix(self.pieces, self.rows, self.padded))
+            return self.closed.prefix()
+        return self._get(
+            "prefix", lambda: RankPrefix(self.pieces, self.world, self.rows, self.padded)
+        )
 
     def position(self, rank: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """The global position of ``rank``'s local index ``slot`` in batch row ``row``."""
         if self.closed is not None:
-            return self.closed.position(rank, slot)
+            return self.closed.position(rank, row, slot)
         return self.positions[rank, row, slot]
 
     @property
@@ -212,11 +216,14 @@ def layout_runs(layout: ShardLayout, doc: torch.Tensor) -> LayoutRuns:
     """The :class:`LayoutRuns` of the padded document ids ``doc`` ``[B, P]`` (host int64, 0 =
     pad) under ``layout`` (equal shards): its columns made on first use (one pass over the
     sequence whatever the world size; for contiguous shards, from the documents' bounds alone),
-    the stripe layout's answers in closed form from the documents' bounds."""
+    the stripe layout's answers in closed form from the documents' bounds, the per-document
+    zig-zag's from its chunk table."""
     b, padded = doc.shape
     world = layout.world_size
-    closed = None
+    closed: StripeRuns | ZigzagRuns | None = None
     if layout.closed_form and layout.name == "stripe" and world > 1:
         row, start, end = document_bounds(doc)
         closed = StripeRuns(world, padded, row, start, end)
+    elif layout.name == "per_document_head_tail":
+        closed = ZigzagRuns.of(layout, doc)
     return LayoutRuns(world, b, padded, layout, doc, closed)

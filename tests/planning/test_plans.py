@@ -263,6 +263,82 @@ def test_runs_equal_the_pass_over_every_position() -> None:
         assert all(torch.equal(a, c) for a, c in zip(runs.columns, want, strict=True)), name
 
 
+def test_zigzag_closed_form_answers_as_the_runs_do() -> None:
+    """The per-document zig-zag's chunk table (used whenever the layout's pieces are the deal of
+    its documents) answers every question of the planners as the runs and their search do: a
+    rank's runs, token counts, merged key intervals with and without windows, served counts,
+    and positions below any position, for every rank and row, with a num_chunks of 2W and 4W."""
+    from cpshard.planning.needed_rows import _merge, _served
+    from cpshard.planning.runs import LayoutRuns
+
+    rng = random.Random(31)
+    used = 0
+    for world, _, doc, window in _cases(31, 60, (1, 2, 3, 4, 8, 32), 160):
+        # long rows of few documents count served rows at chunk bounds, others per position
+        chunks = world * rng.choice((2, 2, 4))
+        layout = make_layout(
+            "per_document_head_tail", world, doc.shape[1], doc_ids=doc, num_chunks=chunks
+        )
+        padded = _padded(layout, doc)
+        closed = layout_runs(layout, padded)
+        assert closed.closed is not None, "the layout's own pieces must match its deal"
+        used += 1
+        plain = LayoutRuns(world, padded.shape[0], padded.shape[1], layout, padded)
+        for rank in range(world):
+            got, want = closed.of_rank(rank), plain.of_rank(rank)
+            assert all(torch.equal(a, c) for a, c in zip(got, want, strict=True)), (world, rank)
+        assert torch.equal(closed.tokens(), plain.tokens())
+        for causal in (True, False):
+            for w in (None, window):
+                assert all(
+                    torch.equal(a, c)
+                    for a, c in zip(_merge(*closed.intervals(causal, w)),
+                                    _merge(*plain.intervals(causal, w)), strict=True)
+                ), (world, causal, w)  # fmt: skip
+                _, row, lo, hi = _merge(*plain.intervals(causal, w))
+                want = _served(plain, row, lo, hi)
+                assert torch.equal(_served(closed, row, lo, hi), want)  # from the intervals
+                assert torch.equal(_served(closed, row, lo, hi, (causal, w)), want)  # the rule
+        b, p = padded.shape
+        n = 200
+        rank = torch.randint(0, world, (n,))
+        row = torch.randint(0, b, (n,))
+        position = torch.randint(0, p + 1, (n,))
+        assert torch.equal(
+            closed.prefix.before(rank, row, position), plain.prefix.before(rank, row, position)
+        )
+        assert torch.equal(
+            closed.prefix.every_before(row, position), plain.prefix.every_before(row, position)
+        )
+        for r in sorted({0, world // 2, world - 1}):
+            many = b * (p + 1) // n + 1  # a lookup per position: read from a running count
+            for lookups in (row, row.repeat(many)):
+                at = position.repeat(lookups.numel() // n)
+                assert torch.equal(
+                    closed.prefix.before_on(r, lookups, at), plain.prefix.before_on(r, lookups, at)
+                )
+        if p:
+            slot = torch.randint(0, p // world, (n,))
+            assert torch.equal(closed.position(rank, row, slot), plain.position(rank, row, slot))
+    assert used
+
+
+def test_zigzag_closed_form_is_not_used_for_other_pieces() -> None:
+    """A layout named ``per_document_head_tail`` whose positions are not the deal of its
+    documents is planned from its positions, exactly."""
+    from cpshard.layouts import ShardLayout
+
+    doc = torch.tensor([[1, 1, 1, 1, 1, 2, 2, 2]])
+    pieces = ((torch.tensor([0, 4]), torch.tensor([4, 4]), torch.tensor([0, 1])),)
+    layout = ShardLayout("per_document_head_tail", 2, 8, 8, num_chunks=4, owner_pieces=pieces)
+    runs = layout_runs(layout, doc)
+    assert runs.closed is None
+    for rank in range(2):
+        got = plan_needed_rows(rank, runs, True)
+        want = reference_needed_rows(rank, layout, doc, True)
+        assert torch.equal(got.spans, want["spans"]) and got.recv_counts == want["recv_counts"]
+
+
 # ---------------------------------------------------------------- plans from a mask description
 
 
