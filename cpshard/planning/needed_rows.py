@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpshard.masks import MaskDescription
+from cpshard.masks import INF, MaskDescription
 from cpshard.planning.coverage import Coverage
 from cpshard.planning.runs import LayoutRuns, mask_runs
 from cpshard.ranges import ragged_arange
@@ -65,7 +65,10 @@ class NeededRowsPlan:
     (``recv_counts[q]`` from rank q). ``received[r]`` / ``sent[r]``: rows every rank receives
     from / sends to the others (alike on every rank). ``reach``: the most keys a query of the
     step attends without a window. ``causal``: per span, whether its queries see their keys
-    causally (a mask description's plan mixes both; None: every span as the state says). The
+    causally (a mask description's plan mixes kinds; None: every span as the state says);
+    ``rules``: a mask description's per-span ``(end, back, ahead)`` in buffer rows
+    (:func:`~cpshard.planning.spans.query_keys`: which keys each query sees; None: the state's
+    kind). The
     two row tables, as long as the rows the rank moves, are made when first read (a step whose
     calls attend head-parallel never reads them)."""
 
@@ -78,6 +81,7 @@ class NeededRowsPlan:
     reach: int
     recipe: _TableRecipe = field(repr=False, compare=False)
     causal: torch.Tensor | None = None
+    rules: torch.Tensor | None = None
     _made: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -136,8 +140,8 @@ def plan_needed_rows(
     to the document's end; with a (causal) ``window``, from the window's start of its first
     query, at most ``window - 1`` rows before the run. Or, with ``mask`` instead of ``causal``
     and ``window`` (a description of the padded batch), the runs cut at its segments
-    (:func:`~cpshard.planning.runs.mask_runs`, which refuses what the spans cannot state): each
-    piece reaches its ``[lo, hi)``, causally or all of it, and its span says which."""
+    (:func:`~cpshard.planning.runs.mask_runs`): each piece reaches its ``[lo, hi)``, and its
+    span's rule (:attr:`NeededRowsPlan.rules`) says which of those keys each query sees."""
     world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
     if (mask is None) == (causal is None) or (mask is not None and window is not None):
         raise ValueError("plan_needed_rows takes causal (and a window) or a mask description")
@@ -192,15 +196,20 @@ def plan_needed_rows(
         mrow * length + send_first, send_count,
     )  # fmt: skip
 
-    flags: torch.Tensor | None = None
+    flags = rules = None
     if mask is None:
         row, q, n, ds, begin, de = runs.of_rank(rank)
         end = begin + n if causal else de
         lo = ds if window is None else torch.maximum(ds, begin - window + 1)
         split = buffer_row(row, begin) if causal else buffer_row(row, end - 1) + 1
     else:
-        row, q, n, ds, begin, lo, hi, flags = pieces.of_rank(rank)
-        split = torch.where(flags, buffer_row(row, begin), buffer_row(row, hi - 1) + 1)
+        row, q, n, ds, begin, lo, hi, back, ahead = pieces.of_rank(rank)
+        flags = ahead == 0
+        # one past the buffer row of hi - 1 (the rows of [lo, hi) are consecutive in the buffer)
+        last = buffer_row(row, hi - 1) + 1
+        visible = (back >= INF) & (ahead >= INF)  # every key of [lo, hi): split is its end
+        split = torch.where(visible, last, buffer_row(row, begin))
+        rules = torch.stack((last, back, ahead), 1)
     spans = torch.stack((row, q, n, buffer_row(row, lo), split, ds), 1)
     return NeededRowsPlan(
         spans,
@@ -212,6 +221,7 @@ def plan_needed_rows(
         reach,
         recipe,
         flags,
+        rules,
     )
 
 
