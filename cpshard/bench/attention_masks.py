@@ -177,8 +177,9 @@ def render(rows: list[dict]) -> list[str]:
         f"#   {LAYOUT}  vs  full K/V all-gather + SDPA under description.dense();",
         f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, {HEADS} "
         f"query / {KV_HEADS} KV heads, head dim {HEAD_DIM}; median ms (max over ranks), peak",
-        "#   extra MiB of fwd+bwd, MiB kept for the backward; K/V rows received (max over ranks),",
-        "#   rows the masks reach outside the rank's own (max over ranks), rows the all-gather gets",
+        "#   extra MiB of fwd+bwd, MiB kept for the backward; K/V rows received (max over",
+        "#   ranks), rows the masks reach outside the rank's own (max over ranks), rows the",
+        "#   all-gather receives",
     ]
     for r in rows:
         if r["chunk"] is not None:
