@@ -31,10 +31,8 @@ import torch.distributed as dist
 from cpshard import ContextParallelSharder, cp_attention
 from cpshard.attention import active_state
 from cpshard.bench.blockdiag import (
-    HEAD_DIM,
-    HEADS,
-    KV_HEADS,
     all_gather_baseline,
+    case_fields,
     check_output,
     documents,
     fwd_bwd_figures,
@@ -141,14 +139,8 @@ def run_case(rt: Runtime, case: str, doc: torch.Tensor) -> dict:
         "chunk": chunk_size(doc.shape[1]) if case == "chunked" else None,
         "images": None if blocks is None else int(blocks.max()) + 1,
         "image_tokens": None if blocks is None else int((blocks >= 0).sum()),
-        "seq_len": doc.shape[1],
-        "world": rt.world,
-        "heads": HEADS,
-        "kv_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "documents": int(doc.max()),
+        **case_fields(rt, doc),
         "segments": description.segments,
-        "dtype": rt.cfg.dtype,
         "ours_kv_rows_received": _per_rank(rt, received),
         "kv_rows_reached": _per_rank(rt, int(reach.sum())),
         "base_kv_rows_received": mine.numel() * (rt.world - 1),
@@ -171,15 +163,15 @@ def run(rt: Runtime) -> list[dict]:
 
 def render(rows: list[dict]) -> list[str]:
     """The mask rows' table."""
-    head = rows[0] if rows else {"world": 0, "seq_len": 0, "documents": 0}
+    head = rows[0]  # every run has both rows
     out = [
         "# attention: cp_attention(mask=MaskDescription) fwd+bwd, strategy needed_rows, layout",
         f"#   {LAYOUT}  vs  full K/V all-gather + SDPA under description.dense();",
-        f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, {HEADS} "
-        f"query / {KV_HEADS} KV heads, head dim {HEAD_DIM}; median ms (max over ranks), peak",
-        "#   extra MiB of fwd+bwd, MiB kept for the backward; K/V rows received (max over",
-        "#   ranks), rows the masks reach outside the rank's own (max over ranks), rows the",
-        "#   all-gather receives",
+        f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, "
+        f"{head['heads']} query / {head['kv_heads']} KV heads, head dim {head['head_dim']};",
+        "#   median ms (max over ranks), peak extra MiB of fwd+bwd, MiB kept for the backward;",
+        "#   K/V rows received (max over ranks), rows the masks reach outside the rank's own",
+        "#   (max over ranks), rows the all-gather receives",
     ]
     for r in rows:
         if r["chunk"] is not None:

@@ -56,6 +56,19 @@ def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(1, sizes.numel() + 1), sizes)[:seq_len].view(1, -1)
 
 
+def case_fields(rt: Runtime, doc: torch.Tensor) -> dict:
+    """The shapes an attention row over the documents ``doc`` ``[1, S]`` reports."""
+    return {
+        "seq_len": doc.shape[1],
+        "world": rt.world,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "documents": int(doc.max()),
+        "dtype": rt.cfg.dtype,
+    }
+
+
 def check_output(rt: Runtime, ours, base, leaves: tuple[torch.Tensor, ...], what: str) -> None:
     """Raise, naming this rank and ``what``, unless ``ours(*leaves)`` matches the baseline's."""
     want, got = base(*leaves).detach(), ours(*leaves).detach()
