@@ -61,3 +61,24 @@ def test_quick_run_reports_the_mask_rows(run_bench):
     assert image["images"] == int(images.max()) + 1 > 1
     # chunks cut every document, so a rank receives less than the all-gather
     assert max(chunked["ours_kv_rows_received"]) < chunked["base_kv_rows_received"]
+
+
+def test_full_size_batch() -> None:
+    """``--full``: S = 32768, chunks of 8192 cutting documents longer than a chunk, image spans
+    of 1024-4095 tokens each inside one document, some documents without images."""
+    seq = seq_len(full=True, quick=False)
+    doc = mask_documents(seq)
+    assert seq == 32768 and chunk_size(seq) == 8192
+    ids = doc[0]
+    lengths = torch.unique_consecutive(ids, return_counts=True)[1]
+    assert (lengths[:-1] > chunk_size(seq)).all()
+    images = image_ids(doc)[0]
+    spans = [torch.nonzero(images == i).flatten() for i in range(int(images.max()) + 1)]
+    for span in spans:
+        assert 1024 <= span.numel() < 4096
+        assert span[-1] - span[0] + 1 == span.numel()  # consecutive
+        assert ids[span].unique().numel() == 1  # inside one document
+    with_images = {int(ids[span[0]]) for span in spans}
+    assert 0 < len(with_images) < int(ids.max())
+    for case in CASES:
+        assert describe(case, doc).segments > int(ids.max())  # chunks / spans cut documents
