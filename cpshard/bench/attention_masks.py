@@ -103,8 +103,9 @@ def describe(case: str, doc: torch.Tensor) -> MaskDescription:
 
 
 def _per_rank(rt: Runtime, value: int) -> list[int]:
-    """``value`` of every rank, alike on every rank."""
-    every = torch.zeros(rt.world, dtype=torch.int64)
+    """``value`` of every rank, alike on every rank (on the group's device: NCCL reduces no
+    host tensor)."""
+    every = torch.zeros(rt.world, dtype=torch.int64, device=rt.device)
     every[rt.rank] = value
     dist.all_reduce(every, group=rt.pg)
     return every.tolist()
