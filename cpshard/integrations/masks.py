@@ -1,19 +1,44 @@
-"""Which of transformers' attention-mask functions CP attention implements.
+"""A transformers model's attention mask under CP: translated into the step's
+:class:`~cpshard.masks.MaskDescription`, or refused.
 
-Under CP the ``"cpshard"`` mask builder builds no mask: the step's documents define what each
-query sees. That is exact only when the model's mask says nothing more than CP attention already
-does: causal or bidirectional attention, a sliding window (each layer passes its own window to
-the attention), and the document boundaries of a packed batch. A model whose mask says more —
-chunked attention (Llama 4), bidirectional image blocks (Gemma 3 VLMs), any ``or_masks``
-widening, a user's own mask function — would otherwise attend a different pattern than its
-single-process self, silently. :func:`mask_problem` walks the composed mask function
-(``and_masks`` of known pieces) and names the first piece it cannot vouch for.
+Under CP the ``"cpshard"`` mask builder builds no dense mask: the step's documents define what
+each query sees. :func:`step_mask` hands the model's mask function to
+:func:`~cpshard.integrations.mask_translation.describe_transformers_mask` with the step's padded
+documents (global order) and the row's block ids (from the step's token types,
+:mod:`cpshard.batch.token_types`, by the VLM's rule, :mod:`cpshard.integrations.token_types`):
+
+* a description that is causal or bidirectional attention within documents, or a sliding
+  window of it (each layer passes its own window to the attention), keeps the plain path: no
+  mask (None);
+* any other description (chunked attention, image blocks, a prefix, a bidirectional window) is
+  returned as a :class:`DescribedMask`, which reaches the layer's attention call as its
+  ``attention_mask`` (each layer type its own) — while CP attention does not execute
+  descriptions (:func:`attention_executes_masks`), every rank raises here instead, naming the
+  mask's kind;
+* a mask function that does not translate (a user's own, a block cut by other tokens) raises,
+  naming its first piece CP attention does not implement (:func:`mask_problem`);
+* a VLM whose mask reads token types (:func:`~cpshard.integrations.token_types.register_vlm`)
+  raises when the step's batch has none, or when the model's mask function ignores the blocks
+  they hold (its language model run without them), naming the batch key.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+
+from cpshard.attention.api import cp_attention
+from cpshard.integrations.mask_translation import (
+    describe_transformers_mask,
+    mask_kind,
+    reads_block_ids,
+)
+from cpshard.integrations.token_types import marked_rule
+from cpshard.masks import INF, MaskDescription
 
 # Qualified-name prefixes of transformers' mask-function pieces CP attention implements.
 _IMPLEMENTED = (
@@ -26,6 +51,20 @@ _IMPLEMENTED = (
 )
 # Pieces that combine or re-index other pieces: implemented when every piece they hold is.
 _COMPOSITIONS = ("and_masks.", "remap_positions_for_packed_sequence.")
+
+
+@dataclass(frozen=True)
+class DescribedMask:
+    """The ``attention_mask`` the ``"cpshard"`` mask builder returns under CP for a mask CP
+    attention executes as a description: the step's ``description`` and its ``kind`` in words."""
+
+    description: MaskDescription
+    kind: str
+
+
+def attention_executes_masks(attention: Callable[..., Any] = cp_attention) -> bool:
+    """Whether CP attention takes a :class:`~cpshard.masks.MaskDescription` (its ``mask=``)."""
+    return "mask" in inspect.signature(attention).parameters
 
 
 def _pieces(fn: Callable[..., Any]) -> list[Callable[..., Any]]:
@@ -58,3 +97,89 @@ def mask_problem(mask_function: Callable[..., Any] | None) -> str | None:
                 return problem
         return None
     return name
+
+
+def plain(description: MaskDescription) -> bool:
+    """The description is causal or bidirectional attention within documents, or a causal
+    sliding window of it: what CP attention does from a layer's ``is_causal`` and window."""
+    if description.segments == 0:
+        return True
+    d = description
+    if not bool(((d.lo == d.doc_start) & (d.hi == d.doc_end)).all()):
+        return False
+    back, ahead = torch.unique(d.back), torch.unique(d.ahead)
+    if back.numel() != 1 or ahead.numel() != 1:
+        return False
+    return int(ahead) == 0 or (int(ahead) == INF and int(back) == INF)
+
+
+def step_mask(
+    mask_function: Callable[..., Any] | None,
+    config: object,
+    documents: torch.Tensor,
+    token_types: Mapping[str, torch.Tensor],
+    where: str,
+) -> DescribedMask | None:
+    """The attention mask of ``mask_function`` (a model's, with its text ``config``) for the
+    step of padded ``documents`` ``[B, P]`` and token types (module doc): None for the plain
+    path, a :class:`DescribedMask`, or ``ValueError`` (``where`` names the module and rank)."""
+    block_ids = _block_ids(mask_function, config, documents, token_types, where)
+    description = describe_transformers_mask(mask_function, documents, block_ids)
+    if description is None:
+        problem = mask_problem(mask_function) or getattr(mask_function, "__qualname__", "?")
+        raise ValueError(
+            f"{where}: the model builds its attention mask with {problem!r}, a pattern CP "
+            "attention does not implement (it implements causal and bidirectional attention "
+            "within documents, sliding windows, chunked attention and bidirectional blocks read "
+            "from the step's token types; not custom masks, blocks cut by other tokens, or "
+            "blocks whose ids are a shard's: a VLM's token types reach the mask through "
+            "cpshard.integrations.transformers.register_vlm and the batch); under CP the step "
+            "would attend something else than the model. Train this model outside CP"
+        )
+    if plain(description):
+        return None
+    kind = mask_kind(mask_function)
+    if not attention_executes_masks():
+        raise ValueError(
+            f"{where}: the model's attention mask is {kind}; cpshard translates it (a "
+            "MaskDescription) but CP attention does not execute mask descriptions yet, so the "
+            "step cannot attend it exactly. Train this model outside CP"
+        )
+    return DescribedMask(description, kind)
+
+
+def _block_ids(
+    mask_function: Callable[..., Any] | None,
+    config: object,
+    documents: torch.Tensor,
+    token_types: Mapping[str, torch.Tensor],
+    where: str,
+) -> torch.Tensor | None:
+    """The row's block ids for the mask: by the registered VLM's rule from the step's token
+    types (raising when they are missing or the mask ignores their blocks), else the batch's
+    own ``block_sequence_ids``, else None."""
+    rule = marked_rule(config)
+    if rule is None:
+        return token_types.get("block_sequence_ids")
+    if rule.block_ids is None:
+        raise ValueError(
+            f"{where}: the {rule.family} model builds its attention mask from {rule.key} in a "
+            "way cpshard does not know (only Gemma 3, Gemma 4 and PaliGemma's are read); under "
+            "CP the step would attend something else than the model. Train it outside CP"
+        )
+    if rule.key not in token_types:
+        raise ValueError(
+            f"{where}: the {rule.family} model's attention mask reads {rule.key} (bidirectional "
+            f"image blocks or a prefix), and this step's batch has no {rule.key}: put the rows' "
+            f"{rule.key} [B, S] in the batch the sharder shards (and the shard's into the "
+            "model's forward); without them its image tokens would attend causally"
+        )
+    block_ids = rule.block_ids(token_types[rule.key])
+    if bool(((block_ids >= 0) & (documents != 0)).any()) and not reads_block_ids(mask_function):
+        raise ValueError(
+            f"{where}: the step's {rule.key} hold blocks of the {rule.family} model's mask, but "
+            f"its mask function reads none: its language model ran without {rule.key} (call "
+            f"the VLM's model, e.g. model.model(inputs_embeds=..., {rule.key}=...), not its "
+            "language_model alone); its image tokens would attend causally"
+        )
+    return block_ids

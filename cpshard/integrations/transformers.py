@@ -26,11 +26,19 @@ from cpshard.attention.api import cp_attention
 from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
+from cpshard.batch.token_types import step_token_types
 from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv
-from cpshard.integrations.masks import mask_problem
+from cpshard.integrations.masks import DescribedMask, attention_executes_masks, step_mask
+from cpshard.integrations.token_types import register_vlm
 from cpshard.vision import maybe_distribute_visual
 
-__all__ = ["ATTN_IMPLEMENTATION", "cpshard_attention", "register", "wrap_vision_tower"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "cpshard_attention",
+    "register",
+    "register_vlm",
+    "wrap_vision_tower",
+]
 
 ATTN_IMPLEMENTATION = "cpshard"
 _WHAT = "cpshard.integrations.transformers"
@@ -85,7 +93,10 @@ def cpshard_attention(
     Under CP, ``is_causal`` (else the module's ``is_causal``), ``scaling``, GQA (from the head
     counts), the sliding window (the call's ``sliding_window``, else the module's), logit
     soft-capping (``softcap``) and attention sinks (``s_aux``) go to the CP attention, which
-    refuses what it cannot do exactly: a mask, dropout, ``position_bias``.
+    refuses what it cannot do exactly: a mask, dropout, ``position_bias``. A mask the mask
+    builder translated (:class:`~cpshard.integrations.masks.DescribedMask`: chunked attention,
+    image blocks, ...) goes to it as ``mask=``, its step's
+    :class:`~cpshard.masks.MaskDescription`.
 
     The model's ``position_ids`` (transformers passes them in ``kwargs``) tell whose tokens
     these are: a sharded batch's raise under another step's or layout's context, and outside any
@@ -106,6 +117,15 @@ def cpshard_attention(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    described: dict[str, Any] = {}
+    if isinstance(attention_mask, DescribedMask):  # the one place a description reaches CP attention
+        if not attention_executes_masks():  # the mask builder raised already; never drop it
+            raise ValueError(
+                f"{_WHAT}: rank {_cp_rank()}: the attention mask is {attention_mask.kind}, which "
+                "CP attention does not execute"
+            )
+        # the description holds the mask's window and causality: the layer's must not narrow it
+        described, attention_mask, window = {"mask": attention_mask.description}, None, None
     out = cp_attention(
         query,
         key,
@@ -119,6 +139,7 @@ def cpshard_attention(
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
         position_ids=position_ids,
+        **described,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -156,23 +177,21 @@ def _plain_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """The mask builder for ``"cpshard"``: none under CP (the step's documents define the
-    attention; a mask built from one shard would be wrong) once the model's mask function is
-    one CP attention implements (:mod:`cpshard.integrations.masks`), transformers' SDPA mask
-    otherwise."""
-    if _cp_active():
+def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | DescribedMask | None:
+    """The mask builder for ``"cpshard"``: under CP no dense mask (the step's documents define
+    the attention; a mask built from one shard would be wrong) but the model's mask function
+    translated for the step (:func:`cpshard.integrations.masks.step_mask`: None when CP
+    attention's causal / bidirectional / windowed attention is the mask, a
+    :class:`~cpshard.integrations.masks.DescribedMask` for the layers' attention, or an error on
+    every rank); transformers' SDPA mask otherwise."""
+    state = active_state()
+    if state is not None:
         # sdpa_mask(batch_size, cache_position, kv_length, kv_offset, mask_function, ...)
-        problem = mask_problem(kwargs.get("mask_function", args[4] if len(args) > 4 else None))
-        if problem is not None:
-            raise ValueError(
-                f"{_WHAT}: rank {_cp_rank()}: the model builds its attention mask with "
-                f"{problem!r}, a pattern CP attention does not implement (it implements causal "
-                "and bidirectional attention within documents and sliding windows; not chunked "
-                "attention, bidirectional image blocks or other custom masks); under CP the "
-                "step would attend something else than the model. Train this model outside CP"
-            )
-        return None
+        fn = kwargs.get("mask_function", args[4] if len(args) > 4 else None)
+        return step_mask(
+            fn, kwargs.get("config"), state.documents, step_token_types(state.derived),
+            f"{_WHAT}: rank {state.group.rank}",
+        )  # fmt: skip
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, **kwargs)
@@ -259,8 +278,10 @@ def wrap_vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     The tower object stays in place and its class gains :class:`CpVisionTower` in front (a
     subclass made once per tower class), so its parameter names (state_dict keys), ``dtype``,
     ``spatial_merge_size`` and ``isinstance`` checks are unchanged and the model code calls it
-    as before (``return_dict=True`` and its keyword arguments pass through). Idempotent."""
+    as before (``return_dict=True`` and its keyword arguments pass through). It also
+    registers the VLM's mask inputs (:func:`register_vlm`). Idempotent."""
     owner, name = _find_tower(model)
+    register_vlm(model)  # its mask's token types, if it reads any
     tower = getattr(owner, name)
     cls = type(tower)
     if not issubclass(cls, CpVisionTower):
