@@ -7,14 +7,17 @@ each query sees. :func:`step_mask` hands the model's mask function to
 documents (global order) and the row's block ids (from the step's token types,
 :mod:`cpshard.batch.token_types`, by the VLM's rule, :mod:`cpshard.integrations.token_types`):
 
-* a description that is causal or bidirectional attention within documents, or a sliding
-  window of it (each layer passes its own window to the attention), keeps the plain path: no
-  mask (None);
-* any other description (chunked attention, image blocks, a prefix, a bidirectional window) is
-  returned as a :class:`DescribedMask`, which reaches the layer's attention call as its
-  ``attention_mask`` (each layer type its own) — while CP attention does not execute
-  descriptions (:func:`attention_executes_masks`), every rank raises here instead, naming the
-  mask's kind;
+* a mask function of CP attention's plain pieces (causal, bidirectional, sliding windows,
+  packed documents, padding) keeps the plain path: no mask (None), each layer attending by its
+  own ``is_causal`` and window, as before;
+* any other one (chunked attention, image blocks, a prefix, a widening to bidirectional) is
+  translated and returned as a :class:`DescribedMask`, which reaches each layer's attention
+  call as its ``attention_mask`` (each layer type its own mask). There
+  (:mod:`cpshard.integrations.transformers`) a description the layer's ``is_causal`` and window
+  attend anyway (:func:`layer_attends`: Gemma 3's bidirectional full layers) takes the plain
+  path; any other goes to CP attention as ``mask=`` — while CP attention does not execute
+  descriptions (:func:`attention_executes_masks`), every rank raises instead, naming the mask's
+  kind (:func:`unexecuted`);
 * a mask function that does not translate (a user's own, a block cut by other tokens) raises,
   naming its first piece CP attention does not implement (:func:`mask_problem`);
 * a VLM whose mask reads token types (:func:`~cpshard.integrations.token_types.register_vlm`)
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,11 +58,24 @@ _COMPOSITIONS = ("and_masks.", "remap_positions_for_packed_sequence.")
 
 @dataclass(frozen=True)
 class DescribedMask:
-    """The ``attention_mask`` the ``"cpshard"`` mask builder returns under CP for a mask CP
-    attention executes as a description: the step's ``description`` and its ``kind`` in words."""
+    """The ``attention_mask`` the ``"cpshard"`` mask builder returns under CP for a mask
+    function beyond CP attention's plain pieces: the step's ``description`` and its ``kind`` in
+    words. Each layer that receives it asks :meth:`for_layer` what to execute."""
 
     description: MaskDescription
     kind: str
+    _plain: dict[tuple[bool, int | None], bool] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    def for_layer(self, causal: bool, window: int | None) -> MaskDescription | None:
+        """None when the layer's own ``is_causal`` and ``window`` attend the description
+        (:func:`layer_attends`; the plain path), else the description to execute. Decided once
+        per layer kind and step."""
+        key = (causal, window)
+        if key not in self._plain:
+            self._plain[key] = layer_attends(self.description, causal, window)
+        return None if self._plain[key] else self.description
 
 
 def attention_executes_masks(attention: Callable[..., Any] = cp_attention) -> bool:
@@ -99,18 +115,34 @@ def mask_problem(mask_function: Callable[..., Any] | None) -> str | None:
     return name
 
 
-def plain(description: MaskDescription) -> bool:
-    """The description is causal or bidirectional attention within documents, or a causal
-    sliding window of it: what CP attention does from a layer's ``is_causal`` and window."""
-    if description.segments == 0:
-        return True
+def layer_attends(description: MaskDescription, causal: bool, window: int | None) -> bool:
+    """The description is what CP attention does for a layer from its ``is_causal`` and
+    sliding ``window`` alone: bidirectional attention within documents, or causal attention
+    within them (each query seeing at most ``window`` keys, itself included). Judged by what
+    each query sees, not by the rules' form (a union may state a document's last causal query
+    with ``ahead = 0``, chunks of one token are a window of one)."""
     d = description
-    if not bool(((d.lo == d.doc_start) & (d.hi == d.doc_end)).all()):
-        return False
-    back, ahead = torch.unique(d.back), torch.unique(d.ahead)
-    if back.numel() != 1 or ahead.numel() != 1:
-        return False
-    return int(ahead) == 0 or (int(ahead) == INF and int(back) == INF)
+    if d.segments == 0:
+        return True
+    if not causal:
+        return _sees_alike(d, d.doc_start, INF, d.doc_end, INF)
+    return _sees_alike(d, d.doc_start, INF if window is None else window - 1, d.doc_end, 0)
+
+
+def _sees_alike(
+    d: MaskDescription, lo: torch.Tensor, back: int, hi: torch.Tensor, ahead: int
+) -> bool:
+    """Every query of ``d`` sees what the rule ``(lo, back, hi, ahead)`` (per segment) gives it.
+    A query's first key ``max(lo, q - back)`` and end ``min(hi, q + 1 + ahead)`` are linear in
+    ``q`` between the bends (``q = lo + back``, ``q = hi - 1 - ahead``), so two rules agree on a
+    segment when they agree at its ends and at both rules' bends."""
+    first, last = d.start, d.end - 1
+    back_t, ahead_t = torch.full_like(d.back, back), torch.full_like(d.ahead, ahead)
+    bends = (d.lo + d.back, lo + back_t, d.hi - 1 - d.ahead, hi - 1 - ahead_t)
+    points = torch.stack([first, last, *(torch.minimum(torch.maximum(b, first), last) for b in bends)])
+    same_first = torch.maximum(d.lo, points - d.back) == torch.maximum(lo, points - back_t)
+    same_end = torch.minimum(d.hi, points + 1 + d.ahead) == torch.minimum(hi, points + 1 + ahead_t)
+    return bool((same_first & same_end).all())
 
 
 def step_mask(
@@ -121,31 +153,34 @@ def step_mask(
     where: str,
 ) -> DescribedMask | None:
     """The attention mask of ``mask_function`` (a model's, with its text ``config``) for the
-    step of padded ``documents`` ``[B, P]`` and token types (module doc): None for the plain
-    path, a :class:`DescribedMask`, or ``ValueError`` (``where`` names the module and rank)."""
+    step of padded ``documents`` ``[B, P]`` and token types (module doc): None when its pieces
+    are CP attention's plain ones, else a :class:`DescribedMask`; ``ValueError`` (``where``
+    names the module and rank) when it does not translate or misses its token types."""
     block_ids = _block_ids(mask_function, config, documents, token_types, where)
+    if mask_problem(mask_function) is None:
+        return None
     description = describe_transformers_mask(mask_function, documents, block_ids)
     if description is None:
-        problem = mask_problem(mask_function) or getattr(mask_function, "__qualname__", "?")
         raise ValueError(
-            f"{where}: the model builds its attention mask with {problem!r}, a pattern CP "
-            "attention does not implement (it implements causal and bidirectional attention "
-            "within documents, sliding windows, chunked attention and bidirectional blocks read "
-            "from the step's token types; not custom masks, blocks cut by other tokens, or "
-            "blocks whose ids are a shard's: a VLM's token types reach the mask through "
+            f"{where}: the model builds its attention mask with "
+            f"{mask_problem(mask_function)!r}, a pattern CP attention does not implement (it "
+            "implements causal and bidirectional attention within documents, sliding windows, "
+            "chunked attention and bidirectional blocks read from the step's token types; not "
+            "custom masks, blocks cut by other tokens, or blocks whose ids are a shard's: a "
+            "VLM's token types reach the mask through "
             "cpshard.integrations.transformers.register_vlm and the batch); under CP the step "
             "would attend something else than the model. Train this model outside CP"
         )
-    if plain(description):
-        return None
-    kind = mask_kind(mask_function)
-    if not attention_executes_masks():
-        raise ValueError(
-            f"{where}: the model's attention mask is {kind}; cpshard translates it (a "
-            "MaskDescription) but CP attention does not execute mask descriptions yet, so the "
-            "step cannot attend it exactly. Train this model outside CP"
-        )
-    return DescribedMask(description, kind)
+    return DescribedMask(description, mask_kind(mask_function))
+
+
+def unexecuted(mask: DescribedMask, where: str) -> ValueError:
+    """The error of a layer whose mask CP attention would have to execute, while it cannot."""
+    return ValueError(
+        f"{where}: the model's attention mask is {mask.kind}; cpshard translates it (a "
+        "MaskDescription) but CP attention does not execute mask descriptions yet, so the step "
+        "cannot attend it exactly. Train this model outside CP"
+    )
 
 
 def _block_ids(

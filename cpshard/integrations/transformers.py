@@ -28,7 +28,12 @@ from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
 from cpshard.batch.token_types import step_token_types
 from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv
-from cpshard.integrations.masks import DescribedMask, attention_executes_masks, step_mask
+from cpshard.integrations.masks import (
+    DescribedMask,
+    attention_executes_masks,
+    step_mask,
+    unexecuted,
+)
 from cpshard.integrations.token_types import register_vlm
 from cpshard.vision import maybe_distribute_visual
 
@@ -119,13 +124,13 @@ def cpshard_attention(
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     described: dict[str, Any] = {}
     if isinstance(attention_mask, DescribedMask):  # the one place a description reaches CP attention
-        if not attention_executes_masks():  # the mask builder raised already; never drop it
-            raise ValueError(
-                f"{_WHAT}: rank {_cp_rank()}: the attention mask is {attention_mask.kind}, which "
-                "CP attention does not execute"
-            )
-        # the description holds the mask's window and causality: the layer's must not narrow it
-        described, attention_mask, window = {"mask": attention_mask.description}, None, None
+        description = attention_mask.for_layer(causal, window)
+        if description is not None:
+            if not attention_executes_masks():
+                raise unexecuted(attention_mask, f"{_WHAT}: rank {_cp_rank()}")
+            # the description holds the mask's window and causality: the layer's must not narrow it
+            described, window = {"mask": description}, None
+        attention_mask = None
     out = cp_attention(
         query,
         key,
