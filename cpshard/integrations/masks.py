@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -56,17 +55,27 @@ _IMPLEMENTED = (
 _COMPOSITIONS = ("and_masks.", "remap_positions_for_packed_sequence.")
 
 
-@dataclass(frozen=True)
-class DescribedMask:
+class DescribedMask(torch.Tensor):
     """The ``attention_mask`` the ``"cpshard"`` mask builder returns under CP for a mask
     function beyond CP attention's plain pieces: the step's ``description`` and its ``kind`` in
-    words. Each layer that receives it asks :meth:`for_layer` what to execute."""
+    words. An empty 4-D tensor to transformers, which passes a 4-D mask on as it is (a VLM's
+    language model given its VLM's mask); any operation on it gives a plain tensor, which CP
+    attention refuses as a mask. Each layer that receives it asks :meth:`for_layer` what to
+    execute."""
 
     description: MaskDescription
     kind: str
-    _plain: dict[tuple[bool, int | None], bool] = field(
-        default_factory=dict, repr=False, compare=False
-    )
+    _plain: dict[tuple[bool, int | None], bool]
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, description: MaskDescription, kind: str) -> DescribedMask:
+        mask = torch.Tensor._make_subclass(cls, torch.empty(0, 1, 0, 0, dtype=torch.bool))
+        mask.description, mask.kind, mask._plain = description, kind, {}
+        return mask
+
+    def __init__(self, description: MaskDescription, kind: str) -> None:
+        super().__init__()
 
     def for_layer(self, causal: bool, window: int | None) -> MaskDescription | None:
         """None when the layer's own ``is_causal`` and ``window`` attend the description
