@@ -93,9 +93,11 @@ def _model(family: str) -> torch.nn.Module:
             interleave_moe_layer_step=1, use_qk_norm=False, attn_temperature_tuning=False,
         )  # fmt: skip
         model, norm = T.Llama4ForCausalLM(config), _llama4_norm
-    elif family == "gemma3_bidirectional":
-        config = T.Gemma3TextConfig(**_GEMMA3_TEXT, use_bidirectional_attention=True)
-        model, norm = T.Gemma3ForCausalLM(config), _gemma_norm
+    elif family.startswith("gemma3_bidirectional"):
+        text = dict(_GEMMA3_TEXT, use_bidirectional_attention=True)
+        if family.endswith("_full"):  # full layers only: causal widened by True, exact today
+            text["layer_types"] = ["full_attention", "full_attention"]
+        model, norm = T.Gemma3ForCausalLM(T.Gemma3TextConfig(**text)), _gemma_norm
     elif family == "gemma3_vlm":
         config = T.Gemma3Config(
             text_config=_GEMMA3_TEXT, vision_config=_VISION, mm_tokens_per_image=TOKENS,
@@ -307,7 +309,7 @@ def _description_mismatches(rank: int, world: int, layouts: list[str]) -> list[s
         (1, ["contiguous"]),
         (2, ["contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced", "blockdiag"]),
         (3, ["head_tail", "blockdiag"]),
-        (4, ["contiguous", "balanced"]),
+        (4, ["balanced"]),
     ],
 )
 def test_every_ranks_mask_is_the_whole_batchs(pools, world: int, layouts: list[str]) -> None:
@@ -353,6 +355,25 @@ def test_the_vlm_recipe_refuses_without_its_token_types(pools, family: str, how:
 
 
 # ------------------------------------------------------------------ end to end
+
+
+def _full_bidirectional(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
+    return {layout: _text_step("gemma3_bidirectional_full", layout) for layout in layouts}
+
+
+@pytest.mark.parametrize(
+    "world,layouts",
+    [
+        (1, ["blockdiag"]),
+        (2, ["contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced", "blockdiag"]),
+        (3, ["head_tail"]),
+        (4, ["blockdiag"]),
+    ],
+)
+def test_a_widened_mask_the_layers_attend_runs_today(pools, world: int, layouts: list[str]) -> None:
+    """Gemma 3 text with bidirectional attention and full layers only: its mask (causal widened
+    by True) is translated, and each layer's own ``is_causal=False`` attends it: exact now."""
+    check_relative_errors(pools(world).run(_full_bidirectional, layouts, timeout=300), world)
 
 
 def _text_step(family: str, layout: str) -> tuple[float, float, float]:

@@ -116,12 +116,17 @@ def test_vlms_whose_masks_read_token_types_are_detected() -> None:
     text = T.Gemma3ForCausalLM(T.Gemma3TextConfig(**_GEMMA3_TEXT))
     assert token_type_rule(text) is None and register_vlm(text) is None
     assert marked_rule(text.config) is None
-    qwen = T.Qwen2VLForConditionalGeneration(
-        T.Qwen2VLConfig(
-            text_config=dict(**_SMALL, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2]}),
-            vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2),
+    qwen = T.Qwen3VLForConditionalGeneration(  # mm_token_type_ids feed its positions only
+        T.Qwen3VLConfig(
+            text_config=dict(
+                **_SMALL, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1]}
+            ),
+            vision_config=dict(
+                depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2,
+                out_hidden_size=32, num_position_embeddings=16, deepstack_visual_indexes=[0],
+            ),
         )
-    )
+    )  # fmt: skip
     assert token_type_rule(qwen) is None
 
 
