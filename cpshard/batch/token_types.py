@@ -61,8 +61,8 @@ def token_types_field(types: TokenTypes) -> list[int]:
     """The consensus field of the step's token types: which keys it holds and a digest of
     their values (ranks whose types differ would mask the step differently)."""
     keys = sum(1 << i for i, key in enumerate(TOKEN_TYPE_KEYS) if key in types)
-    values = torch.cat([types[k].reshape(-1) for k in TOKEN_TYPE_KEYS if k in types]) if types else None
-    return [keys, *digest(values)]
+    held = [types[k].reshape(-1) for k in TOKEN_TYPE_KEYS if k in types]
+    return [keys, *digest(torch.cat(held) if held else None)]
 
 
 def keep_for_step(derived: dict[object, object], types: TokenTypes) -> None:

@@ -148,7 +148,8 @@ def _sees_alike(
     first, last = d.start, d.end - 1
     back_t, ahead_t = torch.full_like(d.back, back), torch.full_like(d.ahead, ahead)
     bends = (d.lo + d.back, lo + back_t, d.hi - 1 - d.ahead, hi - 1 - ahead_t)
-    points = torch.stack([first, last, *(torch.minimum(torch.maximum(b, first), last) for b in bends)])
+    inside = (torch.minimum(torch.maximum(b, first), last) for b in bends)
+    points = torch.stack([first, last, *inside])
     same_first = torch.maximum(d.lo, points - d.back) == torch.maximum(lo, points - back_t)
     same_end = torch.minimum(d.hi, points + 1 + d.ahead) == torch.minimum(hi, points + 1 + ahead_t)
     return bool((same_first & same_end).all())

@@ -123,7 +123,8 @@ def cpshard_attention(
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
     described: dict[str, Any] = {}
-    if isinstance(attention_mask, DescribedMask):  # the one place a description reaches CP attention
+    # the one place a mask description reaches CP attention
+    if isinstance(attention_mask, DescribedMask):
         description = attention_mask.for_layer(causal, window)
         if description is not None:
             if not attention_executes_masks():

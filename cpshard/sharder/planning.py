@@ -126,7 +126,8 @@ class BatchPlanner:
                                   self._mesh_dims())  # fmt: skip
         state = state_from_plan(g, step_plan, plan.device, self.mesh)
         if plan.token_types:  # the whole padded row's, for the model's mask (global order)
-            keep_for_step(state.derived, pad_token_types(plan.token_types, plan.layout.padded_seq_len))
+            padded = pad_token_types(plan.token_types, plan.layout.padded_seq_len)
+            keep_for_step(state.derived, padded)
         sharded = plan.apply(g.rank)
         register_tokens(sharded["position_ids"], state)  # attention checks whose tokens they are
         return lambda: activated(state), sharded, plan.layout

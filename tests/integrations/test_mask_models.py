@@ -29,9 +29,11 @@ import torch.distributed as dist
 pytest.importorskip("transformers")
 
 from cpshard.integrations.masks import attention_executes_masks  # noqa: E402
+from cpshard.layouts import LAYOUTS  # noqa: E402
 from tests.helpers import swapped  # noqa: E402
 from tests.integrations.harness import (  # noqa: E402
     ROWS,
+    Errors,
     ModelLogits,
     bind_norms,
     check_relative_errors,
@@ -39,8 +41,6 @@ from tests.integrations.harness import (  # noqa: E402
     relative_step_errors,
     step_errors,
 )
-
-import cp_vlm  # noqa: E402  (examples/, on the path through the harness)
 
 NEEDS_MASKS = pytest.mark.skipif(
     not attention_executes_masks(),
@@ -55,6 +55,7 @@ IMAGE, TOKENS = 5, 4  # the image token id; tokens per image (mm_tokens_per_imag
 # head_tail's (21) and W = 4's (24); the third document has none.
 ROW = [(3, 1, 2), -2, (1, 1, 1), (2, 0, 0), (4, 1, 2), -1]
 TEXT_FAMILIES = ("llama4", "gemma3_bidirectional")
+ALL_LAYOUTS = [*LAYOUTS, "blockdiag"]  # every sharder layout and the block-diagonal batch
 VLM_FAMILIES = ("gemma3_vlm", "paligemma")
 _SMALL = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -139,7 +140,8 @@ def _vlm_batch(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
         text = lambda k: torch.randint(6, 64, (k,), generator=g).tolist()  # noqa: E731
         image = [IMAGE] * TOKENS * count
         if family == "paligemma":  # prefix = images and prompt, suffix = the answer
-            part, kind = image + text(before) + text(after), [0] * (len(image) + before) + [1] * after
+            part = image + text(before) + text(after)
+            kind = [0] * (len(image) + before) + [1] * after
         else:
             part = text(before) + image + text(after)
             kind = [0] * before + [1] * len(image) + [0] * after
@@ -156,7 +158,9 @@ def _vlm_batch(family: str, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _merged(model: torch.nn.Module, batch: dict[str, torch.Tensor], types: bool = True) -> dict[str, Any]:
+def _merged(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], types: bool = True
+) -> dict[str, Any]:
     """The recipe's inputs for the whole row, before sharding: the image embeddings (the
     model's own ``get_image_features``) scattered into the token embeddings, labels, document
     ids and (``types``) the token types."""
@@ -177,10 +181,13 @@ def _merged(model: torch.nn.Module, batch: dict[str, torch.Tensor], types: bool 
 def _recipe_logits(family: str, model: torch.nn.Module) -> Callable[[dict[str, Any]], torch.Tensor]:
     """The recipe's decoder on a rank's shard (``examples/cp_vlm.py``'s ``decoder_logits``);
     PaliGemma counts positions from 1 (its own forward's default)."""
+    import cp_vlm  # examples/, on the path through the harness
+
     offset = 1 if family == "paligemma" else 0
 
     def forward(local: dict[str, Any]) -> torch.Tensor:
-        return cp_vlm.decoder_logits(model, dict(local, position_ids=local["position_ids"] + offset))
+        positions = local["position_ids"] + offset
+        return cp_vlm.decoder_logits(model, dict(local, position_ids=positions))
 
     return forward
 
@@ -229,7 +236,10 @@ def _whole_batch_descriptions(family: str, model: torch.nn.Module, padded: int) 
     from cpshard.integrations.mask_translation import describe_transformers_mask
     from cpshard.integrations.masks import mask_problem
 
-    batch = _vlm_batch(family) if family in VLM_FAMILIES else cp_decoder.packed_batch(ROWS, 64, seed=1)
+    if family in VLM_FAMILIES:
+        batch = _vlm_batch(family)
+    else:
+        batch = cp_decoder.packed_batch(ROWS, 64, seed=1)
     pad = padded - batch["input_ids"].shape[1]
     grow = lambda t: torch.nn.functional.pad(t, (0, pad))  # noqa: E731
     documents = grow(batch["_packed_seq_ids"])
@@ -273,7 +283,8 @@ def _step_descriptions(family: str, model: torch.nn.Module, layout: str) -> tupl
         local_batch, forward = _merged(model, batch), _recipe_logits(family, model)
     else:
         local_batch = cp_decoder.packed_batch(ROWS, 64, seed=1)
-        forward = lambda local: ModelLogits(model)(local["input_ids"], local["position_ids"])  # noqa: E731
+        logits = ModelLogits(model)
+        forward = lambda local: logits(local["input_ids"], local["position_ids"])  # noqa: E731
     ctx, local = _shard(local_batch, layout)
     with (
         swapped("cpshard.integrations.transformers", "step_mask", record),
@@ -307,7 +318,7 @@ def _description_mismatches(rank: int, world: int, layouts: list[str]) -> list[s
     "world,layouts",
     [
         (1, ["contiguous"]),
-        (2, ["contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced", "blockdiag"]),
+        (2, ALL_LAYOUTS),
         (3, ["head_tail", "blockdiag"]),
         (4, ["balanced"]),
     ],
@@ -357,7 +368,7 @@ def test_the_vlm_recipe_refuses_without_its_token_types(pools, family: str, how:
 # ------------------------------------------------------------------ end to end
 
 
-def _full_bidirectional(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
+def _full_bidirectional(rank: int, world: int, layouts: list[str]) -> dict[str, Errors]:
     return {layout: _text_step("gemma3_bidirectional_full", layout) for layout in layouts}
 
 
@@ -365,7 +376,7 @@ def _full_bidirectional(rank: int, world: int, layouts: list[str]) -> dict[str, 
     "world,layouts",
     [
         (1, ["blockdiag"]),
-        (2, ["contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced", "blockdiag"]),
+        (2, ALL_LAYOUTS),
         (3, ["head_tail"]),
         (4, ["blockdiag"]),
     ],
@@ -376,11 +387,11 @@ def test_a_widened_mask_the_layers_attend_runs_today(pools, world: int, layouts:
     check_relative_errors(pools(world).run(_full_bidirectional, layouts, timeout=300), world)
 
 
-def _text_step(family: str, layout: str) -> tuple[float, float, float]:
+def _text_step(family: str, layout: str) -> Errors:
     return step_errors(_model(family), layout, seed=len(family), logits=ModelLogits)
 
 
-def _vlm_step(family: str, layout: str) -> tuple[float, float, float]:
+def _vlm_step(family: str, layout: str) -> Errors:
     """One CP step of the VLM recipe (each rank merges the whole row's images) against each
     document alone through the full VLM (its token types and images)."""
     group = dist.group.WORLD
@@ -395,7 +406,7 @@ def _vlm_step(family: str, layout: str) -> tuple[float, float, float]:
     return relative_step_errors(model, reference, cp, ref, group)
 
 
-def _end_to_end(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[float, float, float]]:
+def _end_to_end(rank: int, world: int, layouts: list[str]) -> dict[str, Errors]:
     out = {}
     for layout in layouts:
         for family in TEXT_FAMILIES:
@@ -410,7 +421,7 @@ def _end_to_end(rank: int, world: int, layouts: list[str]) -> dict[str, tuple[fl
     "world,layouts",
     [
         (1, ["blockdiag"]),
-        (2, ["contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced", "blockdiag"]),
+        (2, ALL_LAYOUTS),
         (3, ["head_tail", "balanced"]),
         (4, ["contiguous", "per_document_head_tail", "blockdiag"]),
     ],

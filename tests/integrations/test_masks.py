@@ -14,7 +14,11 @@ pytest.importorskip("transformers")
 from transformers import masking_utils as M  # noqa: E402
 
 from cpshard.integrations.mask_translation import mask_kind, reads_block_ids  # noqa: E402
-from cpshard.integrations.masks import attention_executes_masks, layer_attends, mask_problem  # noqa: E402
+from cpshard.integrations.masks import (  # noqa: E402
+    attention_executes_masks,
+    layer_attends,
+    mask_problem,
+)
 from cpshard.masks import INF, MaskDescription  # noqa: E402
 
 
@@ -84,7 +88,8 @@ def test_what_a_layer_attends_agrees_with_the_dense_masks() -> None:
         docs[0, torch.randint(0, docs.shape[1], (1,), generator=g)] = 0
         options = [
             base(docs, ahead=0), base(docs), base(docs, back=trial % 4, ahead=0),
-            base(docs, back=trial % 3, ahead=trial % 2), MaskDescription.chunks(docs, 1 + trial % 3),
+            base(docs, back=trial % 3, ahead=trial % 2),
+            MaskDescription.chunks(docs, 1 + trial % 3),
         ]  # fmt: skip
         a, b = (options[int(i)] for i in torch.randint(0, len(options), (2,), generator=g))
         d = a.union(b) if trial % 2 else a.intersect(b)
@@ -92,7 +97,8 @@ def test_what_a_layer_attends_agrees_with_the_dense_masks() -> None:
             continue
         dense = d.dense()
         for causal, window in ((False, None), (True, None), *((True, w) for w in range(1, 5))):
-            layer = base(docs, back=INF if window is None else window - 1, ahead=0 if causal else INF)
+            back = INF if window is None else window - 1
+            layer = base(docs, back=back, ahead=0 if causal else INF)
             want = torch.equal(dense, layer.dense())
             assert layer_attends(d, causal, window) == want, (trial, causal, window, docs)
 

@@ -61,7 +61,8 @@ def _carried(rank: int, world: int, layouts: list[str], paths: list[str]) -> lis
             state = active_state()
             types = step_token_types(state.derived)
         padded = state.documents.shape[1]
-        want = batch[key].new_full((batch[key].shape[0], padded), -1 if key == TOKEN_TYPE_KEYS[2] else 0)
+        fill = -1 if key == "block_sequence_ids" else 0
+        want = batch[key].new_full((batch[key].shape[0], padded), fill)
         want[:, : batch[key].shape[1]] = batch[key]
         where = f"rank {rank} W={world} {layout} {path} {key}"
         if set(types) != {key}:
