@@ -19,6 +19,7 @@ with no rule: cpshard does not know how it makes them, and refuses it under CP.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import weakref
@@ -91,13 +92,20 @@ def token_type_rule(model: torch.nn.Module) -> TokenTypeRule | None:
     if family in _RULES:
         key, block_ids, reads = _RULES[family]
         return TokenTypeRule(family, key, block_ids) if reads(text) else None
-    if text is config:  # a text model: its own mask function says everything
+    if text is config or not _reads_block_ids(type(model)):  # a text model says it all
         return None
-    if "block_sequence_ids" in inspect.getsource(inspect.getmodule(type(model)) or type(model)):
-        params = inspect.signature(type(model).forward).parameters
-        key = "mm_token_type_ids" if "mm_token_type_ids" in params else "token_type_ids"
-        return TokenTypeRule(family, key, None)
-    return None
+    params = inspect.signature(type(model).forward).parameters
+    key = "mm_token_type_ids" if "mm_token_type_ids" in params else "token_type_ids"
+    return TokenTypeRule(family, key, None)
+
+
+@functools.cache
+def _reads_block_ids(cls: type) -> bool:
+    """The modeling code of ``cls`` builds masks from block ids (read once per class)."""
+    try:
+        return "block_sequence_ids" in inspect.getsource(inspect.getmodule(cls) or cls)
+    except (OSError, TypeError):  # no source: nothing says it reads them
+        return False
 
 
 def register_vlm(model: torch.nn.Module) -> str | None:

@@ -1,8 +1,9 @@
 """The step's batch planning, shared by :class:`~cpshard.sharder.ContextParallelSharder` and
 :func:`~cpshard.make_cp_blockdiag_batch_and_ctx`: :class:`BatchPlanner` is the built-in
 ``shard_batch`` of a layout (validation, padding, positions, targets, the layout, the per-step
-consensus fields every rank agrees on, and the step's CP attention state), :class:`_BatchPlan`
-shards a planned batch for one rank.
+consensus fields every rank agrees on, the step's CP attention state, and the rows' token types
+kept in it for the model's mask: :mod:`cpshard.batch.token_types`), :class:`_BatchPlan` shards
+a planned batch for one rank.
 
 Every sequence-aligned entry is sharded like the inputs: the ones the planner knows
 (``input_ids``, ``inputs_embeds``, ``labels``, ``loss_mask``, ``position_ids``), the ones named
