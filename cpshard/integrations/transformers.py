@@ -186,10 +186,9 @@ def _plain_forward(
 def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | DescribedMask | None:
     """The mask builder for ``"cpshard"``: under CP no dense mask (the step's documents define
     the attention; a mask built from one shard would be wrong) but the model's mask function
-    translated for the step (:func:`cpshard.integrations.masks.step_mask`: None when CP
-    attention's causal / bidirectional / windowed attention is the mask, a
-    :class:`~cpshard.integrations.masks.DescribedMask` for the layers' attention, or an error on
-    every rank); transformers' SDPA mask otherwise."""
+    translated for the step (:func:`cpshard.integrations.masks.step_mask`: None when its pieces
+    are CP attention's plain ones, else a :class:`~cpshard.integrations.masks.DescribedMask` for
+    the layers' attention, or an error on every rank); transformers' SDPA mask otherwise."""
     state = active_state()
     if state is not None:
         # sdpa_mask(batch_size, cache_position, kv_length, kv_offset, mask_function, ...)
