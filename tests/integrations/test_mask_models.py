@@ -13,12 +13,16 @@ image blocks and PaliGemma's prefix (both from ``token_type_ids``, through the V
 * end to end (float64, each document alone through the same model as the reference, every
   layout and the block-diagonal batch at W = 2, subsets at W = 1, 3, 4): loss within 1e-9
   relative, every gradient within 1e-8 of the largest. These need CP attention to execute mask
-  descriptions (``cpshard.cp_attention``'s ``mask=``) and are skipped, saying so, until it does.
+  descriptions (``cpshard.cp_attention``'s ``mask=``) and are skipped, saying so, until it does;
+  the same steps run today at W = 2 with ``mask=`` stood in for by a dense attention over the
+  gathered sequence (:func:`_dense_described`), which checks this side of the hookup: every
+  layer gets the description it must execute, through the layer's attention call.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -414,6 +418,53 @@ def _end_to_end(rank: int, world: int, layouts: list[str]) -> dict[str, Errors]:
         for family in VLM_FAMILIES:
             out[f"{family} {layout}"] = _vlm_step(family, layout)
     return out
+
+
+def _dense_described(real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``cp_attention`` with ``mask=`` stood in for: the sequence gathered in global order
+    (differentiably), dense attention under ``mask.dense()``, this rank's rows kept."""
+
+    def attention(q, k, v, *, mask: Any = None, **kwargs: Any) -> torch.Tensor:
+        if mask is None:
+            return real(q, k, v, **kwargs)
+        from cpshard import gather_sequence
+        from cpshard.attention import active_state
+        from cpshard.attention.reach import note_cpshard_mixing
+
+        note_cpshard_mixing()  # cpshard attends this layer (the model check's record)
+        state = active_state()
+        layout, world = state.shard_layout, state.group.world
+
+        def rows(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:  # t's positions ``at``
+            at = at if at.dim() == 2 else at.expand(t.shape[0], -1)
+            return torch.gather(t, 2, at[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+
+        order = torch.argsort(torch.cat([layout.indices(r) for r in range(world)], -1), dim=-1)
+        q, k, v = (rows(gather_sequence(t, dist.group.WORLD, seq_dim=2), order) for t in (q, k, v))
+        if kwargs.get("enable_gqa"):
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)) * (kwargs.get("scale") or 1 / math.sqrt(q.shape[-1]))
+        scores = scores.masked_fill(~mask.dense()[:, None], float("-inf"))
+        out = torch.softmax(scores, -1).nan_to_num(0.0) @ v  # a pad query sees nothing: 0
+        return rows(out, layout.indices(state.group.rank))
+
+    return attention
+
+
+def _end_to_end_described(rank: int, world: int, layouts: list[str]) -> dict[str, Errors]:
+    from cpshard.integrations import transformers as cp_transformers
+
+    dense = _dense_described(cp_transformers.cp_attention)
+    with (
+        swapped("cpshard.integrations.transformers", "cp_attention", dense),
+        swapped("cpshard.integrations.transformers", "attention_executes_masks", lambda: True),
+    ):
+        return _end_to_end(rank, world, layouts)
+
+
+def test_mask_models_match_each_document_alone_with_masks_stood_in(pools) -> None:
+    layouts = ["stripe", "blockdiag"]
+    check_relative_errors(pools(2).run(_end_to_end_described, layouts, timeout=600), 2)
 
 
 @NEEDS_MASKS
