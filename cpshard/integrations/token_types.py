@@ -11,7 +11,10 @@ model's config (the object its mask builder receives) cannot tell: it is the tex
 config class, as in a text-only model. So :func:`register_vlm` reads the VLM's config (its
 ``model_type``, its text config's flags) and records the rule for that config object; the mask
 hook (:mod:`cpshard.integrations.masks`) then requires the step's token types and reads the
-row's block ids with the model's own function (:func:`marked_rule`).
+row's block ids with the model's own function (:func:`marked_rule`). :func:`install` makes
+transformers register every model whose attention implementation becomes ``"cpshard"`` (at
+``set_attn_implementation``, or when a model is built or loaded with it), so a VLM selected for
+CP is registered without a call of its own.
 
 A VLM not in the table whose modeling code reads block ids (``block_sequence_ids``) is recorded
 with no rule: cpshard does not know how it makes them, and refuses it under CP.
@@ -120,6 +123,27 @@ def register_vlm(model: torch.nn.Module) -> str | None:
     key = id(text)
     _marked[key] = (weakref.ref(text, lambda ref: _forget(key, ref)), rule)
     return rule.key
+
+
+def install(implementation: str) -> None:
+    """Register (:func:`register_vlm`) every transformers model whose attention implementation
+    is checked and becomes ``implementation``: transformers checks it on the model itself when
+    the model is built (or loaded) and at ``set_attn_implementation``. Idempotent."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel._check_and_adjust_attn_implementation
+    if hasattr(original, "cpshard_original"):
+        return
+
+    @functools.wraps(original)
+    def check_and_adjust(self: Any, *args: Any, **kwargs: Any) -> Any:
+        chosen = original(self, *args, **kwargs)
+        if chosen == implementation:
+            register_vlm(self)
+        return chosen
+
+    check_and_adjust.cpshard_original = original  # type: ignore[attr-defined]
+    setattr(PreTrainedModel, "_check_and_adjust_attn_implementation", check_and_adjust)
 
 
 def _forget(key: int, ref: weakref.ref[Any]) -> None:

@@ -27,7 +27,7 @@ from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
 from cpshard.batch.token_types import step_token_types
-from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv
+from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv, token_types
 from cpshard.integrations.masks import (
     DescribedMask,
     attention_executes_masks,
@@ -208,7 +208,8 @@ def register() -> None:
     Gated DeltaNet layers of its hybrid models (:mod:`cpshard.integrations.gated_deltanet`), its
     Mamba layers (:mod:`cpshard.integrations.mamba`, :mod:`cpshard.integrations.mamba2`), its
     short convolutions (:mod:`cpshard.integrations.short_conv`) and MiniMax's lightning attention
-    (:mod:`cpshard.integrations.minimax`) shard-aware under CP. Idempotent."""
+    (:mod:`cpshard.integrations.minimax`) shard-aware under CP; every VLM whose attention
+    implementation becomes ``"cpshard"`` is registered (:func:`register_vlm`). Idempotent."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -223,6 +224,7 @@ def register() -> None:
     mamba2.install()  # the Mamba2 layers of Mamba2 and its hybrids under CP
     short_conv.install()  # LFM2's short convolutions under CP
     minimax.install()  # MiniMax's lightning attention under CP
+    token_types.install(ATTN_IMPLEMENTATION)  # VLMs selected for CP: their masks' token types
 
 
 # ------------------------------------------------------------------ the vision tower

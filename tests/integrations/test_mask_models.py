@@ -83,11 +83,12 @@ def _llama4_norm(self, x: torch.Tensor) -> torch.Tensor:
 
 
 def _model(family: str) -> torch.nn.Module:
-    """``family``'s tiny model, seeded, float64 (norms too), with the ``"cpshard"`` attention;
-    the VLMs registered (:func:`register_vlm`)."""
+    """``family``'s tiny model, seeded, float64 (norms too), with the ``"cpshard"`` attention
+    (which registers the VLMs' token-type rules)."""
     import transformers as T
 
     from cpshard.integrations import transformers as cp_transformers
+    from cpshard.integrations.token_types import marked_rule
 
     cp_transformers.register()
     torch.manual_seed(0)
@@ -118,8 +119,9 @@ def _model(family: str) -> torch.nn.Module:
     model = model.to(torch.float64)
     bind_norms(model, {"RMSNorm": norm})
     model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
-    if family in VLM_FAMILIES:
-        assert cp_transformers.register_vlm(model) == "token_type_ids"
+    if family in VLM_FAMILIES:  # registered by selecting "cpshard", with no call of its own
+        rule = marked_rule(model.model.language_model.config)
+        assert rule is not None and rule.key == "token_type_ids"
     return model
 
 

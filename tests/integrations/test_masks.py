@@ -1,8 +1,9 @@
 """Models whose attention mask says more than CP attention's causal / bidirectional / windowed
 attention are translated under CP (a :class:`~cpshard.masks.MaskDescription`) and, while CP
-attention does not execute descriptions, refused on every rank naming the mask's kind; mask
-functions that do not translate (custom ones, blocks read from a shard) are refused naming their
-piece; the masks of the verified families (causal, sliding windows, packed documents) pass."""
+attention does not execute descriptions, refused on every rank naming the mask's kind; a VLM
+whose mask reads token types the step lacks is refused naming them; mask functions that do not
+translate (custom ones) are refused naming their piece; the masks of the verified families
+(causal, sliding windows, packed documents) pass. A VLM selected for CP is registered."""
 
 from __future__ import annotations
 
@@ -108,6 +109,18 @@ def test_vlms_whose_masks_read_token_types_are_detected() -> None:
 
     from cpshard.integrations.token_types import marked_rule, register_vlm, token_type_rule
 
+    from cpshard.integrations import transformers as cp_transformers
+
+    cp_transformers.register()
+    # selecting "cpshard" registers a VLM: at set_attn_implementation, or when built with it
+    selected = T.Gemma3ForConditionalGeneration(_gemma3_vlm_config())
+    assert marked_rule(selected.config.text_config) is None
+    selected.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
+    assert marked_rule(selected.model.language_model.config).key == "token_type_ids"
+    config = _paligemma_config()
+    config._attn_implementation = cp_transformers.ATTN_IMPLEMENTATION
+    built = T.PaliGemmaForConditionalGeneration(config)
+    assert marked_rule(built.model.language_model.config).family == "paligemma"
     gemma3 = T.Gemma3ForConditionalGeneration(_gemma3_vlm_config())
     pali = T.PaliGemmaForConditionalGeneration(_paligemma_config())
     assert register_vlm(gemma3) == "token_type_ids"
@@ -169,9 +182,8 @@ def _paligemma_config():
 
 def _refused_model(rank: int, world: int, family: str) -> tuple[str, bool]:
     """One CP step of ``family``'s tiny model on a packed row (two documents, image tokens or a
-    prefix in the VLMs' token types, given to the model but not to the sharder; ``_registered``:
-    the VLM registered with :func:`register_vlm`): the error each rank raises, and whether it
-    computed."""
+    prefix in the VLMs' token types, given to the model but not to the sharder): the error each
+    rank raises, and whether it computed."""
     import torch.distributed as dist
     import transformers as T
 
@@ -191,12 +203,10 @@ def _refused_model(rank: int, world: int, family: str) -> tuple[str, bool]:
     elif family == "gemma3_bidirectional":
         config = T.Gemma3TextConfig(**gemma3_text, use_bidirectional_attention=True)
         model = T.Gemma3ForCausalLM(config)
-    elif family.startswith("gemma3_vlm"):
+    elif family == "gemma3_vlm":
         model = T.Gemma3ForConditionalGeneration(_gemma3_vlm_config())
     else:
         model = T.PaliGemmaForConditionalGeneration(_paligemma_config())
-    if family.endswith("_registered"):
-        cp_transformers.register_vlm(model)
     model = model.double()
     model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
     doc = torch.tensor([[1] * 9 + [2] * 7])
@@ -205,7 +215,7 @@ def _refused_model(rank: int, world: int, family: str) -> tuple[str, bool]:
         dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
     )
     fields = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
-    if family.startswith(("gemma3_vlm", "paligemma")):
+    if family in ("gemma3_vlm", "paligemma"):
         length = local["input_ids"].shape[1]
         fields["token_type_ids"] = types[:, rank * length : (rank + 1) * length]
     calls = []
@@ -226,10 +236,9 @@ def _refused_model(rank: int, world: int, family: str) -> tuple[str, bool]:
     [
         ("llama4", "chunked attention"),  # translated, not executed yet
         ("gemma3_bidirectional", "a bidirectional sliding window"),  # its sliding layers
-        ("gemma3_vlm", "or_mask"),  # image blocks read from a shard's token types: untranslatable
-        ("paligemma", "or_mask"),  # a prefix read from a shard's token types
-        ("gemma3_vlm_registered", "no token_type_ids"),  # the step's batch lacks them
-        ("paligemma_registered", "no token_type_ids"),
+        # the token types given to the model but not to the sharder: the step lacks the row's
+        ("gemma3_vlm", "no token_type_ids"),
+        ("paligemma", "no token_type_ids"),
     ],
 )
 def test_masks_cp_attention_does_not_execute_are_refused_on_every_rank(
