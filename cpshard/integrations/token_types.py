@@ -88,10 +88,11 @@ def token_type_rule(model: torch.nn.Module) -> TokenTypeRule | None:
     types); a VLM outside the table whose modeling code reads block ids gets a rule without
     ``block_ids``."""
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "get_text_config"):
+    try:
+        text = config.get_text_config()  # type: ignore[union-attr]
+    except (AttributeError, ValueError):  # no config, or several text configs: not a VLM's
         return None
     family = str(getattr(config, "model_type", ""))
-    text = config.get_text_config()
     if family in _RULES:
         key, block_ids, reads = _RULES[family]
         return TokenTypeRule(family, key, block_ids) if reads(text) else None
@@ -119,7 +120,7 @@ def register_vlm(model: torch.nn.Module) -> str | None:
     rule = token_type_rule(model)
     if rule is None:
         return None
-    text = model.config.get_text_config()
+    text = model.config.get_text_config()  # type: ignore[union-attr]
     key = id(text)
     _marked[key] = (weakref.ref(text, lambda ref: _forget(key, ref)), rule)
     return rule.key
