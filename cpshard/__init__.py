@@ -13,6 +13,7 @@ from cpshard.layouts import (
     rank_major_inverse,
 )
 from cpshard.loss import cp_cross_entropy, reduce_cp_gradients
+from cpshard.masks import MaskDescription
 from cpshard.ops import (
     DocumentSegments,
     deinterleave_sequence,
@@ -98,6 +99,7 @@ __all__ = [
     "local_token_global_indices",
     "make_cp_blockdiag_batch_and_ctx",
     "make_layout",
+    "MaskDescription",
     "maybe_distribute_visual",
     "pack_ragged",
     "ParityReport",

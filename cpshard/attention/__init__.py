@@ -19,7 +19,8 @@ The package, in call order (each module imports only those after it):
   layout), behind the protocol of :mod:`~cpshard.attention.exchange`;
 * :mod:`~cpshard.attention.activation`: entering a step's attention (its state installed, and
   :mod:`~cpshard.attention.mixers`: models whose token mixers it does not shard refused);
-* :mod:`~cpshard.attention.state`: the step's state (and its windows' states), its registry;
+* :mod:`~cpshard.attention.state`: the step's state (and its windows' and mask descriptions'
+  states), its registry;
 * :mod:`~cpshard.attention.packing`, :mod:`~cpshard.attention.blocks`,
   :mod:`~cpshard.planning.spans`, :mod:`~cpshard.attention.placement`: the state's views of its
   spans (varlen packing, the loop's blocks) and their placement on the device.

@@ -1,5 +1,6 @@
 """The public CP attention functions: :func:`cp_attention` (causal or bidirectional within
-documents, sliding windows, soft-capping, sinks, a sharded batch's token check) and
+documents, sliding windows, a mask description, soft-capping, sinks, a sharded batch's token
+check) and
 :func:`cp_blockdiag_sdpa` (a drop-in for ``F.scaled_dot_product_attention``). Both attend under
 the active step state (:mod:`cpshard.attention.state`), whatever layout the ranks' tokens
 follow, and are plain SDPA when no CP attention context is active."""
@@ -12,13 +13,14 @@ import torch
 
 from cpshard.attention.head_attention import head_parallel_attention
 from cpshard.attention.ops import cp_attention_op
-from cpshard.attention.plain import plain_attention
+from cpshard.attention.plain import described_attention, plain_attention
 from cpshard.attention.reach import note_cpshard_mixing
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.strategy import route
 from cpshard.attention.tokens import check_outside, state_for_tokens, token_problem
 from cpshard.consensus import check_call
 from cpshard.fingerprints import device_code, digest, dtype_code
+from cpshard.masks import MaskDescription
 from cpshard.validation import is_int
 
 _WHAT = "cpshard.cp_attention"
@@ -54,6 +56,35 @@ def _position_ids(position_ids: object) -> torch.Tensor | None:
     return position_ids
 
 
+def _mask(mask: object) -> MaskDescription | None:
+    if mask is not None and not isinstance(mask, MaskDescription):
+        raise TypeError(
+            f"{_WHAT}: mask must be a cpshard.masks.MaskDescription or None, got "
+            f"{type(mask).__name__}"
+        )
+    return mask
+
+
+def _mask_problem(mask: MaskDescription | None, window: int | None) -> str | None:
+    """What conflicts with ``mask`` among the call's other arguments (None: nothing)."""
+    if mask is not None and window is not None:
+        return "window must be None with mask (a description states its windows)"
+    return None
+
+
+def _causal_claim_problem(
+    mask: MaskDescription | None, causal: bool, looks_ahead: bool
+) -> str | None:
+    """``is_causal=True`` with a ``mask`` some of whose queries see later keys (None: no
+    conflict)."""
+    if mask is None or not causal or not looks_ahead:
+        return None
+    return (
+        "is_causal=True conflicts with mask: some of its queries see later keys (leave "
+        "is_causal unset or pass False: the description says which keys each query sees)"
+    )
+
+
 def _sinks_problem(sinks: object, q: torch.Tensor) -> str | None:
     """What is wrong with ``sinks`` for queries ``q`` ``[B, H, L, D]`` (None: nothing)."""
     if sinks is None:
@@ -73,7 +104,7 @@ def cp_attention(
     value: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
-    is_causal: bool = True,
+    is_causal: bool | None = None,
     scale: float | None = None,
     enable_gqa: bool = False,
     window: int | None = None,
@@ -81,6 +112,7 @@ def cp_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
+    mask: MaskDescription | None = None,
 ) -> torch.Tensor:
     """Attention of ``[B, H, L, D]`` queries and keys and ``[B, H, L, D_v]`` values (``D_v`` may
     differ from ``D``: multi-head latent attention).
@@ -89,7 +121,18 @@ def cp_attention(
     ``make_cp_blockdiag_batch_and_ctx``'s): causal attention within each document over the whole
     sequence, whatever layout the ranks' tokens follow, exact forward and backward (``attn_mask``
     must be None and ``dropout_p`` 0: the documents define the mask); ``is_causal=False``:
-    bidirectional within each document. The variants, in any combination, exact:
+    bidirectional within each document (``is_causal`` None: causal, or the mask's). The
+    variants, in any combination, exact:
+
+    * ``mask``: a :class:`~cpshard.masks.MaskDescription` of the batch (its rows and
+      documents; the unpadded or the step's padded length): each query sees the keys its
+      segment's rule says (chunked attention, bidirectional image blocks or a prefix over causal
+      attention, sliding starts with a fixed end, look-ahead windows, ...). The step plans each
+      description object once, on its first use (a layer type passing the same object reuses
+      it). With ``mask``, ``window`` must be None (state it in the description) and
+      ``is_causal`` None or False, or True only for a description no query of which sees a
+      later key; anything else raises. A description of another batch, or with a query that
+      does not see itself, raises naming ``mask`` and the rank;
 
     * ``window``: a sliding window, the keys a query sees (itself included) within its
       document; causal only. A windowed layer exchanges at most ``window - 1`` rows before each
@@ -107,19 +150,22 @@ def cp_attention(
     without an error. Other tensors (positions a model derives itself) are not checked.
 
     Outside: ``F.scaled_dot_product_attention`` (with ``window``, a causal band mask; with
-    ``softcap`` or ``sinks``, the explicit statement)."""
+    ``mask``, its ``dense()`` mask, a query that sees no key giving zeros; with ``softcap`` or
+    ``sinks``, the explicit statement), so the same layer code runs both ways."""
     window = _window(window)
     softcap = _softcap(softcap)
     position_ids = _position_ids(position_ids)
+    mask = _mask(mask)
+    causal = is_causal if is_causal is not None else mask is None
     # a checkpoint recompute run after the context finds its step by its tokens
     state = state_for_tokens(position_ids, active_state())
     if state is not None:
-        chosen = state if is_causal else state.bidirectional()
         problem = token_problem(position_ids, state) or _sinks_problem(sinks, query)
-        if problem is None and window is not None and not is_causal:
+        problem = problem or _mask_problem(mask, window)
+        if problem is None and window is not None and not causal:
             problem = "window needs is_causal=True"
         return attend(
-            chosen,
+            state,
             query,
             key,
             value,
@@ -132,13 +178,21 @@ def cp_attention(
             window=window,
             softcap=softcap,
             sinks=sinks,
+            causal=causal,
+            mask=mask,
         )
     check_outside(position_ids, _WHAT)
-    problem = _sinks_problem(sinks, query)
+    problem = _sinks_problem(sinks, query) or _mask_problem(mask, window)
+    if problem is None and mask is not None:
+        problem = _causal_claim_problem(mask, causal, bool((mask.ahead > 0).any()))
     if problem is not None:
         raise ValueError(f"{_WHAT}: {problem}")
+    if mask is not None:
+        return described_attention(
+            query, key, value, mask, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks
+        )
     return plain_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        query, key, value, attn_mask, dropout_p, causal, scale, enable_gqa,
         window, softcap, sinks,
     )  # fmt: skip
 
@@ -191,6 +245,14 @@ def _problem(
     return problem
 
 
+def _mask_digest(mask: MaskDescription | None) -> list[int]:
+    """A consensus field of a mask description: its segments and their rules."""
+    if mask is None:
+        return digest(None)
+    cols = (mask.row, mask.start, mask.end, mask.lo, mask.back, mask.hi, mask.ahead)
+    return [mask.rows, mask.length, *digest(torch.cat(cols))]
+
+
 def _fields(
     state: AttentionState,
     q: torch.Tensor,
@@ -202,6 +264,7 @@ def _fields(
 ) -> Callable[[], dict[str, Sequence[int]]]:
     """What every rank's call must agree on (checked mode only: it reads the step's plan)."""
     return lambda: {
+        "mask": _mask_digest(state.mask),
         "layout": digest([ord(c) for c in state.layout]),
         "dtype": [dtype_code(q.dtype)],
         "device type": [device_code(q)],
@@ -233,24 +296,37 @@ def attend(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    causal: bool = True,
+    mask: MaskDescription | None = None,
 ) -> torch.Tensor:
-    """Causal attention within documents under ``state`` (its ``window``, ``softcap`` and
-    ``sinks`` variants: :func:`cp_attention`): the step's K/V exchange, then the spans'
+    """Attention within documents under the step's ``state``: causal, bidirectional
+    (``causal=False``) or ``mask``'s (a :class:`~cpshard.masks.MaskDescription` of the step's
+    batch, planned once per description object and step), with the ``window``, ``softcap`` and
+    ``sinks`` variants (:func:`cp_attention`): the step's K/V exchange, then the spans'
     attention. ``problem``: the caller's own finding about its arguments, reported like the
-    shape checks (locally, or on every rank in checked mode)."""
+    shape checks (locally, or on every rank in checked mode), as is a description the step
+    cannot execute."""
     note_cpshard_mixing()
-    problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
-    fields = _fields(state, query, key, value, window, softcap, sinks)
-    check_call(state.group, what, problem, fields)
+    chosen = state
+    if problem is None:
+        try:
+            chosen = state.variant(causal, mask)
+        except ValueError as e:  # a description of another batch, or one it cannot execute
+            problem = str(e)
+        else:
+            problem = _causal_claim_problem(mask, causal, chosen.looks_ahead)
+    problem = problem or _problem(chosen, query, key, value, attn_mask, dropout_p, enable_gqa)
+    fields = _fields(chosen, query, key, value, window, softcap, sinks)
+    check_call(chosen.group, what, problem, fields)
     d_k = key.shape[-1]
     size = query.element_size()
-    plan = route(state, window, query.shape[1], key.shape[1], d_k, value.shape[-1], size)
+    plan = route(chosen, window, query.shape[1], key.shape[1], d_k, value.shape[-1], size)
     if plan is not None:
         return head_parallel_attention(
-            plan, state.causal, query, key, value, scale, window, softcap, sinks
+            plan, chosen.causal, query, key, value, scale, window, softcap, sinks, chosen.mask
         )
     kv = torch.cat([key, value], dim=-1)
-    out, _ = cp_attention_op(query, kv, state.key, d_k, scale, window, softcap, sinks)
+    out, _ = cp_attention_op(query, kv, chosen.key, d_k, scale, window, softcap, sinks)
     return out
 
 

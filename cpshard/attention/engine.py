@@ -1,7 +1,9 @@
-"""How a step's spans are attended: ONE launch of a varlen kernel over every span packed back
-to back where a flash kernel serves the queries, the explicit varlen kernel in chunks of many
-spans where none does (:class:`Varlen` either way), else a loop over spans (:class:`Loop`: a
-step with no packing).
+"""How a step's spans are attended: ONE launch of a varlen kernel over every span of a kind
+packed back to back where a flash kernel serves the queries, the explicit varlen kernel in
+chunks of many spans where none does (:class:`Varlen` either way), else a loop over spans
+(:class:`Loop`: a step with no packing). A mask description's state may mix kinds (causal,
+windows, every key visible: a launch each) with pieces whose queries see per-query key ranges,
+which the loop attends next to the launches (:class:`Together`).
 
 The loop splits a span whose document starts before the run into a non-causal prefix part and
 a causal square part, merged by their log-sum-exp (flash-attention's decomposition), so no
@@ -60,15 +62,15 @@ class Loop:
     """The per-span loop: each long span's parts and each block of short spans
     (:mod:`cpshard.attention.blocks`) through the part kernel, parts merged by LSE."""
 
-    def __init__(self, state: AttentionState, q: torch.Tensor, softcap: float | None) -> None:
-        self.state, self.kern, self.heads = state, part_kernel(q, softcap), q.shape[1]
-        self.blocks, self.dtype = state.blocks_on(q.device), q.dtype
+    def __init__(self, blocks: Blocks, q: torch.Tensor, softcap: float | None) -> None:
+        self.kern, self.heads = part_kernel(q, softcap), q.shape[1]
+        self.blocks, self.dtype = blocks, q.dtype
 
     def _items(self) -> Iterator[tuple[tuple[slice, ...], list[Part]]]:
         """Each span or block: its query rows' index into ``[B, H, L, ...]`` and its parts."""
-        for it in self.blocks.items:
+        for it, causal in zip(self.blocks.items, self.blocks.causal, strict=True):
             rows = (slice(it.row, it.row + 1), slice(None), slice(it.q, it.q + it.n))
-            yield rows, _parts(it, self.state.causal, self.blocks, self.dtype)
+            yield rows, _parts(it, causal, self.blocks, self.dtype)
 
     def _keys(self, t: T, at: tuple[slice, slice, slice]) -> T:
         """A part's keys or values as the kernel takes them: a view for a kernel with GQA and
@@ -158,14 +160,16 @@ def _scatter(rows: torch.Tensor, packed: torch.Tensor, n: int, add: bool = False
 
 
 class Varlen:
-    """Every segment in one launch of a varlen kernel: segment queries and their keys packed as
-    ``[tokens, heads, D]`` by the step's packing (GQA left to the kernel), results put back."""
+    """Every span of the packings in one launch of a varlen kernel each (one packing per kind of
+    span: causal, with a window, or every key visible): segment queries and their keys packed
+    as ``[tokens, heads, D]`` (GQA left to the kernel), results put back. Each query belongs to
+    one span of one packing, so their outputs land on distinct rows."""
 
-    def __init__(self, kern: VarlenKernel, packing: Packing) -> None:
-        self.kern, self.p = kern, packing
+    def __init__(self, kern: VarlenKernel, packings: tuple[Packing, ...]) -> None:
+        self.kern, self.packings = kern, packings
 
-    def _packed(self, q: T, k: T, v: T) -> tuple[T, T, T]:
-        p = self.p
+    @staticmethod
+    def _packed(p: Packing, q: T, k: T, v: T) -> tuple[T, T, T]:
         return (
             _flat(q).index_select(0, p.q_rows),
             _flat(k).index_select(0, p.k_rows),
@@ -174,41 +178,79 @@ class Varlen:
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
         b, heads, length, _ = q.shape
-        out, lse = self.kern.forward(*self._packed(q, k, v), self.p, scale)
-        full_lse = lse.new_full((b * length, heads), float("-inf")).index_copy(
-            0, self.p.q_rows, lse.t()
-        )
-        lse = full_lse.view(b, length, heads).transpose(1, 2)
-        return _unflat(_scatter(self.p.q_rows, out, b * length), b), lse
+        out: T | None = None
+        full_lse: T | None = None
+        for p in self.packings:
+            part, lse = self.kern.forward(*self._packed(p, q, k, v), p, scale)
+            if out is None or full_lse is None:
+                out = _scatter(p.q_rows, part, b * length)
+                full_lse = lse.new_full((b * length, heads), float("-inf"))
+            else:
+                out.index_copy_(0, p.q_rows, part)
+            full_lse.index_copy_(0, p.q_rows, lse.t())
+        assert out is not None and full_lse is not None, "a varlen path has a packing"
+        return _unflat(out, b), full_lse.view(b, length, heads).transpose(1, 2)
 
     def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
         b, heads, length, _ = q.shape
-        p = self.p
-        pick = lambda t: _flat(t).index_select(0, p.q_rows)  # noqa: E731
-        packed_lse = (
-            lse.transpose(1, 2).reshape(-1, heads).index_select(0, p.q_rows).t().contiguous()
-        )
-        dq, dk, dv = self.kern.backward(
-            pick(grad), *self._packed(q, k, v), pick(out), packed_lse, p, scale
-        )
         ext = b * k.shape[2]  # copies where each key row serves one span (the contiguous split)
-        dq = _scatter(p.q_rows, dq, b * length)
-        return (
-            _unflat(dq, b),
-            _unflat(_scatter(p.k_rows, dk, ext, p.shared_keys), b),
-            _unflat(_scatter(p.k_rows, dv, ext, p.shared_keys), b),
-        )
+        total: list[T] = []
+        for p in self.packings:
+            packed_lse = (
+                lse.transpose(1, 2).reshape(-1, heads).index_select(0, p.q_rows).t().contiguous()
+            )
+            dq, dk, dv = self.kern.backward(
+                _flat(grad).index_select(0, p.q_rows), *self._packed(p, q, k, v),
+                _flat(out).index_select(0, p.q_rows), packed_lse, p, scale,
+            )  # fmt: skip
+            grads = (
+                _scatter(p.q_rows, dq, b * length),
+                _scatter(p.k_rows, dk, ext, p.shared_keys),
+                _scatter(p.k_rows, dv, ext, p.shared_keys),
+            )
+            total = list(grads) if not total else [a + g for a, g in zip(total, grads, strict=True)]
+        dq, dk, dv = (_unflat(t, b) for t in total)
+        return dq, dk, dv
+
+
+class Together:
+    """The varlen path for the spans it can state and the loop for the rest (a mask
+    description's pieces whose queries see per-query key ranges): each query is in one of the
+    two, so the outputs add up (zeros elsewhere), the log-sum-exps take the larger (-inf
+    elsewhere), and the gradients add up."""
+
+    def __init__(self, varlen: Varlen, loop: Loop) -> None:
+        self.varlen, self.loop = varlen, loop
+
+    def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
+        out, lse = self.varlen.forward(q, k, v, scale)
+        rest_out, rest_lse = self.loop.forward(q, k, v, scale)
+        return out + rest_out, torch.maximum(lse, rest_lse)
+
+    def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
+        grads = self.varlen.backward(grad, q, k, v, out, lse, scale)
+        rest = self.loop.backward(grad, q, k, v, out, lse, scale)
+        dq, dk, dv = (a + r for a, r in zip(grads, rest, strict=True))
+        return dq, dk, dv
 
 
 def implementation(
     state: AttentionState, q: torch.Tensor, d: int, softcap: float | None
-) -> Loop | Varlen:
+) -> Loop | Varlen | Together:
     """The varlen path where the rank has spans and the step a packing: one launch of a flash
-    kernel that serves q with head dim ``d`` (and logits with no soft-cap), else the explicit
-    varlen kernel in chunks where the loop would run the explicit part kernel; otherwise the
-    loop."""
+    kernel per kind of span that serves q with head dim ``d`` (and logits with no soft-cap),
+    else the explicit varlen kernel in chunks where the loop would run the explicit part
+    kernel; the loop for the spans no packing states (:attr:`AttentionState.rest`) and for a
+    step with no packing."""
     kern: VarlenKernel | None = varlen_kernel(q, d, d) if softcap is None else None
     if kern is None:
         kern = math_varlen(part_kernel(q, softcap))
-    packing = state.packing_on(q.device) if kern is not None and len(state.span_table) else None
-    return Loop(state, q, softcap) if packing is None else Varlen(kern, packing)
+    packed = state.packing_on(q.device) if kern is not None and len(state.span_table) else None
+    if kern is None or packed is None:
+        return Loop(state.blocks_on(q.device), q, softcap)
+    rest = state.rest_on(q.device)
+    if rest is None:
+        return Varlen(kern, packed.packings)
+    if not packed.packings:
+        return Loop(rest, q, softcap)
+    return Together(Varlen(kern, packed.packings), Loop(rest, q, softcap))

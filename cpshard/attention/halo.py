@@ -84,16 +84,25 @@ class HaloExchange:
 
 
 def halo_spans(
-    exchange: HaloExchange, runs: Sequence[tuple[int, int, int, int]], window: int | None = None
+    exchange: HaloExchange,
+    runs: Sequence[tuple[int, int, int, int]],
+    window: int | None = None,
+    firsts: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """This rank's runs ``(row, begin, length, doc_start)`` (global positions) as spans over
-    the halo-extended key buffer (causal: each run sees its document from its start, or from
-    its first query's ``window``): a span table (:func:`~cpshard.planning.spans.span_table`)."""
+    the halo-extended key buffer (causal: each run sees its document from its start, from its
+    first query's ``window``, or from its first key ``firsts``, a mask description's): a span
+    table (:func:`~cpshard.planning.spans.span_table`)."""
     origin = exchange.start - exchange.halo  # global position of the buffer's first row
     row, begin, length, doc_start = (
         torch.tensor(runs, dtype=torch.int64).view(len(runs), 4).unbind(1)
     )
-    first = doc_start if window is None else torch.maximum(doc_start, begin - window + 1)
+    if firsts is not None:
+        first = torch.tensor(firsts, dtype=torch.int64)
+    elif window is None:
+        first = doc_start
+    else:
+        first = torch.maximum(doc_start, begin - window + 1)
     return torch.stack(
         (row, begin - exchange.start, length, first - origin, begin - origin, doc_start), 1
     )

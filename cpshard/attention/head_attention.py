@@ -13,6 +13,7 @@ from cpshard.attention.ops import cp_attention_op
 from cpshard.attention.state import HeadParallel
 from cpshard.comm.heads import heads_to_seq, seq_to_heads
 from cpshard.fingerprints import HEADS, call_key
+from cpshard.masks import MaskDescription
 
 
 def _key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flat: list[int]) -> int:
@@ -31,15 +32,17 @@ def head_parallel_attention(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None,
+    mask: MaskDescription | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's q ``[B, Hq, L, d_k]``, k ``[B, Hkv, L, d_k]`` and v ``[B, Hkv,
     L, d_v]`` under ``plan`` (:class:`~cpshard.attention.state.HeadParallel`): the output
-    ``[B, Hq, L, d_v]``."""
+    ``[B, Hq, L, d_v]``. With ``mask``, the inner state plans the same description over the
+    gathered tokens (the inner plan's documents are the step's)."""
     group = plan.used().group
     d_k = k.shape[3]
     split = split_heads(q.shape[1], k.shape[1], group.world)
     start, count = split.q[group.rank]
-    inner = plan.inner if causal else plan.inner.bidirectional()
+    inner = plan.inner.variant(causal, mask)
     if sinks is not None:
         sinks = sinks[start : start + count]
     if group.world == 1:

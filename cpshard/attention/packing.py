@@ -1,4 +1,7 @@
-"""The varlen kernel's view of a step: every span's queries and keys packed back to back."""
+"""The varlen kernel's view of a step: every span's queries and keys packed back to back, one
+packing per kind of span a varlen kernel states (causal, with a window, or every key visible);
+the spans whose queries see per-query key ranges (a mask description's sliding starts with a
+fixed end and look-ahead windows) are left to the loop."""
 
 from __future__ import annotations
 
@@ -8,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from cpshard.attention.placement import pinned
-from cpshard.planning.spans import Span
+from cpshard.masks import INF
+from cpshard.planning.spans import Span, spans_of
 from cpshard.ranges import ragged_arange
 
 # The most packed key rows per key buffer row: beyond it the varlen packing is not built (the
@@ -63,6 +67,50 @@ class Packing:
             None if self.q_last is None else move(self.q_last),
             self.chunks,
         )
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A step's varlen view: its ``packings`` (one per kind of span) and the spans none of them
+    states (``rest``: indices into the span table, host ints), which the loop attends."""
+
+    packings: tuple[Packing, ...]
+    rest: tuple[int, ...]
+
+    def to(self, device: torch.device) -> Packed:
+        return Packed(tuple(p.to(device) for p in self.packings), self.rest)
+
+
+def pack_spans(
+    table: torch.Tensor, rules: torch.Tensor, local_len: int, key_len: int, batch_size: int
+) -> Packed | None:
+    """The spans of ``table`` under their ``rules`` (:func:`~cpshard.planning.spans.query_keys`)
+    packed per kind a varlen kernel states: causal spans per window (``back + 1``, or none),
+    spans whose queries all see every key of ``[k, end)``; the others left to the loop. None
+    when the packings would hold more than ``PACKED_KEYS_PER_ROW`` key rows per buffer row."""
+    n, k, split = table[:, 2], table[:, 3], table[:, 4]
+    end, back, ahead = rules.unbind(1)
+    causal = ahead == 0
+    visible = ~causal & (split + n - 1 - back <= k) & (split + 1 + ahead >= end)
+    keys = torch.where(causal, split + n - k, end - k)
+    if int(keys[causal | visible].sum()) > PACKED_KEYS_PER_ROW * batch_size * key_len:
+        return None
+    whole = table.clone()
+    whole[:, 4] = torch.where(causal, split, end)  # a visible span's keys end at its split
+    window = torch.where(back < INF, back + 1, 0)  # 0: no window
+    packings = []
+    for kind_causal, kind in ((True, causal), (False, visible)):
+        windows = window[kind]
+        for w in torch.unique(windows).tolist():
+            pick = torch.nonzero(kind).flatten()[windows == w]
+            packing = pack(
+                spans_of(whole[pick]), local_len, key_len, kind_causal, batch_size,
+                (w or None) if kind_causal else None,
+            )  # fmt: skip
+            assert packing is not None, "the packings' keys were counted above"
+            packings.append(packing)
+    rest = torch.nonzero(~(causal | visible)).flatten().tolist()
+    return Packed(tuple(packings), tuple(rest))
 
 
 def _runs(first: list[int], lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

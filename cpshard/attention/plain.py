@@ -1,12 +1,14 @@
-"""Single-device attention with the variants CP attention supports (a sliding window, logit
-soft-capping, sinks): what the CP attention functions run when no CP attention context is
-active. SDPA where it serves the call; the explicit statement (plain PyTorch, autograd) where
-SDPA has no such option."""
+"""Single-device attention with the variants CP attention supports (a sliding window, a mask
+description, logit soft-capping, sinks): what the CP attention functions run when no CP
+attention context is active. SDPA where it serves the call; the explicit statement (plain
+PyTorch, autograd) where SDPA has no such option."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from cpshard.masks import MaskDescription
 
 
 def band(q: torch.Tensor, k: torch.Tensor, window: int) -> torch.Tensor:
@@ -93,3 +95,36 @@ def plain_attention(
         scale=scale,
         enable_gqa=enable_gqa,
     )
+
+
+def described_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: MaskDescription,
+    attn_mask: torch.Tensor | None,
+    dropout_p: float,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`plain_attention` under the mask description ``mask`` of the call's ``[B, S]``
+    tokens (its :meth:`~cpshard.masks.MaskDescription.dense` mask): a query that sees no key
+    (padding) gets zeros, as under CP (it attends every key, then its output is dropped, so
+    no NaN reaches the gradients)."""
+    if attn_mask is not None:
+        raise ValueError("cpshard.cp_attention: attn_mask must be None with mask")
+    rows, length = query.shape[0], query.shape[-2]
+    if (mask.rows, mask.length) != (rows, length) or key.shape[-2] != length:
+        raise ValueError(
+            f"cpshard.cp_attention: mask describes a [{mask.rows}, {mask.length}] batch, the "
+            f"call's queries and keys are [{rows}, {length}] and {key.shape[-2]} keys"
+        )
+    visible = mask.dense().to(query.device)
+    empty = ~visible.any(-1, keepdim=True)  # [B, S, 1]
+    visible = (visible | empty)[:, None]
+    out = plain_attention(
+        query, key, value, visible, dropout_p, False, scale, enable_gqa, None, softcap, sinks
+    )
+    return out.masked_fill(empty[:, None], 0.0)

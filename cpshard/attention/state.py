@@ -31,10 +31,11 @@ import torch
 
 from cpshard.attention.blocks import Blocks, plan_blocks
 from cpshard.attention.exchange import KVExchange
-from cpshard.attention.packing import Packing, pack
+from cpshard.attention.packing import Packed, pack_spans
 from cpshard.attention.placement import cached_on
+from cpshard.masks import MaskDescription
 from cpshard.planning import LayoutRuns
-from cpshard.planning.spans import Span, spans_of
+from cpshard.planning.spans import Span, span_rules, spans_of
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
 from cpshard.scoped import ScopedValue
@@ -102,7 +103,10 @@ class AttentionState:
     each query sees only that many keys of its prefix, itself included (a windowed state
     exchanges only the rows its windows reach). ``plan_window``: how the step's causal state
     plans the state of a window (once per window and step, on first use: see
-    :meth:`windowed`)."""
+    :meth:`windowed`). ``mask``: the mask description a masked state executes (not causal, no
+    twin), its spans' per-span ``rules`` (:func:`~cpshard.planning.spans.query_keys`; None:
+    from ``causal`` and ``window``); ``plan_mask``: how the step's causal state plans the
+    state of a description (once per description object and step: :meth:`masked`)."""
 
     group: Group
     layout: str  # the layout whose shards the state serves
@@ -120,6 +124,11 @@ class AttentionState:
     plan_window: Callable[[int], AttentionState] | None = field(
         default=None, repr=False, compare=False
     )
+    mask: MaskDescription | None = field(default=None, repr=False, compare=False)
+    rules: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    plan_mask: Callable[[MaskDescription], AttentionState] | None = field(
+        default=None, repr=False, compare=False
+    )
     # The step's padded document ids [B, P] (host), layout and every rank's runs of them: what
     # the sequence mixers other than attention (convolutions, recurrences: cpshard.mixers) plan
     # their steps from.
@@ -134,13 +143,20 @@ class AttentionState:
     key: torch.Tensor = field(init=False, repr=False, compare=False)  # CPU int64 scalar
     # Host (pinned) copies of the varlen packing and the loop's blocks (see :meth:`place_on`).
     _host: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
-    _packing_on: dict[torch.device, Packing] = field(
+    _packing_on: dict[torch.device, Packed] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _rest_on: dict[torch.device, Blocks] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     _blocks_on: dict[torch.device, Blocks] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     _windows: dict[int, AttentionState] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    # id(description) -> its state (which holds the description: the id is not reused)
+    _masks: dict[int, AttentionState] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     # Per-step plans other consumers derive from this state (planned once, on first use).
@@ -154,6 +170,8 @@ class AttentionState:
         key = next(_keys)
         if self.window is not None and not self.causal:
             raise ValueError("a sliding window needs a causal attention state")
+        if (self.mask is None) != (self.rules is None) or (self.mask is not None and self.causal):
+            raise ValueError("a masked attention state has its mask and rules, and no twin")
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {STRATEGIES}, got {self.strategy!r}")
         object.__setattr__(self, "key", torch.tensor(key, dtype=torch.int64))
@@ -180,34 +198,65 @@ class AttentionState:
         return self._made("spans", lambda: spans_of(self.span_table))
 
     @property
-    def packing(self) -> Packing | None:
-        """The spans' varlen packing (host; None: the step has none, see
-        :func:`~cpshard.attention.packing.pack`), made on first use."""
+    def span_rules(self) -> torch.Tensor:
+        """``[N, 3]`` per-span rules ``(end, back, ahead)``: which keys each query sees
+        (:func:`~cpshard.planning.spans.query_keys`), a masked state's own, else its kind's."""
+        if self.rules is not None:
+            return self.rules
+        return self._made("rules", lambda: span_rules(self.span_table, self.causal, self.window))
+
+    @property
+    def looks_ahead(self) -> bool:
+        """Whether a query of the state's mask description sees a later key (made once from the
+        description: alike on every rank; a state without one: not causal)."""
+        if self.mask is None:
+            return not self.causal
+        mask = self.mask
+        return self._made("looks ahead", lambda: bool((mask.ahead > 0).any()))
+
+    @property
+    def packing(self) -> Packed | None:
+        """The spans' varlen packings (host; None: the step has none, see
+        :func:`~cpshard.attention.packing.pack_spans`), made on first use."""
         seen_views.add("packing")
         return self._made(
             "packing",
-            lambda: pack(
-                self.spans,
+            lambda: pack_spans(
+                self.span_table,
+                self.span_rules,
                 self.local_len,
                 self.exchange.key_len,
-                self.causal,
                 self.batch_size,
-                self.window,
             ),
         )
+
+    @property
+    def rest(self) -> Blocks | None:
+        """The loop's view of the spans no packing states (a mask description's per-query key
+        ranges), next to the packings; None: every span is packed, or there is no packing."""
+        packed = self.packing
+        if packed is None or not packed.rest:
+            return None
+        at = list(packed.rest)
+        return self._made("rest", lambda: plan_blocks(self.span_table[at], self.span_rules[at]))
 
     @property
     def blocks(self) -> Blocks:
         """The loop's view of the spans (host, :func:`~cpshard.attention.blocks.plan_blocks`),
         made on first use."""
         seen_views.add("blocks")
-        return self._made("blocks", lambda: plan_blocks(self.span_table, self.causal, self.window))
+        return self._made("blocks", lambda: plan_blocks(self.span_table, self.span_rules))
 
-    def packing_on(self, device: torch.device) -> Packing | None:
+    def packing_on(self, device: torch.device) -> Packed | None:
         """The packing on ``device``, copied there once per device and cached (None: the step
         has none)."""
         packing = self.packing
         return None if packing is None else cached_on(self._packing_on, device, packing)
+
+    def rest_on(self, device: torch.device) -> Blocks | None:
+        """:attr:`rest` on ``device``, copied there once per device and cached."""
+        rest = self.rest
+        return None if rest is None else cached_on(self._rest_on, device, rest)
 
     def blocks_on(self, device: torch.device) -> Blocks:
         """:attr:`blocks` on ``device``, copied there once per device and cached."""
@@ -220,6 +269,7 @@ class AttentionState:
         blocks)."""
         if "packing" in seen_views:
             self.packing_on(device)
+            self.rest_on(device)
         if "blocks" in seen_views:
             self.blocks_on(device)
         self.exchange.place_on(device)
@@ -229,6 +279,8 @@ class AttentionState:
     def bidirectional(self) -> AttentionState:
         """The step's state for bidirectional attention within documents."""
         global seen_bidirectional
+        if self.mask is not None:
+            raise ValueError("cpshard CP attention: a masked state has no bidirectional twin")
         if not self.causal:
             return self
         seen_bidirectional = True
@@ -251,6 +303,26 @@ class AttentionState:
         if state is None:
             state = self._windows[window] = self.plan_window(window)
         return state
+
+    def masked(self, mask: MaskDescription) -> AttentionState:
+        """The step's state executing the mask description ``mask`` (of the step's batch: its
+        rows and documents, over the padded length or the unpadded one), planned on its first
+        use from the step's runs and kept for the step: a layer type that passes the same
+        description object reuses it. Raises ``ValueError`` (starting ``mask:``) for a
+        description of another batch or one CP attention cannot execute."""
+        if self.plan_mask is None:
+            raise ValueError("cpshard CP attention: a mask description needs the step's state")
+        state = self._masks.get(id(mask))
+        if state is None:
+            state = self._masks[id(mask)] = self.plan_mask(mask)
+        return state
+
+    def variant(self, causal: bool, mask: MaskDescription | None = None) -> AttentionState:
+        """The step's state a call attends under: ``mask``'s (:meth:`masked`), else this causal
+        state or its bidirectional twin."""
+        if mask is not None:
+            return self.masked(mask)
+        return self if causal else self.bidirectional()
 
 
 def state_for(key: torch.Tensor) -> AttentionState:

@@ -10,7 +10,10 @@ needed-rows all-to-all-v (:mod:`cpshard.attention.needed_rows`; the rows after a
 bidirectional attention reaches are not a halo). A sliding window gets the causal state's
 plan with each run's keys starting at its first query's window (at most ``window - 1`` rows
 before the run), made once per window and step: at the setup for the windows earlier steps'
-layers used, else when a layer first asks for it.
+layers used, else when a layer first asks for it. A mask description
+(:class:`~cpshard.masks.MaskDescription`) gets its own state when a layer first passes it: the
+halo when its pieces are all causal on contiguous shards, else the needed rows, each piece's
+queries seeing the keys its rule says.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from cpshard.attention.needed_rows import NeededRowsExchange
 from cpshard.attention.state import AttentionState, HeadParallel
 from cpshard.comm import Group
 from cpshard.layouts import ShardLayout
+from cpshard.masks import MaskDescription
 from cpshard.planning import (
     HaloPlan,
     NeededRowsPlan,
@@ -45,16 +49,26 @@ def _state(
     plan_twin: Callable[[], AttentionState] | None = None,
     plan_window: Callable[[int], AttentionState] | None = None,
     head_parallel: tuple[HeadParallel, ...] = (),
+    mask: MaskDescription | None = None,
+    plan_mask: Callable[[MaskDescription], AttentionState] | None = None,
 ) -> AttentionState:
     """The state of one exchange plan of the step: causal when it is given how to plan its
-    bidirectional twin (``plan_twin``); the halo's spans over the halo-extended buffer."""
+    bidirectional twin (``plan_twin``), ``mask``'s when given the description it executes;
+    the halo's spans over the halo-extended buffer."""
     b, padded = plan.documents.shape
     local = padded // group.world
+    rules = None
     if isinstance(exchange, HaloPlan):
         kv = HaloExchange(group, group.rank * local, local, b, exchange.halos)
-        spans = halo_spans(kv, exchange.runs, window)
+        spans = halo_spans(kv, exchange.runs, window, exchange.firsts)
+        if mask is not None:  # causal pieces, each with its sliding start (or none)
+            assert exchange.backs is not None, "a mask's halo plan has its pieces' starts"
+            back = torch.tensor(exchange.backs, dtype=torch.int64)
+            zero = torch.zeros_like(back)
+            rules = torch.stack((spans[:, 4] + spans[:, 2], back, zero), 1)
     else:
         kv, spans = NeededRowsExchange.from_plan(group, exchange), exchange.spans
+        rules = exchange.rules
     return AttentionState(
         group=group,
         layout=plan.layout.name,
@@ -67,6 +81,9 @@ def _state(
         plan_twin=plan_twin,
         window=window,
         plan_window=plan_window,
+        mask=mask,
+        rules=rules,
+        plan_mask=plan_mask,
         documents=plan.documents,
         shard_layout=plan.layout,
         runs=plan.runs,
@@ -118,7 +135,29 @@ def _states(
                 exchange = plan_needed_rows(rank, runs, True, window)
             return place(_state(group, plan, exchange, window, plan_twin))
 
-    state = place(_state(group, plan, plan.causal, None, plan_twin, plan_window, **routes))
+    def plan_mask(mask: MaskDescription) -> AttentionState:  # once per description and step
+        padded = plan.documents.shape[1]
+        with collector_paused():
+            try:
+                if mask.rows != plan.documents.shape[0] or mask.length > padded:
+                    raise ValueError(
+                        f"the mask describes a [{mask.rows}, {mask.length}] batch, the step's "
+                        f"documents are {list(plan.documents.shape)} (padded)"
+                    )
+                full = mask.padded_to(padded)
+                if plan.layout.contiguous_shards and bool((full.ahead == 0).all()):
+                    exchange: NeededRowsPlan | HaloPlan = plan_halo(rank, runs, mask=full)
+                else:
+                    exchange = plan_needed_rows(rank, runs, mask=full)
+            except ValueError as e:
+                raise ValueError(f"mask: {e}") from None
+            return place(_state(group, plan, exchange, mask=mask, **routes))
+
+    state = place(
+        _state(
+            group, plan, plan.causal, None, plan_twin, plan_window, plan_mask=plan_mask, **routes
+        )
+    )
     if states.seen_bidirectional:  # layers of earlier steps attended bidirectionally
         state.bidirectional()
     for window in sorted(states.seen_windows):  # the windows earlier steps' layers used

@@ -49,7 +49,7 @@ def head_parallel_bytes(
     tokens = state.batch_size * state.local_len
     width = _kv_width(d_k, d_v)
     held = [(qc + kc) * width for (_, qc), (_, kc) in zip(split.q, split.kv, strict=True)]
-    inner = plan.inner if state.causal else plan.inner.bidirectional()
+    inner = plan.inner.variant(state.causal, state.mask)
     rows = inner.windowed(window).exchange.most_rows_moved
     busiest = max(
         tokens * ((world - 1) * held[r] + sum(held) - held[r]) + rows * kc * width
@@ -95,7 +95,7 @@ def route(
     over the node, then nothing exchanged between nodes)."""
     if state.strategy != "auto":
         return next(iter(state.head_parallel), None)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and state.mask is None:
         name = _first_choice(state.causal, window, q_heads, kv_heads, d_k, d_v, size)
     else:
         name = chosen_strategy(state, window, q_heads, kv_heads, d_k, d_v, size)

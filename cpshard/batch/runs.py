@@ -12,9 +12,15 @@ from cpshard.ranges import ragged_arange
 DENSE_LOOKUPS = 8
 
 
-def run_starts(ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def run_starts(ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, S]`` True where a run of equal ``ids`` begins among the ``valid`` tokens (a row's
-    first valid token and the first after padding always begin one)."""
+    first valid token and the first after padding always begin one; None: every token is
+    valid, one pass)."""
+    if valid is None:
+        starts = torch.empty(ids.shape, dtype=torch.bool, device=ids.device)
+        starts[:, :1] = True
+        torch.ne(ids[:, 1:], ids[:, :-1], out=starts[:, 1:])
+        return starts
     starts = valid.clone()
     starts[:, 1:] &= ~((ids[:, 1:] == ids[:, :-1]) & valid[:, :-1])
     return starts
@@ -26,22 +32,29 @@ def document_runs(row: torch.Tensor) -> list[tuple[int, int, int]]:
     n = row.numel()
     if n == 0:
         return []
-    starts = torch.nonzero(run_starts(row[None], torch.ones(1, n, dtype=torch.bool))[0]).flatten()
+    starts = torch.nonzero(run_starts(row[None])[0]).flatten()
     ends = torch.cat([starts[1:], torch.tensor([n])])
     return list(zip(starts.tolist(), (ends - starts).tolist(), row[starts].tolist(), strict=True))
+
+
+def id_runs(doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every maximal run of one id of ``doc`` ``[B, P]``, padding runs included: row, start,
+    end (one past the last token) and id, int64 vectors ordered by row and start."""
+    padded = doc.shape[1]
+    bounds = torch.nonzero(run_starts(doc).reshape(-1))
+    bounds = bounds.flatten()  # every row's first position starts a run
+    after = torch.cat([bounds[1:], bounds.new_tensor([doc.numel()])])
+    row = bounds // max(padded, 1)
+    # a run never crosses a row: the next row's first position starts one
+    return row, bounds - row * padded, after - row * padded, doc.reshape(-1)[bounds]
 
 
 def document_bounds(doc: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The documents (maximal runs of one non-zero id) of ``doc`` ``[B, P]``: row, start and
     end (one past the last token) int64 vectors, ordered by row and start."""
-    padded = doc.shape[1]
-    bounds = torch.nonzero(run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1))
-    bounds = bounds.flatten()  # every row's first position starts a run
-    after = torch.cat([bounds[1:], bounds.new_tensor([doc.numel()])])
-    keep = doc.reshape(-1)[bounds] != 0
-    bounds, after = bounds[keep], after[keep]
-    row = bounds // max(padded, 1)
-    return row, bounds - row * padded, after - row * padded
+    row, start, end, ids = id_runs(doc)
+    keep = ids != 0
+    return row[keep], start[keep], end[keep]
 
 
 def document_runs_of(
@@ -59,7 +72,7 @@ def document_runs_of(
     first local index, length, document start, first global position and document end (one
     past its last token) of each run (int64 vectors, in that order)."""
     b, padded = doc.shape
-    starts = run_starts(doc, torch.ones_like(doc, dtype=torch.bool)).reshape(-1)
+    starts = run_starts(doc).reshape(-1)
     bounds = torch.nonzero(starts).flatten()  # flat; every row's first position is one
     after = torch.cat([bounds[1:], bounds.new_tensor([doc.numel()])])
     lo = row * padded + begin
@@ -87,10 +100,10 @@ def document_runs_of(
     if not bool(real.all()):
         keep = torch.nonzero(real).flatten()  # not padding
         cols = tuple(t[keep] for t in cols)
-    return _maximal(cols)
+    return maximal_runs(cols)
 
 
-def _maximal(cols: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+def maximal_runs(cols: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """Runs that meet (one rank's consecutive pieces of one document, e.g. two chunks a
     serpentine deal gives it in a row) merged into one."""
     rank, row, q, n, start, begin, end = cols

@@ -130,7 +130,7 @@ def cpshard_attention(
             if not attention_executes_masks():
                 raise unexecuted(attention_mask, f"{_WHAT}: rank {_cp_rank()}")
             # the description holds the mask's window and causality: the layer's must not narrow it
-            described, window = {"mask": description}, None
+            described, causal, window = {"mask": description}, None, None
         attention_mask = None
     out = cp_attention(
         query,

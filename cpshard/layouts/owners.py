@@ -69,6 +69,8 @@ def flat_pieces(rows: Sequence[RowPieces]) -> tuple[torch.Tensor, ...]:
     if not rows:
         return (torch.zeros(0, dtype=torch.int64),) * 4
     row = torch.cat([torch.full_like(p[0], i) for i, p in enumerate(rows)])
+    if len(rows) == 1:  # no copy
+        return row, *rows[0]
     start, length, rank = (torch.cat(cols) for cols in zip(*rows, strict=True))
     return row, start, length, rank
 
@@ -134,10 +136,9 @@ def _rank_major(
     counts = torch.zeros(world * rows, dtype=torch.int64).index_add_(0, block, length)
     if not bool((counts == per_rank).all()):
         raise ValueError(f"{what}: every rank must own exactly {per_rank} positions of every row")
-    if not bool(length.all()):
-        keep = torch.nonzero(length).flatten()
-        row, start, length, rank, block = (t[keep] for t in (row, start, length, rank, block))
-    order = torch.argsort(block.to(torch.int32), stable=True)  # W B < 2^31: half the bytes
-    row, start, length, rank, block = (t[order] for t in (row, start, length, rank, block))
-    q = torch.cumsum(length, 0) - length - block * per_rank  # every (rank, row) holds per_rank
-    return rank, row, start, length, q
+    # one stable sort by (rank, row), empty pieces keyed past every block and cut off
+    key = torch.where(length > 0, block, world * rows).to(torch.int32)  # W B < 2^31
+    order = torch.argsort(key, stable=True)[: int(torch.count_nonzero(length))]
+    row, start, length, rank = (t[order] for t in (row, start, length, rank))
+    q = torch.cumsum(length, 0).sub_(length).sub_((rank * rows + row) * per_rank)
+    return rank, row, start, length, q  # every (rank, row) holds per_rank: q restarts each

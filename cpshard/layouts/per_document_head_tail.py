@@ -1,6 +1,8 @@
 """The ``per_document_head_tail`` layout: the serpentine zig-zag inside every run of a packed
 row (documents and padding runs alike), planned from the batch's document ids with whole-tensor
-work over the runs of a row (:func:`~cpshard.layouts.serpentine.zigzag_pieces`).
+work over the runs of a row: every rank's positions listed rank by rank from the runs' chunk
+table (:class:`~cpshard.layouts.serpentine.ZigzagTable`, kept on the record for the step's
+planners), or the rows' pieces (:func:`~cpshard.layouts.serpentine.zigzag_pieces`).
 
 A run of ``n`` tokens is cut into ``C`` chunks (default ``2W``) of ``n // C`` tokens, chunk
 ``k`` owned by rank ``k`` on even passes of ``W`` chunks and by ``W - 1 - k % W`` on odd ones
@@ -14,16 +16,24 @@ length is a multiple of ``W``.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from cpshard.batch.runs import document_runs
+from cpshard.batch.runs import id_runs
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.owners import RowPieces, check_doc_ids, owner_of_pieces
-from cpshard.layouts.serpentine import default_num_chunks, zigzag_pieces
+from cpshard.layouts.serpentine import (
+    ZigzagTable,
+    default_num_chunks,
+    zigzag_pieces,
+    zigzag_table,
+)
 from cpshard.validation import is_int
 
 __all__ = [
     "PER_DOCUMENT_HEAD_TAIL",
+    "per_document_head_tail_indices",
     "per_document_head_tail_pieces",
     "plan_per_document_head_tail",
 ]
@@ -36,10 +46,7 @@ def plan_per_document_head_tail(
     return owner_of_pieces(per_document_head_tail_pieces(doc_ids, world, num_chunks), doc_ids.shape)
 
 
-def per_document_head_tail_pieces(
-    doc_ids: torch.Tensor, world: int, num_chunks: int | None = None
-) -> list[RowPieces]:
-    """Every row's pieces under ``per_document_head_tail`` (module doc)."""
+def _checked_chunks(doc_ids: torch.Tensor, world: int, num_chunks: int | None) -> int:
     what = "cpshard.layouts.plan_per_document_head_tail"
     check_doc_ids(doc_ids, world, what)
     chunks = default_num_chunks(world) if num_chunks is None else num_chunks
@@ -47,17 +54,38 @@ def per_document_head_tail_pieces(
         raise ValueError(
             f"{what}: num_chunks must be a positive multiple of world = {world}, got {num_chunks!r}"
         )
-    rows = []
-    for row in doc_ids:
-        runs = torch.tensor([(s, n) for s, n, _ in document_runs(row)], dtype=torch.int64)
-        starts, lengths = runs.reshape(-1, 2).unbind(1)
-        rows.append(zigzag_pieces(starts, lengths, world, chunks))
-    return rows
+    return chunks
+
+
+def per_document_head_tail_indices(
+    doc_ids: torch.Tensor, world: int, num_chunks: int | None = None
+) -> tuple[torch.Tensor, ZigzagTable]:
+    """``[W, B, P / W]``: every rank's positions under ``per_document_head_tail`` (module doc),
+    listed rank by rank from the runs' chunk table (no sort over the pieces), and the table."""
+    chunks = _checked_chunks(doc_ids, world, num_chunks)
+    table = zigzag_table(doc_ids.detach().to("cpu", torch.int64), world, chunks)
+    return table.indices(), table
+
+
+def per_document_head_tail_pieces(
+    doc_ids: torch.Tensor, world: int, num_chunks: int | None = None
+) -> list[RowPieces]:
+    """Every row's pieces under ``per_document_head_tail`` (module doc)."""
+    chunks = _checked_chunks(doc_ids, world, num_chunks)
+    row, start, end, _ = id_runs(doc_ids.detach().to("cpu", torch.int64))
+    bounds = torch.searchsorted(row, torch.arange(doc_ids.shape[0] + 1)).tolist()
+    return [
+        zigzag_pieces(start[a:b], end[a:b] - start[a:b], world, chunks)
+        for a, b in itertools.pairwise(bounds)
+    ]
 
 
 PER_DOCUMENT_HEAD_TAIL = LayoutStrategy(
     "per_document_head_tail",
     plan_pieces=lambda doc_ids, world, chunks, tolerance: per_document_head_tail_pieces(
+        doc_ids, world, chunks
+    ),
+    plan_indices=lambda doc_ids, world, chunks, tolerance: per_document_head_tail_indices(
         doc_ids, world, chunks
     ),
     default_num_chunks=default_num_chunks,

@@ -197,6 +197,14 @@ class ShardLayout:
             return None
         return rank_major_pieces(self.owner_pieces, self.world_size, self.padded_seq_len)
 
+    @functools.cached_property
+    def planned_from(self) -> object | None:
+        """What a built-in planner that lists every rank's positions directly planned them from
+        (e.g. ``per_document_head_tail``'s chunk table, with the padded ids it was made for),
+        kept for the step's planners, which check it against their documents; None for a
+        record made any other way."""
+        return None
+
     @property
     def strategy(self) -> LayoutStrategy | None:
         """The built-in strategy ``name`` refers to (None for a custom layout's name)."""

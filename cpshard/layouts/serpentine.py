@@ -18,10 +18,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["chunk_ranks", "default_num_chunks", "zigzag_pieces", "zigzag_sizes"]
+from cpshard.batch.runs import id_runs
+from cpshard.ranges import ragged_arange
+
+__all__ = [
+    "chunk_ranks",
+    "default_num_chunks",
+    "owned_chunks",
+    "ZigzagTable",
+    "zigzag_pieces",
+    "zigzag_sizes",
+    "zigzag_table",
+]
 
 CHUNKS_PER_RANK = 2  # the default chunk count is 2W: one head and one tail chunk per rank
 BLOCK_ELEMENTS = 1 << 21  # runs x chunks zig-zagged at once (bounds the memory)
@@ -39,6 +51,11 @@ def chunk_ranks(world: int, chunks: int) -> torch.Tensor:
     return torch.where((k // world) % 2 == 0, i, world - 1 - i)
 
 
+def owned_chunks(world: int, chunks: int) -> torch.Tensor:
+    """``[W, C / W]``: the chunks rank ``r`` owns, ascending (one per pass)."""
+    return torch.argsort(chunk_ranks(world, chunks), stable=True).view(world, chunks // world)
+
+
 @functools.lru_cache(maxsize=16)
 def _deal(world: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunks' ranks ``[C]`` and, for every counter ``c`` (mod ``W``) at a run, the index
@@ -53,14 +70,17 @@ def _deal(world: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def zigzag_sizes(
-    lengths: torch.Tensor, world: int, chunks: int
+    lengths: torch.Tensor, world: int, chunks: int, counter: torch.Tensor | None = None
 ) -> Iterator[tuple[slice, torch.Tensor]]:
     """The chunk sizes ``[R, C]`` of runs of ``lengths`` (int64 ``[R]``, in position order)
     zig-zagged over ``chunks`` chunks (module doc), a block of runs at a time (whole-tensor
-    work, bounded memory): yields the block's slice of the runs and its sizes."""
+    work, bounded memory): yields the block's slice of the runs and its sizes. ``counter``:
+    the extras counter at each run (mod ``W``; default: one counter running along these
+    runs from 0)."""
     extra_index = _deal(world, chunks)[1]
     q, m = lengths // chunks, lengths % chunks
-    counter = (torch.cumsum(m, 0) - m) % world
+    if counter is None:
+        counter = (torch.cumsum(m, 0) - m) % world
     block = max(1, BLOCK_ELEMENTS // chunks)
     for b in range(0, lengths.numel(), block):
         e = slice(b, b + block)
@@ -74,15 +94,14 @@ def zigzag_pieces(
     zig-zagged over ``chunks`` chunks (:func:`zigzag_sizes`): start, length and rank of each
     (int64 vectors, in position order).
 
-    Empty chunks are pieces too (of length 0, just before the piece at their start) unless they
-    are most of a block (runs shorter than ``chunks``), which keeps the output within twice the
-    tokens plus one block."""
+    Empty chunks (runs shorter than ``chunks``) are left out: every later pass over the pieces
+    (the layout record's check and sort, the planners) costs by the piece."""
     ranks = _deal(world, chunks)[0]
     out: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for e, sizes in zigzag_sizes(lengths, world, chunks):
         at = torch.cumsum(sizes, 1).sub_(sizes).add_(starts[e, None])  # one big temporary
         owner = ranks.expand_as(sizes)
-        if sizes.numel() > 2 * int(lengths[e].sum()):
+        if bool((lengths[e] < chunks).any()):
             keep = sizes > 0
             out.append((at[keep], sizes[keep], owner[keep]))
         else:
@@ -93,3 +112,62 @@ def zigzag_pieces(
         return out[0]  # no copy
     at, sizes, owner = (torch.cat(parts) for parts in zip(*out, strict=True))
     return at, sizes, owner
+
+
+@dataclass(frozen=True, eq=False)
+class ZigzagTable:
+    """Every run of one id of every row of padded ids ``[rows, padded]`` (documents and
+    padding) zig-zagged over ``chunks`` chunks for ``world`` ranks, the extras counter
+    restarting at every row: the runs' ``row``, ``start``, ``end`` and ``ids`` ``[R]`` (ordered
+    by row and start: they are the ids, run by run) and every chunk's ``first`` position and
+    ``size`` ``[R, C]``."""
+
+    rows: int
+    padded: int
+    world: int
+    chunks: int
+    row: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+    ids: torch.Tensor
+    first: torch.Tensor
+    size: torch.Tensor
+
+    def indices(self) -> torch.Tensor:
+        """``[W, B, P / W]``: every rank's positions, listed rank by rank (its chunks of every
+        run in row and position order: no sort; every rank holds ``P / W`` of every row)."""
+        owned = owned_chunks(self.world, self.chunks)
+
+        def rank_major(t: torch.Tensor) -> torch.Tensor:  # [R, C] -> [W, R, C / W], flat
+            # chunk-major first: each rank's chunk of every run is then one contiguous read
+            return t.T.contiguous()[owned].transpose(1, 2).reshape(-1)
+
+        at, n = rank_major(self.first), rank_major(self.size)
+        return ragged_arange(at, n).view(self.world, self.rows, -1)
+
+    def describes(self, doc_ids: torch.Tensor) -> bool:
+        """Whether the padded ids ``doc_ids`` ``[B, P]`` are the ones the table was made from
+        (the same runs of the same ids)."""
+        if tuple(doc_ids.shape) != (self.rows, self.padded):
+            return False
+        runs = id_runs(doc_ids)
+        return all(
+            torch.equal(a, b)
+            for a, b in zip(runs, (self.row, self.start, self.end, self.ids), strict=True)
+        )
+
+
+def zigzag_table(doc_ids: torch.Tensor, world: int, chunks: int) -> ZigzagTable:
+    """The :class:`ZigzagTable` of the padded ids ``doc_ids`` ``[B, P]`` (host int64)."""
+    row, start, end, ids = id_runs(doc_ids)
+    lengths = end - start
+    m = lengths % chunks
+    running = torch.cumsum(m, 0) - m
+    counter = (running - running[torch.searchsorted(row, row)]) % world  # from 0 every row
+    size = torch.cat(
+        [s for _, s in zigzag_sizes(lengths, world, chunks, counter)]
+        or [torch.zeros(0, chunks, dtype=torch.int64)]
+    )
+    first = torch.cumsum(size, 1).sub_(size).add_(start[:, None])
+    b, padded = doc_ids.shape
+    return ZigzagTable(b, padded, world, chunks, row, start, end, ids, first, size)

@@ -70,6 +70,17 @@ class MaskDescription:
         out[self.row[at], q] = seen
         return out
 
+    def padded_to(self, length: int) -> MaskDescription:
+        """The same mask over rows of ``length`` positions (the extra ones padding: no
+        segments), as a CP step's layout pads its rows."""
+        if length < self.length:
+            raise ValueError(f"cannot pad a mask of {self.length} positions to {length}")
+        if length == self.length:
+            return self
+        cols = (self.row, self.start, self.end, self.doc_start, self.doc_end, self.lo,
+                self.back, self.hi, self.ahead)  # fmt: skip
+        return MaskDescription(self.rows, length, *cols)
+
     # ---------------------------------------------------------------- builders
 
     @classmethod

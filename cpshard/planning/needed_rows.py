@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cpshard.batch.runs import DENSE_LOOKUPS
-from cpshard.masks import MaskDescription
+from cpshard.masks import INF, MaskDescription
+from cpshard.planning.coverage import Coverage
 from cpshard.planning.runs import LayoutRuns, mask_runs
 from cpshard.ranges import ragged_arange
 
@@ -65,7 +65,10 @@ class NeededRowsPlan:
     (``recv_counts[q]`` from rank q). ``received[r]`` / ``sent[r]``: rows every rank receives
     from / sends to the others (alike on every rank). ``reach``: the most keys a query of the
     step attends without a window. ``causal``: per span, whether its queries see their keys
-    causally (a mask description's plan mixes both; None: every span as the state says). The
+    causally (a mask description's plan mixes kinds; None: every span as the state says);
+    ``rules``: a mask description's per-span ``(end, back, ahead)`` in buffer rows
+    (:func:`~cpshard.planning.spans.query_keys`: which keys each query sees; None: the state's
+    kind). The
     two row tables, as long as the rows the rank moves, are made when first read (a step whose
     calls attend head-parallel never reads them)."""
 
@@ -78,6 +81,7 @@ class NeededRowsPlan:
     reach: int
     recipe: _TableRecipe = field(repr=False, compare=False)
     causal: torch.Tensor | None = None
+    rules: torch.Tensor | None = None
     _made: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -105,59 +109,6 @@ def _merge(
     first = torch.nonzero(new).flatten()
     last = torch.cat([first[1:] - 1, first.new_tensor([lo.numel() - 1])])
     return rank[first], row[first], lo[first], hi[last]
-
-
-class _Coverage:
-    """How many (interval, position) pairs the intervals ``[lo, hi)`` of batch rows ``row``
-    cover below a position of a row: the sum over positions of how many intervals hold each.
-    By binary search over the sorted bounds (no pass over the sequence), or, when the
-    ``lookups`` number about one per position and the intervals too many for a search to stay
-    in cache, from the running sum over every position."""
-
-    def __init__(
-        self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, rows: int, padded: int,
-        lookups: int,
-    ) -> None:  # fmt: skip
-        self.span = padded + 1
-        positions = rows * padded  # a search of a table this much smaller stays in cache
-        self.dense = min(lookups, lo.numel() * DENSE_LOOKUPS) * DENSE_LOOKUPS > positions
-        if self.dense:
-            delta = torch.zeros(rows * self.span + 1, dtype=torch.int64)
-            delta.index_add_(0, row * self.span + lo, torch.ones_like(lo))
-            delta.index_add_(0, row * self.span + hi, -torch.ones_like(hi))
-            # below[row * span + x]: the covered pairs below x (x = 0..padded) of the row
-            self.below_at = torch.cumsum(torch.cumsum(delta, 0), 0)
-            self.below_at = torch.cat([self.below_at.new_zeros(1), self.below_at[:-1]])
-        else:
-            starts = torch.arange(rows) * self.span  # each row's first key
-            self.lo, self.lo_sums, self.lo_first = self._sorted(row * self.span + lo, starts)
-            self.hi, self.hi_sums, self.hi_first = self._sorted(row * self.span + hi, starts)
-
-    @staticmethod
-    def _sorted(keys: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The keys sorted, their running sums and where each row's keys begin."""
-        keys = torch.sort(keys).values
-        sums = torch.zeros(keys.numel() + 1, dtype=torch.int64)
-        torch.cumsum(keys, 0, out=sums[1:])
-        return keys, sums, torch.searchsorted(keys, starts)
-
-    @staticmethod
-    def _beyond(keys: torch.Tensor, sums: torch.Tensor, first: torch.Tensor,
-                base_x: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        """Sum of ``x - bound`` over the row's bounds ``< x`` (``base_x``: row key + x;
-        ``first``: where the row's keys begin)."""
-        last = torch.searchsorted(keys, base_x)
-        return (last - first) * base_x - (sums[last] - sums[first])
-
-    def below(self, row: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Per entry: the intervals' covered positions ``< x`` in batch row ``row``."""
-        base = row * self.span
-        if self.dense:
-            return self.below_at[base + x] - self.below_at[base]
-        key = base + x
-        return self._beyond(self.lo, self.lo_sums, self.lo_first[row], key) - self._beyond(
-            self.hi, self.hi_sums, self.hi_first[row], key
-        )
 
 
 def _sorted_for_merge(
@@ -189,8 +140,8 @@ def plan_needed_rows(
     to the document's end; with a (causal) ``window``, from the window's start of its first
     query, at most ``window - 1`` rows before the run. Or, with ``mask`` instead of ``causal``
     and ``window`` (a description of the padded batch), the runs cut at its segments
-    (:func:`~cpshard.planning.runs.mask_runs`, which refuses what the spans cannot state): each
-    piece reaches its ``[lo, hi)``, causally or all of it, and its span says which."""
+    (:func:`~cpshard.planning.runs.mask_runs`): each piece reaches its ``[lo, hi)``, and its
+    span's rule (:attr:`NeededRowsPlan.rules`) says which of those keys each query sees."""
     world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
     if (mask is None) == (causal is None) or (mask is not None and window is not None):
         raise ValueError("plan_needed_rows takes causal (and a window) or a mask description")
@@ -208,7 +159,8 @@ def plan_needed_rows(
     # Its own rows among them: all its document tokens (each run lies in its own interval, and
     # the intervals hold document positions only).
     own = runs.tokens()
-    received, sent = needed - own, _served(runs, mrow, mlo, mhi) - own
+    rule = (causal, window) if causal is not None else None
+    received, sent = needed - own, _served(runs, mrow, mlo, mhi, rule) - own
 
     # This rank's buffer: its intervals back to back per row, in global order.
     lo_i, hi_i = torch.searchsorted(mr, torch.tensor([rank, rank + 1])).tolist()
@@ -230,28 +182,34 @@ def plan_needed_rows(
     prefix = runs.prefix
     sources = torch.arange(world).repeat_interleave(irow.numel())
     prow, plo, phi = (t.repeat(world) for t in (irow, ilo, ihi))
-    first = prefix.before(sources, prow, plo)
-    count = prefix.before(sources, prow, phi) - first
+    first, last = prefix.every_before(irow.repeat(2), torch.cat((ilo, ihi))).chunk(2, 1)
+    first = first.reshape(-1)
+    count = last.reshape(-1) - first
     recv_counts = _per_rank(world, sources, count)
 
     # What it sends: its positions inside every rank's intervals, a range of its slots each.
-    send_first = prefix.before_on(rank, mrow, mlo)
-    send_count = prefix.before_on(rank, mrow, mhi) - send_first
+    send_first, send_last = prefix.before_on(rank, mrow.repeat(2), torch.cat((mlo, mhi))).chunk(2)
+    send_count = send_last - send_first
     send_counts = _per_rank(world, mr, send_count)
     recipe = _TableRecipe(
         runs, width, sources, prow, first, count, (offset - ilo).repeat(world),
         mrow * length + send_first, send_count,
     )  # fmt: skip
 
-    flags: torch.Tensor | None = None
+    flags = rules = None
     if mask is None:
         row, q, n, ds, begin, de = runs.of_rank(rank)
         end = begin + n if causal else de
         lo = ds if window is None else torch.maximum(ds, begin - window + 1)
         split = buffer_row(row, begin) if causal else buffer_row(row, end - 1) + 1
     else:
-        row, q, n, ds, begin, lo, hi, flags = pieces.of_rank(rank)
-        split = torch.where(flags, buffer_row(row, begin), buffer_row(row, hi - 1) + 1)
+        row, q, n, ds, begin, lo, hi, back, ahead = pieces.of_rank(rank)
+        flags = ahead == 0
+        # one past the buffer row of hi - 1 (the rows of [lo, hi) are consecutive in the buffer)
+        last = buffer_row(row, hi - 1) + 1
+        visible = (back >= INF) & (ahead >= INF)  # every key of [lo, hi): split is its end
+        split = torch.where(visible, last, buffer_row(row, begin))
+        rules = torch.stack((last, back, ahead), 1)
     spans = torch.stack((row, q, n, buffer_row(row, lo), split, ds), 1)
     return NeededRowsPlan(
         spans,
@@ -263,17 +221,20 @@ def plan_needed_rows(
         reach,
         recipe,
         flags,
+        rules,
     )
 
 
 def _served(
-    runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
-) -> torch.Tensor:
+    runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+    rule: tuple[bool, int | None] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """``[W]``: every rank's document tokens counted once per interval ``[lo, hi)`` (of batch
-    rows ``row``; intervals of document positions) that holds them."""
+    rows ``row``; intervals of document positions) that holds them. ``rule``: the ``(causal,
+    window)`` the intervals follow, for a closed form that counts from it (None: a mask's)."""
     if runs.closed is not None:
-        return runs.closed.covered(lo, hi)
-    covered = _Coverage(row, lo, hi, runs.rows, runs.padded, runs.n.numel())
+        return runs.closed.served(row, lo, hi, rule)
+    covered = Coverage(row, lo, hi, runs.rows, runs.padded, runs.n.numel())
     start = runs.begin
     counts = covered.below(runs.row, start + runs.n) - covered.below(runs.row, start)
     return _per_rank(runs.world, runs.rank, counts)

@@ -79,15 +79,24 @@ class RankPrefix:
     search over every rank's pieces (:func:`layout_pieces`), keyed by rank, row and start, so
     that one call answers for any mix of ranks, rows and positions."""
 
-    def __init__(self, pieces: tuple[torch.Tensor, ...], rows: int, padded: int) -> None:
+    def __init__(
+        self, pieces: tuple[torch.Tensor, ...], world: int, rows: int, padded: int
+    ) -> None:
         rank, row, self.start, self.size, self.q = pieces
-        self.rows, self.span = rows, padded + 1
+        self.world, self.rows, self.span = world, rows, padded + 1
         self.keys = (rank * rows + row) * self.span + self.start
 
     def before(self, rank: torch.Tensor, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Positions of ``rank`` in ``row`` that are ``< position`` (elementwise, int64)."""
         base = (rank * self.rows + row) * self.span
         return _below(self.keys, self.start, self.size, self.q, base, position)
+
+    def every_before(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """``[W, N]``: :meth:`before` for every rank at each position."""
+        ranks = torch.arange(self.world).repeat_interleave(position.numel())
+        return self.before(ranks, row.repeat(self.world), position.repeat(self.world)).view(
+            self.world, -1
+        )
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """:meth:`before` for one ``rank``: a search of its own pieces only (a table that

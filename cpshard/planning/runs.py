@@ -11,9 +11,10 @@ import torch
 
 from cpshard.batch.runs import document_bounds, document_runs_of
 from cpshard.layouts import ShardLayout
-from cpshard.masks import INF, MaskDescription, cut_runs
+from cpshard.masks import MaskDescription, cut_runs
 from cpshard.planning.positions import RankPrefix, all_positions, layout_pieces
 from cpshard.planning.stripe_runs import StripePrefix, StripeRuns
+from cpshard.planning.zigzag_runs import ZigzagPrefix, ZigzagRuns
 
 
 @dataclass(frozen=True)
@@ -24,7 +25,8 @@ class LayoutRuns:
     start ``doc_start`` and first global position ``begin`` (int64 vectors) and its document's
     end ``doc_end`` (one past its last token). What the planners ask of them (a rank's own runs,
     every rank's key intervals and token counts, how intervals cover the runs) is answered from
-    these columns, or in closed form where the layout has one (:mod:`stripe_runs`), so the
+    these columns, or in closed form where the layout has one (:mod:`stripe_runs`,
+    :mod:`zigzag_runs`), so the
     columns, :attr:`positions` ``[W, B, L]`` and :attr:`prefix` are made when first read."""
 
     world: int
@@ -32,7 +34,7 @@ class LayoutRuns:
     padded: int
     layout: ShardLayout
     documents: torch.Tensor
-    closed: StripeRuns | None = None
+    closed: StripeRuns | ZigzagRuns | None = None
     _made: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
 
     def _get(self, name: str, make: Callable[[], object]) -> Any:
@@ -70,17 +72,19 @@ class LayoutRuns:
         return self._get("positions", lambda: all_positions(self.layout, self.rows))
 
     @property
-    def prefix(self) -> RankPrefix | StripePrefix:
-        """Counts of every rank's positions below a position, and a rank's position of a local
-        index (:class:`RankPrefix`, or its closed form)."""
+    def prefix(self) -> RankPrefix | StripePrefix | ZigzagPrefix:
+        """Counts of every rank's positions below a position (:class:`RankPrefix`, or its
+        closed form)."""
         if self.closed is not None:
-            return StripePrefix(self.world)
-        return self._get("prefix", lambda: RankPrefix(self.pieces, self.rows, self.padded))
+            return self.closed.prefix()
+        return self._get(
+            "prefix", lambda: RankPrefix(self.pieces, self.world, self.rows, self.padded)
+        )
 
     def position(self, rank: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
         """The global position of ``rank``'s local index ``slot`` in batch row ``row``."""
         if self.closed is not None:
-            return self.closed.position(rank, slot)
+            return self.closed.position(rank, row, slot)
         return self.positions[rank, row, slot]
 
     @property
@@ -131,11 +135,12 @@ class LayoutRuns:
 @dataclass(frozen=True)
 class MaskRuns:
     """Every rank's runs cut at a mask description's segments (ordered like the runs: by rank,
-    row and position), each piece's queries seeing the keys ``[lo, hi)`` of their batch row
-    either causally (query ``p`` sees ``[lo, p]``, ``hi`` one past the piece's last query) or
-    all of them: ``rank``, ``row``, first local index ``q``, length ``n``, document start
-    ``doc_start``, first global position ``begin``, ``lo``, ``hi`` (int64) and ``causal``
-    (bool)."""
+    row and position), each piece's queries reaching the keys ``[lo, hi)`` of their batch row
+    (the union of its queries' keys, each query seeing itself), query ``p`` seeing
+    ``[max(lo, p - back), min(hi, p + 1 + ahead))``: ``rank``, ``row``, first local index
+    ``q``, length ``n``, document start ``doc_start``, first global position ``begin``, ``lo``,
+    ``hi``, ``back``, ``ahead`` (int64). ``causal`` (``ahead == 0``): query ``p`` sees up to
+    itself, ``hi`` one past the piece's last query."""
 
     rank: torch.Tensor
     row: torch.Tensor
@@ -145,30 +150,43 @@ class MaskRuns:
     begin: torch.Tensor
     lo: torch.Tensor
     hi: torch.Tensor
-    causal: torch.Tensor
+    back: torch.Tensor
+    ahead: torch.Tensor
+
+    @property
+    def causal(self) -> torch.Tensor:
+        """Per piece: its queries see their keys causally (each up to itself)."""
+        return self.ahead == 0
 
     def of_rank(self, rank: int) -> tuple[torch.Tensor, ...]:
         """Rank ``rank``'s pieces: row, ``q``, ``n``, document start, ``begin``, ``lo``, ``hi``,
-        ``causal``."""
+        ``back``, ``ahead``."""
         lo, hi = torch.searchsorted(self.rank, torch.tensor([rank, rank + 1])).tolist()
         cols = (self.row, self.q, self.n, self.doc_start, self.begin, self.lo, self.hi)
-        return (*(t[lo:hi] for t in cols), self.causal[lo:hi])
+        return tuple(t[lo:hi] for t in (*cols, self.back, self.ahead))
 
     def intervals(self) -> tuple[torch.Tensor, ...]:
         """Every rank's key ranges, one per piece: rank, row, start, end."""
         return self.rank, self.row, self.lo, self.hi
 
     def reach(self) -> int:
-        """The most keys a query attends (0: no pieces)."""
-        return int((self.hi - self.lo).max()) if self.n.numel() else 0
+        """The most keys a query attends (0: no pieces): each piece's count of keys per query
+        is concave in the query (a minimum of lines less a maximum of lines), so its largest
+        is at an end of the piece or where a bound changes form."""
+        if not self.n.numel():
+            return 0
+        first, last = self.begin, self.begin + self.n - 1
+        turns = (first, last, self.lo + self.back, self.hi - 1 - self.ahead)
+        q = torch.stack([torch.minimum(torch.maximum(t, first), last) for t in turns])
+        end = torch.minimum(self.hi, q + 1 + self.ahead)
+        return int((end - torch.maximum(self.lo, q - self.back)).max())
 
 
 def mask_runs(runs: LayoutRuns, mask: MaskDescription) -> MaskRuns:
     """Every rank's runs of ``runs`` cut at ``mask``'s segments (:func:`~cpshard.masks.cut_runs`,
-    O(runs + segments)). Raises ``ValueError`` for a mask the attention's spans cannot state:
-    a query whose keys follow a sliding start (a finite ``back``) or a look-ahead window
-    (``0 < ahead < INF``), a query that does not see itself, or a description of other
-    documents."""
+    O(runs + segments)). Raises ``ValueError`` for a mask the attention cannot execute: a
+    query that does not see itself (no key at all, or keys that skip it: a pad-like query of a
+    document), or a description of other documents."""
     if (mask.rows, mask.length) != tuple(runs.documents.shape):
         raise ValueError(
             f"the mask describes a [{mask.rows}, {mask.length}] batch, the step's padded "
@@ -178,25 +196,19 @@ def mask_runs(runs: LayoutRuns, mask: MaskDescription) -> MaskRuns:
     rank, row, q, n, doc_start, begin, doc_end = cols
     pieces = cut_runs(mask, row, begin, n, doc_start, doc_end)
     at = pieces.run
-    causal = pieces.ahead == 0
-    slide = pieces.back < INF
-    ahead = ~causal & (pieces.ahead < INF)
     end = pieces.begin + pieces.n
-    own = (pieces.lo <= pieces.begin) & torch.where(causal, pieces.hi == end, pieces.hi >= end)
-    for bad, what in (
-        (slide, "a sliding start with keys up to a fixed end (a finite back)"),
-        (ahead, "a look-ahead window (0 < ahead < INF)"),
-        (~own, "a query that does not see itself"),
-    ):
-        if bool(bad.any()):
-            i = int(torch.nonzero(bad)[0])
-            raise ValueError(
-                f"the mask has {what} (batch row {int(pieces.row[i])}, queries from position "
-                f"{int(pieces.begin[i])}): CP attention does not implement it"
-            )
+    # every query sees itself: the piece's keys start at or before its first query and end at
+    # or after its last (back, ahead >= 0 then put each query inside its own interval)
+    own = (pieces.lo <= pieces.begin) & (pieces.hi >= end)
+    if not bool(own.all()):
+        i = int(torch.nonzero(~own)[0])
+        raise ValueError(
+            f"the mask has a query that does not see itself (batch row {int(pieces.row[i])}, "
+            f"queries from position {int(pieces.begin[i])}): CP attention does not implement it"
+        )
     return MaskRuns(
         rank[at], pieces.row, q[at] + pieces.begin - begin[at], pieces.n, doc_start[at],
-        pieces.begin, pieces.lo, pieces.hi, causal,
+        pieces.begin, pieces.lo, pieces.hi, pieces.back, pieces.ahead,
     )  # fmt: skip
 
 
@@ -204,11 +216,14 @@ def layout_runs(layout: ShardLayout, doc: torch.Tensor) -> LayoutRuns:
     """The :class:`LayoutRuns` of the padded document ids ``doc`` ``[B, P]`` (host int64, 0 =
     pad) under ``layout`` (equal shards): its columns made on first use (one pass over the
     sequence whatever the world size; for contiguous shards, from the documents' bounds alone),
-    the stripe layout's answers in closed form from the documents' bounds."""
+    the stripe layout's answers in closed form from the documents' bounds, the per-document
+    zig-zag's from its chunk table."""
     b, padded = doc.shape
     world = layout.world_size
-    closed = None
+    closed: StripeRuns | ZigzagRuns | None = None
     if layout.closed_form and layout.name == "stripe" and world > 1:
         row, start, end = document_bounds(doc)
         closed = StripeRuns(world, padded, row, start, end)
+    elif layout.name == "per_document_head_tail":
+        closed = ZigzagRuns.of(layout, doc)
     return LayoutRuns(world, b, padded, layout, doc, closed)

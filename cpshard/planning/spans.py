@@ -1,4 +1,5 @@
-"""The unit of a step's CP attention: a span, one run of a rank's queries and the keys it sees."""
+"""The unit of a step's CP attention: a span, one run of a rank's queries and the keys it sees,
+and the rule that says which of its keys each query sees."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+
+from cpshard.masks import INF
 
 
 class Span(NamedTuple):
@@ -39,3 +42,29 @@ def span_table(spans: Sequence[Span]) -> torch.Tensor:
 def spans_of(table: torch.Tensor) -> tuple[Span, ...]:
     """The :class:`Span` of each row of a span table (see :func:`span_table`)."""
     return tuple(Span._make(fields) for fields in table.tolist())
+
+
+def span_rules(table: torch.Tensor, causal: bool, window: int | None = None) -> torch.Tensor:
+    """``[N, 3]`` int64 rules ``(end, back, ahead)`` of a span table whose spans are all of one
+    kind: causal (each query sees up to itself, the last ``window`` keys with a window) or every
+    key of ``[k, split)`` visible (see :func:`query_keys`)."""
+    split, n = table[:, 4], table[:, 2]
+    end = split + n if causal else split
+    back = torch.full_like(split, INF if window is None else window - 1)
+    return torch.stack((end, back, torch.full_like(split, 0 if causal else INF)), 1)
+
+
+def query_keys(
+    table: torch.Tensor, rules: torch.Tensor, span: torch.Tensor, i: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[first, end)`` of the buffer keys query ``q + i`` of span ``span`` sees under the
+    spans' ``rules`` ``(end, back, ahead)``: ``[max(k, own - back), min(end, own + 1 + ahead))``
+    with ``own = split + i`` its own buffer row (a span whose queries see every key of
+    ``[k, end)`` has ``split = end`` and no ``back`` or ``ahead``). Every kind of span the
+    step's states plan is one rule: causal (``ahead = 0``, ``end = split + n``), bidirectional,
+    a sliding window (``back = window - 1``), a mask description's pieces (its ``back`` and
+    ``ahead`` as they are: a sliding start with a fixed end, a look-ahead window)."""
+    own = table[span, 4] + i
+    first = torch.maximum(table[span, 3], own - rules[span, 1])
+    end = torch.minimum(rules[span, 0], own + 1 + rules[span, 2])
+    return first, end

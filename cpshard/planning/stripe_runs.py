@@ -79,14 +79,20 @@ class StripeRuns:
         row = self.doc_row[None].expand_as(first)
         return tuple(t[held] for t in (rank, row, lo, hi))
 
-    def position(self, rank: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-        """The global position of ``rank``'s local index ``slot`` (in any row)."""
+    def position(self, rank: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        """The global position of ``rank``'s local index ``slot`` (the same in every row)."""
         return slot * self.world + rank
 
-    def covered(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    def served(
+        self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+        rule: tuple[bool, int | None] | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """``[W]``: every rank's positions inside the ranges ``[lo, hi)`` (document positions,
-        counted once per range)."""
+        counted once per range; the same in every row; ``rule`` unused)."""
         return _per_residue(self.world, lo, hi)
+
+    def prefix(self) -> StripePrefix:
+        return StripePrefix(self.world)
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,13 @@ class StripePrefix:
     def before(self, rank: torch.Tensor, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Positions of ``rank`` that are ``< position`` (elementwise)."""
         return _below(position, rank, self.world)
+
+    def every_before(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """``[W, N]``: :meth:`before` for every rank at each position."""
+        ranks = torch.arange(self.world).repeat_interleave(position.numel())
+        return self.before(ranks, row.repeat(self.world), position.repeat(self.world)).view(
+            self.world, -1
+        )
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """:meth:`before` for one ``rank``."""

@@ -10,7 +10,8 @@ import torch
 
 from cpshard.attention.blocks import BLOCK_QUERIES, SHORT_SPAN, Block, plan_blocks
 from cpshard.attention.packing import overlap as _overlap
-from cpshard.planning.spans import Span, span_table
+from cpshard.masks import INF
+from cpshard.planning.spans import Span, span_rules, span_table
 
 
 def _visible(spans: list[Span], causal: bool) -> set[tuple[int, int, int]]:
@@ -45,7 +46,8 @@ def _random_spans(rng: random.Random, rows: int) -> list[Span]:
 def test_blocks_attend_exactly_the_spans_pairs(seed: int, causal: bool) -> None:
     rng = random.Random(seed)
     spans = _random_spans(rng, rows=rng.randint(1, 3))
-    blocks = plan_blocks(span_table(spans), causal)
+    table = span_table(spans)
+    blocks = plan_blocks(table, span_rules(table, causal))
     got = set()
     for item in blocks.items:
         if not isinstance(item, Block):
@@ -142,7 +144,8 @@ def test_blocks_equal_the_walk_over_every_span(seed: int, causal: bool, window: 
     spans = [s._replace(doc=s.k) for s in _random_spans(rng, rows=rng.randint(1, 3))]
     if window is not None and not causal:
         return  # a window needs causal attention
-    blocks = plan_blocks(span_table(spans), causal, window)
+    table = span_table(spans)
+    blocks = plan_blocks(table, span_rules(table, causal, window))
     got = []
     for item in blocks.items:
         if isinstance(item, Span):
@@ -152,3 +155,96 @@ def test_blocks_equal_the_walk_over_every_span(seed: int, causal: bool, window: 
                           blocks.ends[item.at : item.at + item.n].tolist(), strict=True))  # fmt: skip
         got.append(("block", item.row, item.q, item.n, item.k, item.width, ranges))
     assert got == _walked_blocks(spans, causal, window)
+
+
+def _ruled_spans(rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random spans (a few runs per document, so that their varlen packing stays under its
+    bound) each with a random rule of every kind a mask description's pieces have: causal
+    (with or without a sliding start), every key of ``[k, end)`` visible, a sliding start with
+    a fixed end, a look-ahead window (each query seeing itself)."""
+    spans = []
+    for row in range(rng.randint(1, 2)):
+        q = key = 0
+        for _ in range(rng.randint(1, 4)):  # documents
+            doc_start = key
+            for _ in range(rng.randint(1, 4)):  # this rank's runs in the document
+                n = rng.choice([1, 2, 3, SHORT_SPAN - 1, SHORT_SPAN, 40])
+                key += rng.randint(0, 3)  # other ranks' tokens in between
+                spans.append(Span(row, q, n, doc_start, key, doc_start))
+                q, key = q + n, key + n
+            key += 8  # the rest of the document (a look-ahead or block reaches into it)
+    table = span_table(spans)
+    rules = []
+    for s in table.tolist():
+        n, split = s[2], s[4]
+        back = rng.choice([INF, rng.randint(0, 12)])
+        kind = rng.choice(["causal", "visible", "sliding", "ahead"])
+        if kind == "causal":
+            rules.append((split + n, back, 0))
+            continue
+        end = split + n + rng.randint(0, 6)
+        if kind == "visible":
+            s[4] = end  # a fully visible span's split is its end
+            rules.append((end, INF, INF))
+        else:
+            rules.append((end, back, INF if kind == "sliding" else rng.randint(1, 5)))
+        table[len(rules) - 1] = torch.tensor(s)
+    return table, torch.tensor(rules, dtype=torch.int64).view(-1, 3)
+
+
+def _ruled_pairs(table: torch.Tensor, rules: torch.Tensor) -> set[tuple[int, int, int]]:
+    """(row, local query, buffer key) pairs the rules let each query see, query by query."""
+    pairs = set()
+    for (row, q, n, k, split, _), (end, back, ahead) in zip(
+        table.tolist(), rules.tolist(), strict=True
+    ):
+        for i in range(n):
+            own = split + i
+            first, last = max(k, own - back), min(end, own + 1 + ahead)
+            pairs |= {(row, q + i, key) for key in range(first, last)}
+    return pairs
+
+
+def _blocks_pairs(blocks) -> set[tuple[int, int, int]]:
+    """The pairs the loop's items attend: a span alone its prefix and causal square, or all its
+    keys; a block what its mask shows."""
+    got = set()
+    for item, causal in zip(blocks.items, blocks.causal, strict=True):
+        if isinstance(item, Block):
+            mask = blocks.mask(item, torch.float64)[0, 0]
+            got |= {(item.row, item.q + i, item.k + j)
+                    for i, j in torch.nonzero(mask == 0).tolist()}  # fmt: skip
+        else:
+            got |= _visible([item], causal)
+    return got
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_blocks_and_packings_attend_each_querys_rule(seed: int) -> None:
+    """Spans of every kind of rule: the loop's blocks attend exactly the pairs the rules say,
+    and so do the varlen packings (one per kind they state) with the loop's view of the rest,
+    each query in exactly one of them."""
+    from cpshard.attention.packing import pack_spans
+
+    rng = random.Random(3000 + seed)
+    table, rules = _ruled_spans(rng)
+    want = _ruled_pairs(table, rules)
+    assert _blocks_pairs(plan_blocks(table, rules)) == want
+    local_len = int((table[:, 1] + table[:, 2]).max()) + 1
+    key_len = int(torch.maximum(rules[:, 0], table[:, 4] + table[:, 2]).max()) + 1
+    rows = int(table[:, 0].max()) + 1
+    packed = pack_spans(table, rules, local_len, key_len, rows)
+    assert packed is not None
+    got, queries = set(), []
+    for p in packed.packings:
+        for i, flat in enumerate(p.q_rows.tolist()):
+            row, q = divmod(flat, local_len)
+            queries.append((row, q))
+            keys = p.k_rows[int(p.q_first[i]) : int(p.q_last[i]) + 1].tolist()
+            got |= {(row, q, key % key_len) for key in keys}
+    rest = [int(i) for i in packed.rest]
+    if rest:
+        got |= _blocks_pairs(plan_blocks(table[rest], rules[rest]))
+        queries += [(r, q + i) for r, q, n, *_ in table[rest].tolist() for i in range(n)]
+    assert got == want
+    assert len(queries) == len(set(queries)) == int(table[:, 2].sum())

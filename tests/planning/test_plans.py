@@ -14,7 +14,7 @@ from cpshard.batch.runs import run_starts
 from cpshard.layouts import make_layout
 from cpshard.masks import INF, MaskDescription
 from cpshard.planning import layout_runs, plan_halo, plan_needed_rows
-from cpshard.planning.spans import Span, span_table
+from cpshard.planning.spans import Span, query_keys, span_table
 from cpshard.ranges import ragged_arange
 
 LAYOUTS = ("contiguous", "head_tail", "stripe", "per_document_head_tail", "balanced")
@@ -263,6 +263,92 @@ def test_runs_equal_the_pass_over_every_position() -> None:
         assert all(torch.equal(a, c) for a, c in zip(runs.columns, want, strict=True)), name
 
 
+def test_zigzag_closed_form_answers_as_the_runs_do() -> None:
+    """The per-document zig-zag's chunk table (used whenever the layout's pieces are the deal of
+    its documents) answers every question of the planners as the runs and their search do: a
+    rank's runs, token counts, merged key intervals with and without windows, served counts,
+    and positions below any position, for every rank and row, with a num_chunks of 2W and 4W."""
+    from cpshard.planning.needed_rows import _merge, _served
+    from cpshard.planning.runs import LayoutRuns
+
+    rng = random.Random(31)
+    used = 0
+    for world, _, doc, window in _cases(31, 60, (1, 2, 3, 4, 8, 32), 160):
+        # long rows of few documents count served rows at chunk bounds, others per position
+        chunks = world * rng.choice((2, 2, 4))
+        layout = make_layout(
+            "per_document_head_tail", world, doc.shape[1], doc_ids=doc, num_chunks=chunks
+        )
+        padded = _padded(layout, doc)
+        closed = layout_runs(layout, padded)
+        assert closed.closed is not None, "the layout's own pieces must match its deal"
+        used += 1
+        plain = LayoutRuns(world, padded.shape[0], padded.shape[1], layout, padded)
+        for rank in range(world):
+            got, want = closed.of_rank(rank), plain.of_rank(rank)
+            assert all(torch.equal(a, c) for a, c in zip(got, want, strict=True)), (world, rank)
+        assert torch.equal(closed.tokens(), plain.tokens())
+        for causal in (True, False):
+            for w in (None, window):
+                assert all(
+                    torch.equal(a, c)
+                    for a, c in zip(_merge(*closed.intervals(causal, w)),
+                                    _merge(*plain.intervals(causal, w)), strict=True)
+                ), (world, causal, w)  # fmt: skip
+                _, row, lo, hi = _merge(*plain.intervals(causal, w))
+                want = _served(plain, row, lo, hi)
+                assert torch.equal(_served(closed, row, lo, hi), want)  # from the intervals
+                assert torch.equal(_served(closed, row, lo, hi, (causal, w)), want)  # the rule
+        b, p = padded.shape
+        n = 200
+        rank = torch.randint(0, world, (n,))
+        row = torch.randint(0, b, (n,))
+        position = torch.randint(0, p + 1, (n,))
+        assert torch.equal(
+            closed.prefix.before(rank, row, position), plain.prefix.before(rank, row, position)
+        )
+        assert torch.equal(
+            closed.prefix.every_before(row, position), plain.prefix.every_before(row, position)
+        )
+        for r in sorted({0, world // 2, world - 1}):
+            many = b * (p + 1) // n + 1  # a lookup per position: read from a running count
+            for lookups in (row, row.repeat(many)):
+                at = position.repeat(lookups.numel() // n)
+                assert torch.equal(
+                    closed.prefix.before_on(r, lookups, at), plain.prefix.before_on(r, lookups, at)
+                )
+        if p:
+            slot = torch.randint(0, p // world, (n,))
+            assert torch.equal(closed.position(rank, row, slot), plain.position(rank, row, slot))
+    assert used
+
+
+def test_zigzag_closed_form_is_not_used_for_other_pieces() -> None:
+    """A layout named ``per_document_head_tail`` whose positions are not the deal of its
+    documents is planned from its positions, exactly."""
+    from cpshard.layouts import ShardLayout
+
+    doc = torch.tensor([[1, 1, 1, 1, 1, 2, 2, 2]])
+    pieces = ((torch.tensor([0, 4]), torch.tensor([4, 4]), torch.tensor([0, 1])),)
+    layout = ShardLayout("per_document_head_tail", 2, 8, 8, num_chunks=4, owner_pieces=pieces)
+    runs = layout_runs(layout, doc)
+    assert runs.closed is None
+    for rank in range(2):
+        got = plan_needed_rows(rank, runs, True)
+        want = reference_needed_rows(rank, layout, doc, True)
+        assert torch.equal(got.spans, want["spans"]) and got.recv_counts == want["recv_counts"]
+    # a layout planned for other documents: its table is not taken for these
+    other = torch.tensor([[1, 1, 2, 2, 2, 2, 2, 2]])
+    layout = make_layout("per_document_head_tail", 2, 8, doc_ids=other)
+    assert layout_runs(layout, other).closed is not None
+    runs = layout_runs(layout, doc)
+    for rank in range(2):
+        got = plan_needed_rows(rank, runs, True)
+        want = reference_needed_rows(rank, layout, doc, True)
+        assert torch.equal(got.spans, want["spans"]) and got.recv_counts == want["recv_counts"]
+        assert got.send_counts == want["send_counts"] and got.received == want["received"]
+
+
 # ---------------------------------------------------------------- plans from a mask description
 
 
@@ -288,23 +374,32 @@ def prefix_ids(doc: torch.Tensor, rng: random.Random) -> torch.Tensor:
 
 
 def fuzzed_masks(rng: random.Random, doc: torch.Tensor) -> list[tuple[str, MaskDescription]]:
-    """Descriptions whose pieces the spans state: chunked causal and bidirectional chunks,
-    image blocks and a prefix over causal attention, plain causal and bidirectional."""
+    """Descriptions of every kind of piece: chunked causal and bidirectional chunks, image
+    blocks and a prefix over causal attention, plain causal and bidirectional, a causal sliding
+    window, image blocks over causal attention under a sliding window (a sliding start with a
+    fixed end) and a look-ahead window (``|q - k| <= W``, and one that looks ahead less)."""
     causal = MaskDescription.within_documents(doc, ahead=0)
     size = rng.randint(1, 9)
     chunks = MaskDescription.chunks(doc, size)
+    window, ahead = rng.randint(1, 6), rng.randint(1, 4)
     out = [
         (f"chunks({size}) & causal", chunks.intersect(causal)),
         (f"chunks({size})", chunks),
         ("causal", causal),
         ("bidirectional", MaskDescription.within_documents(doc)),
-    ]
+        (f"window({window})", MaskDescription.within_documents(doc, back=window - 1, ahead=0)),
+        (f"|q-k| <= {window}", MaskDescription.within_documents(doc, back=window, ahead=window)),
+        (f"ahead({ahead}) back({window})",
+         MaskDescription.within_documents(doc, back=window, ahead=ahead)),
+    ]  # fmt: skip
     for name, ids in (("blocks", fuzzed_block_ids(rng, doc)), ("prefix", prefix_ids(doc, rng))):
         blocks = MaskDescription.blocks(doc, ids)
         assert blocks is not None
         union = causal.union(blocks)
         assert union is not None
         out.append((f"causal | {name}", union))
+        sliding = MaskDescription.within_documents(doc, back=window - 1)
+        out.append((f"(causal | {name}) & window({window})", union.intersect(sliding)))
     return out
 
 
@@ -337,8 +432,8 @@ def _check_mask_spans(got, want: dict, dense: torch.Tensor, doc: torch.Tensor, w
     at = torch.arange(n.numel()).repeat_interleave(n)
     i = ragged_arange(torch.zeros_like(n), n)
     row, q = row[at], q[at] + i
-    first = k[at]
-    end = torch.where(got.causal[at], split[at] + i + 1, split[at])
+    first, end = query_keys(got.spans, got.rules, at, i)
+    assert torch.equal(got.causal, got.rules[:, 2] == 0), where
     seen = torch.zeros_like(idx).index_put_((row, q), torch.ones_like(q), accumulate=True)
     assert torch.equal(seen, (doc.gather(1, idx) != 0).to(torch.int64)), where
     visible = dense[row, idx[row, q]]  # [queries, P]
@@ -373,12 +468,14 @@ def _check_mask_plans(
                 else:
                     assert mine == value, (field_name, where)
             _check_mask_spans(got, want, dense, padded, where)
-            if name in ("causal", "bidirectional"):  # today's plans, byte for byte
-                causal = name == "causal"
-                plain = plan_needed_rows(rank, runs, causal)
+            if name in ("causal", "bidirectional") or name.startswith("window"):
+                causal = name != "bidirectional"  # today's plans, byte for byte
+                window = int(name[7:-1]) if name.startswith("window") else None
+                plain = plan_needed_rows(rank, runs, causal, window)
                 assert torch.equal(got.spans, plain.spans), where
                 assert bool((got.causal == causal).all()), where
-                for field_name in ("send_rows", "recv_rows", "buffer_len", "reach"):
+                same = ("send_rows", "recv_rows", "buffer_len", "reach")  # a window's reach:
+                for field_name in same[: 3 if window else 4]:  # the description's, not today's
                     assert torch.equal(
                         torch.as_tensor(getattr(got, field_name)),
                         torch.as_tensor(getattr(plain, field_name)),
@@ -399,8 +496,9 @@ def test_mask_plans_equal_the_dense_mask_at_large_world() -> None:
 
 
 def test_mask_halo_equals_the_dense_mask() -> None:
-    """Contiguous shards, causal pieces: each rank's halo reaches its queries' first keys, and
-    each piece's queries see from its first key up to themselves, as the dense mask says."""
+    """Contiguous shards, causal pieces (sliding windows among them): each rank's halo reaches
+    its queries' first keys, and each piece's queries see from its first key (or their
+    window's start) up to themselves, as the dense mask says."""
     rng = random.Random(900)
     for world, _, doc, _ in _cases(900, 20, (1, 2, 3, 4, 7, 8), 40):
         layout = make_layout("contiguous", world, doc.shape[1])
@@ -409,7 +507,9 @@ def test_mask_halo_equals_the_dense_mask() -> None:
         local = padded.shape[1] // world
         causal = MaskDescription.within_documents(padded, ahead=0)
         chunked = MaskDescription.chunks(padded, rng.randint(1, 9)).intersect(causal)
-        for mask in (causal, chunked):
+        window = rng.randint(1, 6)
+        windowed = MaskDescription.within_documents(padded, back=window - 1, ahead=0)
+        for mask in (causal, chunked, windowed, chunked.intersect(windowed)):
             dense = mask.dense()
             keys = torch.arange(padded.shape[1])
             first_key = torch.where(dense, keys, padded.shape[1]).min(-1).values  # [B, P]
@@ -420,35 +520,32 @@ def test_mask_halo_equals_the_dense_mask() -> None:
                     want = max(0, r * local - int(mine.min())) if mine.numel() else 0
                     assert got.halos[r] == want, (r, padded.tolist())
                 covered = torch.zeros_like(padded)
-                for (row, begin, n, _), first in zip(got.runs, got.firsts, strict=True):
+                pieces = zip(got.runs, got.firsts, got.backs, strict=True)
+                for (row, begin, n, _), first, back in pieces:
                     for i in range(n):
                         covered[row, begin + i] += 1
                         want_keys = torch.nonzero(dense[row, begin + i]).flatten()
-                        assert torch.equal(want_keys, torch.arange(first, begin + i + 1))
+                        since = max(first, begin + i - back)
+                        assert torch.equal(want_keys, torch.arange(since, begin + i + 1))
                 mine = padded[:, rank * local : (rank + 1) * local] != 0
                 assert torch.equal(covered[:, rank * local : (rank + 1) * local], mine.long())
                 assert covered.sum() == mine.sum()
-            if mask is causal:
+            if mask is causal or mask is windowed:
                 for rank in range(world):
-                    got, plain = plan_halo(rank, runs, mask=mask), plan_halo(rank, runs)
-                    assert (got.halos, got.runs, got.reach) == (plain.halos, plain.runs, plain.reach)
+                    got = plan_halo(rank, runs, mask=mask)
+                    plain = plan_halo(rank, runs, None if mask is causal else window)
+                    assert (got.halos, got.runs) == (plain.halos, plain.runs)
+                    assert mask is windowed or got.reach == plain.reach  # a window's: its own
 
 
-def test_mask_plans_refuse_what_the_spans_cannot_state() -> None:
-    """A sliding start with a fixed end, a look-ahead window, a query that sees nothing, and a
-    description of another batch are refused, never planned."""
+def test_mask_plans_refuse_what_the_attention_cannot_execute() -> None:
+    """A query that sees nothing (or not itself) and a description of another batch are
+    refused, never planned."""
     doc = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 0]])
     layout = make_layout("head_tail", 2, 8)
     runs = layout_runs(layout, doc)
     image = torch.tensor([[-1, 0, 0, -1, -1, 1, 1, -1]])
-    causal = MaskDescription.within_documents(doc, ahead=0)
-    sliding_image = causal.union(MaskDescription.blocks(doc, image)).intersect(
-        MaskDescription.within_documents(doc, back=1)
-    )
     for mask, what in (
-        (MaskDescription.within_documents(doc, back=1), "sliding start"),
-        (MaskDescription.within_documents(doc, ahead=1), "look-ahead"),
-        (sliding_image, "sliding start"),
         (MaskDescription.blocks(doc, image), "does not see itself"),
         (MaskDescription.within_documents(doc[:, :6], ahead=0), "batch"),
     ):

@@ -372,15 +372,16 @@ def test_packing_is_built_once_and_cached_per_device() -> None:
     )
     with ctx():
         state = active_state()
-    p = state.packing
+    assert len(state.packing.packings) == 1 and state.packing.rest == ()  # causal spans only
+    p = state.packing.packings[0]
     assert torch.equal(p.q_rows, torch.nonzero(doc.view(-1)).view(-1))
     for i, s in enumerate(state.spans):  # one rank: buffer rows are global positions
         keys = p.k_rows[p.cu_k[i] : p.cu_k[i + 1]]
         assert torch.equal(keys, s.row * 30 + torch.arange(s.k, s.split + s.n))
     meta = torch.device("meta")
     on_meta = state.packing_on(meta)
-    assert on_meta is state.packing_on(meta) and on_meta.q_rows.device == meta
-    assert state.packing_on(torch.device("cpu")) is p
+    assert on_meta is state.packing_on(meta) and on_meta.packings[0].q_rows.device == meta
+    assert state.packing_on(torch.device("cpu")) is state.packing
 
 
 def _rounds_and_transfers(rank: int, world: int) -> dict[str, list[int]]:
@@ -537,7 +538,7 @@ def test_torch_flash_varlen_calls_match_the_aten_kernels() -> None:
     )
     with ctx():
         packing = active_state().packing_on(torch.device("meta"))
-    impl = _Varlen(TorchFlashVarlen(), packing)
+    impl = _Varlen(TorchFlashVarlen(), packing.packings)
     q = torch.empty(2, 4, 37, 64, dtype=torch.bfloat16, device="meta")
     k = torch.empty(2, 2, 37, 64, dtype=torch.bfloat16, device="meta")
     out, lse = impl.forward(q, k, k, None)
