@@ -96,20 +96,6 @@ def reads_block_ids(mask_function: MaskFunction | None) -> bool:
     return any(code is blocks for code in _codes(mask_function))
 
 
-def mask_kind(mask_function: MaskFunction | None) -> str:
-    """What ``mask_function`` says beyond causal / bidirectional attention within documents,
-    in words (for errors): e.g. ``"chunked attention"``, ``"bidirectional blocks from token
-    types (image spans, a prefix)"``."""
-    kinds: list[str] = []
-    for code in _codes(mask_function):
-        kind = _kinds().get(code)
-        if kind is None and _same_code(code, _ALWAYS_TRUE):
-            kind = "causal attention widened to bidirectional"
-        if kind is not None and kind not in kinds:
-            kinds.append(kind)
-    return " and ".join(kinds) if kinds else "a custom mask"
-
-
 def _codes(fn: MaskFunction | None) -> list[CodeType]:
     """The code objects of ``fn`` and of every mask function its closures hold."""
     out: list[CodeType] = []
@@ -133,27 +119,6 @@ def _piece_code(name: str) -> CodeType:
     from transformers import masking_utils as M
 
     return getattr(M, name)(torch.ones(1, 1, dtype=torch.int64)).__code__
-
-
-@functools.cache
-def _kinds() -> dict[CodeType, str]:
-    """The pieces that say more than documents and windows, by code object, in words."""
-    from transformers import masking_utils as M
-
-    kinds = {
-        M.chunked_overlay(1, torch.zeros(1, dtype=torch.int64)).__code__: "chunked attention",
-        _piece_code("blockwise_overlay"): (
-            "bidirectional blocks from token types (image spans, a prefix)"
-        ),
-        M.sliding_window_bidirectional_overlay(1).__code__: "a bidirectional sliding window",
-    }
-    for module, name in _STRICT_WINDOW_OVERLAYS:
-        try:
-            factory = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        kinds[factory(1).__code__] = "a bidirectional sliding window"
-    return kinds
 
 
 def _describe(fn: MaskFunction | None, ctx: _Context) -> MaskDescription | None:

@@ -15,9 +15,7 @@ documents (global order) and the row's block ids (from the step's token types,
   call as its ``attention_mask`` (each layer type its own mask). There
   (:mod:`cpshard.integrations.transformers`) a description the layer's ``is_causal`` and window
   attend anyway (:func:`layer_attends`: Gemma 3's bidirectional full layers) takes the plain
-  path; any other goes to CP attention as ``mask=`` — while CP attention does not execute
-  descriptions (:func:`attention_executes_masks`), every rank raises instead, naming the mask's
-  kind (:func:`unexecuted`);
+  path; any other goes to CP attention as ``mask=``, which executes it;
 * a mask function that does not translate (a user's own, a block cut by other tokens) raises,
   naming its first piece CP attention does not implement (:func:`mask_problem`);
 * a VLM whose mask reads token types (:func:`~cpshard.integrations.token_types.register_vlm`)
@@ -27,16 +25,13 @@ documents (global order) and the row's block ids (from the step's token types,
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from cpshard.attention.api import cp_attention
 from cpshard.integrations.mask_translation import (
     describe_transformers_mask,
-    mask_kind,
     reads_block_ids,
 )
 from cpshard.integrations.token_types import marked_rule
@@ -57,24 +52,22 @@ _COMPOSITIONS = ("and_masks.", "remap_positions_for_packed_sequence.")
 
 class DescribedMask(torch.Tensor):
     """The ``attention_mask`` the ``"cpshard"`` mask builder returns under CP for a mask
-    function beyond CP attention's plain pieces: the step's ``description`` and its ``kind`` in
-    words. An empty 4-D tensor to transformers, which passes a 4-D mask on as it is (a VLM's
-    language model given its VLM's mask); any operation on it gives a plain tensor, which CP
-    attention refuses as a mask. Each layer that receives it asks :meth:`for_layer` what to
-    execute."""
+    function beyond CP attention's plain pieces: the step's ``description``. An empty 4-D
+    tensor to transformers, which passes a 4-D mask on as it is (a VLM's language model given
+    its VLM's mask); any operation on it gives a plain tensor, which CP attention refuses as a
+    mask (``attn_mask``). Each layer that receives it asks :meth:`for_layer` what to execute."""
 
     description: MaskDescription
-    kind: str
     _plain: dict[tuple[bool, int | None], bool]
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, description: MaskDescription, kind: str) -> DescribedMask:
+    def __new__(cls, description: MaskDescription) -> DescribedMask:
         mask = torch.Tensor._make_subclass(cls, torch.empty(0, 1, 0, 0, dtype=torch.bool))
-        mask.description, mask.kind, mask._plain = description, kind, {}
+        mask.description, mask._plain = description, {}
         return mask
 
-    def __init__(self, description: MaskDescription, kind: str) -> None:
+    def __init__(self, description: MaskDescription) -> None:
         super().__init__()
 
     def for_layer(self, causal: bool, window: int | None) -> MaskDescription | None:
@@ -85,11 +78,6 @@ class DescribedMask(torch.Tensor):
         if key not in self._plain:
             self._plain[key] = layer_attends(self.description, causal, window)
         return None if self._plain[key] else self.description
-
-
-def attention_executes_masks(attention: Callable[..., Any] = cp_attention) -> bool:
-    """Whether CP attention takes a :class:`~cpshard.masks.MaskDescription` (its ``mask=``)."""
-    return "mask" in inspect.signature(attention).parameters
 
 
 def _pieces(fn: Callable[..., Any]) -> list[Callable[..., Any]]:
@@ -181,16 +169,7 @@ def step_mask(
             "cpshard.integrations.transformers.register_vlm and the batch); under CP the step "
             "would attend something else than the model. Train this model outside CP"
         )
-    return DescribedMask(description, mask_kind(mask_function))
-
-
-def unexecuted(mask: DescribedMask, where: str) -> ValueError:
-    """The error of a layer whose mask CP attention would have to execute, while it cannot."""
-    return ValueError(
-        f"{where}: the model's attention mask is {mask.kind}; cpshard translates it (a "
-        "MaskDescription) but CP attention does not execute mask descriptions yet, so the step "
-        "cannot attend it exactly. Train this model outside CP"
-    )
+    return DescribedMask(description)
 
 
 def _block_ids(

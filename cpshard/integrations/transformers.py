@@ -28,12 +28,7 @@ from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
 from cpshard.batch.token_types import step_token_types
 from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv, token_types
-from cpshard.integrations.masks import (
-    DescribedMask,
-    attention_executes_masks,
-    step_mask,
-    unexecuted,
-)
+from cpshard.integrations.masks import DescribedMask, step_mask
 from cpshard.integrations.token_types import register_vlm
 from cpshard.vision import maybe_distribute_visual
 
@@ -122,16 +117,11 @@ def cpshard_attention(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-    described: dict[str, Any] = {}
-    # the one place a mask description reaches CP attention
-    if isinstance(attention_mask, DescribedMask):
-        description = attention_mask.for_layer(causal, window)
-        if description is not None:
-            if not attention_executes_masks():
-                raise unexecuted(attention_mask, f"{_WHAT}: rank {_cp_rank()}")
-            # the description holds the mask's window and causality: the layer's must not narrow it
-            described, causal, window = {"mask": description}, None, None
-        attention_mask = None
+    mask = None
+    if isinstance(attention_mask, DescribedMask):  # the step's translated mask: integrations.masks
+        mask, attention_mask = attention_mask.for_layer(causal, window), None
+        if mask is not None:  # it states the causality and window: the layer's must not narrow it
+            causal, window = None, None
     out = cp_attention(
         query,
         key,
@@ -145,7 +135,7 @@ def cpshard_attention(
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
         position_ids=position_ids,
-        **described,
+        mask=mask,
     )
     return out.transpose(1, 2).contiguous(), None
 

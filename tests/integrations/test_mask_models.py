@@ -6,23 +6,18 @@ image blocks and PaliGemma's prefix (both from ``token_type_ids``, through the V
 * every rank's mask hook translates the model's mask functions into the description the whole
   unsharded batch gives (:func:`describe_transformers_mask` of the mask functions the model
   builds for the whole padded row, outside CP), at W = 1-4, with an image span crossing a rank
-  boundary — CP attention's execution of a description is stood in for here, so this runs
-  before it exists;
+  boundary;
 * the VLM recipe without the token types, or with them but the language model run alone,
   raises on every rank naming ``token_type_ids`` and the rank;
 * end to end (float64, each document alone through the same model as the reference, every
   layout and the block-diagonal batch at W = 2, subsets at W = 1, 3, 4): loss within 1e-9
-  relative, every gradient within 1e-8 of the largest. These need CP attention to execute mask
-  descriptions (``cpshard.cp_attention``'s ``mask=``) and are skipped, saying so, until it does;
-  the same steps run today at W = 2 with ``mask=`` stood in for by a dense attention over the
-  gathered sequence (:func:`_dense_described`), which checks this side of the hookup: every
-  layer gets the description it must execute, through the layer's attention call.
+  relative, every gradient within 1e-8 of the largest: each described layer passes its
+  description to CP attention (``cpshard.cp_attention``'s ``mask=``), which executes it.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +27,6 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from cpshard.integrations.masks import attention_executes_masks  # noqa: E402
 from cpshard.layouts import LAYOUTS  # noqa: E402
 from tests.helpers import swapped  # noqa: E402
 from tests.integrations.harness import (  # noqa: E402
@@ -44,12 +38,6 @@ from tests.integrations.harness import (  # noqa: E402
     cp_decoder,
     relative_step_errors,
     step_errors,
-)
-
-NEEDS_MASKS = pytest.mark.skipif(
-    not attention_executes_masks(),
-    reason="CP attention does not execute mask descriptions yet (cpshard.cp_attention has no "
-    "mask= keyword): the model's mask is translated, then refused",
 )
 
 IMAGE, TOKENS = 5, 4  # the image token id; tokens per image (mm_tokens_per_image, 4 patches)
@@ -101,7 +89,7 @@ def _model(family: str) -> torch.nn.Module:
         model, norm = T.Llama4ForCausalLM(config), _llama4_norm
     elif family.startswith("gemma3_bidirectional"):
         text = dict(_GEMMA3_TEXT, use_bidirectional_attention=True)
-        if family.endswith("_full"):  # full layers only: causal widened by True, exact today
+        if family.endswith("_full"):  # full layers only: causal widened by True
             text["layer_types"] = ["full_attention", "full_attention"]
         model, norm = T.Gemma3ForCausalLM(T.Gemma3TextConfig(**text)), _gemma_norm
     elif family == "gemma3_vlm":
@@ -269,20 +257,16 @@ def _whole_batch_descriptions(family: str, model: torch.nn.Module, padded: int) 
 
 def _step_descriptions(family: str, model: torch.nn.Module, layout: str) -> tuple[list[Any], int]:
     """The descriptions this rank's mask hook builds in one CP forward (the recipe for the
-    VLMs), with CP attention's execution of a description stood in for (it attends plainly:
-    only the descriptions are looked at), and the step's padded length."""
+    VLMs), and the step's padded length."""
     from cpshard.attention import active_state
     from cpshard.integrations import transformers as cp_transformers
 
     built: list[Any] = []
-    real_mask, real_attention = cp_transformers.step_mask, cp_transformers.cp_attention
+    real_mask = cp_transformers.step_mask
 
     def record(*args: Any, **kwargs: Any) -> Any:
         built.append(real_mask(*args, **kwargs))
         return built[-1]
-
-    def attention(*args: Any, mask: Any = None, **kwargs: Any) -> torch.Tensor:
-        return real_attention(*args, **kwargs)
 
     if family in VLM_FAMILIES:
         batch = _vlm_batch(family)
@@ -294,8 +278,6 @@ def _step_descriptions(family: str, model: torch.nn.Module, layout: str) -> tupl
     ctx, local = _shard(local_batch, layout)
     with (
         swapped("cpshard.integrations.transformers", "step_mask", record),
-        swapped("cpshard.integrations.transformers", "cp_attention", attention),
-        swapped("cpshard.integrations.transformers", "attention_executes_masks", lambda: True),
         ctx(),
         torch.no_grad(),
     ):
@@ -387,9 +369,12 @@ def _full_bidirectional(rank: int, world: int, layouts: list[str]) -> dict[str, 
         (4, ["blockdiag"]),
     ],
 )
-def test_a_widened_mask_the_layers_attend_runs_today(pools, world: int, layouts: list[str]) -> None:
+def test_bidirectional_full_layers_take_the_plain_path(
+    pools, world: int, layouts: list[str]
+) -> None:
     """Gemma 3 text with bidirectional attention and full layers only: its mask (causal widened
-    by True) is translated, and each layer's own ``is_causal=False`` attends it: exact now."""
+    by True) is translated, and each layer's own ``is_causal=False`` attends it (no description
+    reaches CP attention)."""
     check_relative_errors(pools(world).run(_full_bidirectional, layouts, timeout=300), world)
 
 
@@ -422,54 +407,6 @@ def _end_to_end(rank: int, world: int, layouts: list[str]) -> dict[str, Errors]:
     return out
 
 
-def _dense_described(real: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``cp_attention`` with ``mask=`` stood in for: the sequence gathered in global order
-    (differentiably), dense attention under ``mask.dense()``, this rank's rows kept."""
-
-    def attention(q, k, v, *, mask: Any = None, **kwargs: Any) -> torch.Tensor:
-        if mask is None:
-            return real(q, k, v, **kwargs)
-        from cpshard import gather_sequence
-        from cpshard.attention import active_state
-        from cpshard.attention.reach import note_cpshard_mixing
-
-        note_cpshard_mixing()  # cpshard attends this layer (the model check's record)
-        state = active_state()
-        layout, world = state.shard_layout, state.group.world
-
-        def rows(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:  # t's positions ``at``
-            at = at if at.dim() == 2 else at.expand(t.shape[0], -1)
-            return torch.gather(t, 2, at[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
-
-        order = torch.argsort(torch.cat([layout.indices(r) for r in range(world)], -1), dim=-1)
-        q, k, v = (rows(gather_sequence(t, dist.group.WORLD, seq_dim=2), order) for t in (q, k, v))
-        if kwargs.get("enable_gqa"):
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
-        scores = (q @ k.transpose(-1, -2)) * (kwargs.get("scale") or 1 / math.sqrt(q.shape[-1]))
-        scores = scores.masked_fill(~mask.dense()[:, None], float("-inf"))
-        out = torch.softmax(scores, -1).nan_to_num(0.0) @ v  # a pad query sees nothing: 0
-        return rows(out, layout.indices(state.group.rank))
-
-    return attention
-
-
-def _end_to_end_described(rank: int, world: int, layouts: list[str]) -> dict[str, Errors]:
-    from cpshard.integrations import transformers as cp_transformers
-
-    dense = _dense_described(cp_transformers.cp_attention)
-    with (
-        swapped("cpshard.integrations.transformers", "cp_attention", dense),
-        swapped("cpshard.integrations.transformers", "attention_executes_masks", lambda: True),
-    ):
-        return _end_to_end(rank, world, layouts)
-
-
-def test_mask_models_match_each_document_alone_with_masks_stood_in(pools) -> None:
-    layouts = ["stripe", "blockdiag"]
-    check_relative_errors(pools(2).run(_end_to_end_described, layouts, timeout=600), 2)
-
-
-@NEEDS_MASKS
 @pytest.mark.parametrize(
     "world,layouts",
     [

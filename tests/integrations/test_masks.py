@@ -1,9 +1,8 @@
-"""Models whose attention mask says more than CP attention's causal / bidirectional / windowed
-attention are translated under CP (a :class:`~cpshard.masks.MaskDescription`) and, while CP
-attention does not execute descriptions, refused on every rank naming the mask's kind; a VLM
-whose mask reads token types the step lacks is refused naming them; mask functions that do not
-translate (custom ones) are refused naming their piece; the masks of the verified families
-(causal, sliding windows, packed documents) pass. A VLM selected for CP is registered."""
+"""The mask hook's pieces: which mask functions are CP attention's plain pieces (the verified
+families' causal, sliding windows, packed documents), what a layer's own causality and window
+attend, which mask functions read block ids, which VLMs' masks read token types (a VLM selected
+for CP is registered), and a VLM whose step lacks its token types refused on every rank, naming
+them. The models whose masks are translated run end to end in ``test_mask_models.py``."""
 
 from __future__ import annotations
 
@@ -14,12 +13,8 @@ pytest.importorskip("transformers")
 
 from transformers import masking_utils as M  # noqa: E402
 
-from cpshard.integrations.mask_translation import mask_kind, reads_block_ids  # noqa: E402
-from cpshard.integrations.masks import (  # noqa: E402
-    attention_executes_masks,
-    layer_attends,
-    mask_problem,
-)
+from cpshard.integrations.mask_translation import reads_block_ids  # noqa: E402
+from cpshard.integrations.masks import layer_attends, mask_problem  # noqa: E402
 from cpshard.masks import INF, MaskDescription  # noqa: E402
 
 
@@ -45,7 +40,7 @@ def test_implemented_masks_pass_and_others_are_named() -> None:
     assert mask_problem(lambda b, h, q, k: q >= k) == "test_implemented_masks_pass_and_others_are_named.<locals>.<lambda>"
 
 
-def test_what_a_layer_attends_and_mask_kinds() -> None:
+def test_what_a_layer_attends_and_which_masks_read_block_ids() -> None:
     docs = torch.tensor([[1, 1, 1, 0, 2, 2, 2, 2]])
     base = MaskDescription.within_documents
     assert layer_attends(base(docs, ahead=0), True, None)
@@ -69,13 +64,6 @@ def test_what_a_layer_attends_and_mask_kinds() -> None:
     blockwise = M.or_masks(M.causal_mask_function, M.blockwise_overlay(ids))
     assert reads_block_ids(M.and_masks(blockwise, M.sliding_window_overlay(3)))
     assert not reads_block_ids(M.sliding_window_causal_mask_function(3))
-    assert mask_kind(M.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long))) == (
-        "chunked attention"
-    )
-    assert "bidirectional blocks" in mask_kind(blockwise)
-    widened = M.or_masks(M.causal_mask_function, lambda *args: torch.tensor(True, dtype=torch.bool))
-    assert mask_kind(widened) == "causal attention widened to bidirectional"
-    assert mask_kind(lambda b, h, q, k: q >= k) == "a custom mask"
 
 
 def test_what_a_layer_attends_agrees_with_the_dense_masks() -> None:
@@ -181,9 +169,9 @@ def _paligemma_config():
 
 
 def _refused_model(rank: int, world: int, family: str) -> tuple[str, bool]:
-    """One CP step of ``family``'s tiny model on a packed row (two documents, image tokens or a
-    prefix in the VLMs' token types, given to the model but not to the sharder): the error each
-    rank raises, and whether it computed."""
+    """One CP step of ``family``'s tiny VLM on a packed row (two documents, image tokens or a
+    prefix in its token types, given to the model but not to the sharder): the error each rank
+    raises, and whether it computed."""
     import torch.distributed as dist
     import transformers as T
 
@@ -192,18 +180,7 @@ def _refused_model(rank: int, world: int, family: str) -> tuple[str, bool]:
 
     cp_transformers.register()
     torch.manual_seed(0)
-    gemma3_text = _GEMMA3_TEXT
-    if family == "llama4":
-        config = T.Llama4TextConfig(
-            **_SMALL, intermediate_size_mlp=64,
-            attention_chunk_size=4, num_local_experts=2, num_experts_per_tok=1,
-            max_position_embeddings=256, no_rope_layers=[1, 0], interleave_moe_layer_step=1,
-        )  # fmt: skip
-        model = T.Llama4ForCausalLM(config)
-    elif family == "gemma3_bidirectional":
-        config = T.Gemma3TextConfig(**gemma3_text, use_bidirectional_attention=True)
-        model = T.Gemma3ForCausalLM(config)
-    elif family == "gemma3_vlm":
+    if family == "gemma3_vlm":
         model = T.Gemma3ForConditionalGeneration(_gemma3_vlm_config())
     else:
         model = T.PaliGemmaForConditionalGeneration(_paligemma_config())
@@ -214,10 +191,12 @@ def _refused_model(rank: int, world: int, family: str) -> tuple[str, bool]:
     ctx, local = make_cp_blockdiag_batch_and_ctx(
         dist.group.WORLD, None, {"input_ids": doc.clone(), "_packed_seq_ids": doc}
     )
-    fields = {"input_ids": local["input_ids"], "position_ids": local["position_ids"]}
-    if family in ("gemma3_vlm", "paligemma"):
-        length = local["input_ids"].shape[1]
-        fields["token_type_ids"] = types[:, rank * length : (rank + 1) * length]
+    length = local["input_ids"].shape[1]
+    fields = {
+        "input_ids": local["input_ids"],
+        "position_ids": local["position_ids"],
+        "token_type_ids": types[:, rank * length : (rank + 1) * length],
+    }
     calls = []
     model.register_forward_hook(lambda *_: calls.append(1))
     with ctx():
@@ -228,23 +207,10 @@ def _refused_model(rank: int, world: int, family: str) -> tuple[str, bool]:
             return str(exc), bool(calls)
 
 
-@pytest.mark.skipif(
-    attention_executes_masks(), reason="CP attention executes mask descriptions: nothing to refuse"
-)
-@pytest.mark.parametrize(
-    "family,piece",
-    [
-        ("llama4", "chunked attention"),  # translated, not executed yet
-        ("gemma3_bidirectional", "a bidirectional sliding window"),  # its sliding layers
-        # the token types given to the model but not to the sharder: the step lacks the row's
-        ("gemma3_vlm", "no token_type_ids"),
-        ("paligemma", "no token_type_ids"),
-    ],
-)
-def test_masks_cp_attention_does_not_execute_are_refused_on_every_rank(
-    pools, family: str, piece: str
-) -> None:
+@pytest.mark.parametrize("family", ["gemma3_vlm", "paligemma"])
+def test_vlms_without_the_steps_token_types_are_refused_on_every_rank(pools, family: str) -> None:
+    """The token types given to the model but not to the sharder: the step lacks the row's."""
     results = pools(2).run(_refused_model, family, timeout=120)
     for rank, (message, computed) in enumerate(results):
-        assert f"rank {rank}" in message and piece in message, message
+        assert f"rank {rank}" in message and "no token_type_ids" in message, message
         assert not computed
