@@ -92,7 +92,9 @@ def describe_transformers_mask(
 def reads_block_ids(mask_function: MaskFunction | None) -> bool:
     """Whether ``mask_function`` holds transformers' ``blockwise_overlay`` (it reads block ids:
     image spans, a prefix), anywhere in its composition."""
-    blocks = _piece_code("blockwise_overlay")
+    from transformers import masking_utils as M
+
+    blocks = M.blockwise_overlay(torch.ones(1, 1, dtype=torch.int64)).__code__
     return any(code is blocks for code in _codes(mask_function))
 
 
@@ -112,13 +114,6 @@ def _codes(fn: MaskFunction | None) -> list[CodeType]:
                 if callable(v) and not isinstance(v, type):
                     todo.append(v)
     return out
-
-
-def _piece_code(name: str) -> CodeType:
-    """The code object of transformers' mask factory ``name``'s closure."""
-    from transformers import masking_utils as M
-
-    return getattr(M, name)(torch.ones(1, 1, dtype=torch.int64)).__code__
 
 
 def _describe(fn: MaskFunction | None, ctx: _Context) -> MaskDescription | None:
