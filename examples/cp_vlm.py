@@ -9,13 +9,21 @@ packed batch (documents with images, interior and trailing padding). The step:
    runs on this rank's frames only inside :func:`cpshard.cp_vision_group`, and every rank gets
    all image embeddings (``get_image_features`` is the model's own);
 2. the full sequence's ``inputs_embeds`` (image embeddings scattered in), its deepstack
-   features (as dense ``[B, S, D]`` tensors) and per-document mRoPE ``position_ids``
-   ``[3, B, S]`` are built BEFORE sharding: a shard of ``input_ids`` holds only part of an
-   image's tokens, so the model's own merge cannot run on it (the labels stay unshifted:
-   cpshard shifts them once);
-3. :func:`cpshard.make_cp_blockdiag_batch_and_ctx` shards all of it (differentiably), the
-   decoder runs on this rank's tokens with the ``"cpshard"`` attention, and
-   :func:`cpshard.cp_cross_entropy` / :func:`cpshard.reduce_cp_gradients` finish the step.
+   features (as dense ``[B, S, D]`` tensors), per-document mRoPE ``position_ids``
+   ``[3, B, S]`` and the batch's token types are built BEFORE sharding: a shard of
+   ``input_ids`` holds only part of an image's tokens, so the model's own merge cannot run on
+   it (the labels stay unshifted: cpshard shifts them once);
+3. :func:`cpshard.make_cp_blockdiag_batch_and_ctx` shards all of it (differentiably) and keeps
+   the rows' token types for the step, the decoder runs on this rank's tokens with the
+   ``"cpshard"`` attention, and :func:`cpshard.cp_cross_entropy` /
+   :func:`cpshard.reduce_cp_gradients` finish the step.
+
+A VLM whose attention mask reads token types (Gemma 3's bidirectional image blocks,
+PaliGemma's prefix: :func:`cpshard.integrations.transformers.register_vlm`, which
+``wrap_vision_tower`` calls) runs its decoder through the VLM's own model with the shard's
+token types (:func:`decoder_logits`), so that its mask function holds the blocks and the step
+reads them for the whole row; a step without them raises on every rank instead of attending
+the image tokens causally.
 
 It prints the CP loss (averaged over ranks) beside the single-process loss (every document run on
 its own through the unmodified model) and the largest parameter-gradient difference.
@@ -32,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 import cpshard
+from cpshard.batch.token_types import TOKEN_TYPE_KEYS
 from cpshard.integrations import transformers as cp_transformers
 
 from cp_decoder import (
@@ -190,8 +199,8 @@ def vlm_documents(batch: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Ten
 def merged_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     """The decoder's inputs for the FULL sequence, ready to shard: ``inputs_embeds`` with the
     image embeddings scattered in, the image-token mask and one dense ``[B, S, D]`` tensor per
-    deepstack level (zeros off images; none for a model without them), plus positions, labels
-    and document ids."""
+    deepstack level (zeros off images; none for a model without them), plus positions, labels,
+    document ids and the batch's token types (the step keeps them for a mask that reads them)."""
     vlm = model.model
     features = vlm.get_image_features(batch["pixel_values"], batch["image_grid_thw"])
     mask = (batch["input_ids"] == IMAGE).unsqueeze(-1)
@@ -205,11 +214,21 @@ def merged_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, An
     }
     for k, level in enumerate(getattr(features, "deepstack_features", None) or []):
         merged[f"deepstack_{k}"] = torch.zeros_like(embeds).masked_scatter(mask, torch.cat(level))
+    merged.update({k: batch[k] for k in TOKEN_TYPE_KEYS if k in batch})
     return merged
 
 
 def decoder_logits(model: torch.nn.Module, local: dict[str, Any]) -> torch.Tensor:
-    """The decoder and LM head on this rank's tokens of :func:`merged_inputs`."""
+    """The decoder and LM head on this rank's tokens of :func:`merged_inputs`. A VLM whose mask
+    reads token types runs the VLM's model on the embeddings with the shard's token types (its
+    own mask then holds the image blocks; without them the step raises on every rank)."""
+    key = cp_transformers.register_vlm(model)
+    if key is not None:
+        hidden = model.model(
+            inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"],
+            use_cache=False, **{key: local.get(key)},
+        ).last_hidden_state  # fmt: skip
+        return model.lm_head(hidden)
     mask = local["visual_pos_masks"]
     levels = sorted(k for k in local if k.startswith("deepstack_"))
     deepstack = (  # models without deepstack levels (Qwen3.5) take no such arguments

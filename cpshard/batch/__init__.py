@@ -5,7 +5,8 @@ conventions every sharder shares, the runs of one document, and the sharded batc
 * :mod:`~cpshard.batch.documents`: document ids and padding of a batch, per-document positions;
 * :mod:`~cpshard.batch.padding`: how sequence-aligned entries are padded;
 * :mod:`~cpshard.batch.runs`: the runs of one document;
-* :mod:`~cpshard.batch.targets`: :class:`ShardedBatch` and its :class:`BatchTargets`.
+* :mod:`~cpshard.batch.targets`: :class:`ShardedBatch` and its :class:`BatchTargets`;
+* :mod:`~cpshard.batch.token_types`: the rows' token types a step keeps for the model's mask.
 """
 
 from cpshard.batch.documents import DocumentError, document_ids, document_positions, read_documents

@@ -3,7 +3,8 @@
 A tensor is sequence-aligned when it is ``[B, S, ...]`` (seq dim 1) or, for mRoPE position ids,
 ``[C, B, S]`` (seq dim 2). Padding appends positions at the end of the sequence with a value
 that keeps every consumer correct: ``input_ids`` = the pad id, ``labels`` = -100,
-``position_ids`` continue counting, ``loss_mask`` = 0, ``padding_mask`` = True, anything else 0.
+``position_ids`` continue counting, ``loss_mask`` = 0, ``padding_mask`` = True,
+``block_sequence_ids`` = -1 (no block), anything else 0.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ def sequence_dim(key: str, value: object, batch_size: int, seq_len: int) -> int 
 
 def pad_value(key: str, padding_token_id: int) -> int | bool:
     """The fill value for padded positions of the entry named ``key``."""
-    return {"input_ids": padding_token_id, "labels": IGNORE_INDEX, "padding_mask": True}.get(key, 0)
+    fills = {"input_ids": padding_token_id, "labels": IGNORE_INDEX, "padding_mask": True}
+    fills["block_sequence_ids"] = -1  # transformers' block ids: padding is in no block
+    return fills.get(key, 0)
 
 
 def pad_sequence(

@@ -89,6 +89,33 @@ def describe_transformers_mask(
     return _describe(mask_function, _Context(documents, block_ids))
 
 
+def reads_block_ids(mask_function: MaskFunction | None) -> bool:
+    """Whether ``mask_function`` holds transformers' ``blockwise_overlay`` (it reads block ids:
+    image spans, a prefix), anywhere in its composition."""
+    from transformers import masking_utils as M
+
+    blocks = M.blockwise_overlay(torch.ones(1, 1, dtype=torch.int64)).__code__
+    return any(code is blocks for code in _codes(mask_function))
+
+
+def _codes(fn: MaskFunction | None) -> list[CodeType]:
+    """The code objects of ``fn`` and of every mask function its closures hold."""
+    out: list[CodeType] = []
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        code = getattr(f, "__code__", None)
+        if code is None:
+            continue
+        out.append(code)
+        for cell in getattr(f, "__closure__", None) or ():
+            value = cell.cell_contents
+            for v in value if isinstance(value, tuple) else (value,):
+                if callable(v) and not isinstance(v, type):
+                    todo.append(v)
+    return out
+
+
 def _describe(fn: MaskFunction | None, ctx: _Context) -> MaskDescription | None:
     if fn is None:
         return MaskDescription.within_documents(ctx.documents, ahead=0)

@@ -26,11 +26,19 @@ from cpshard.attention.api import cp_attention
 from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
-from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv
-from cpshard.integrations.masks import mask_problem
+from cpshard.batch.token_types import step_token_types
+from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv, token_types
+from cpshard.integrations.masks import DescribedMask, step_mask
+from cpshard.integrations.token_types import register_vlm
 from cpshard.vision import maybe_distribute_visual
 
-__all__ = ["ATTN_IMPLEMENTATION", "cpshard_attention", "register", "wrap_vision_tower"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "cpshard_attention",
+    "register",
+    "register_vlm",
+    "wrap_vision_tower",
+]
 
 ATTN_IMPLEMENTATION = "cpshard"
 _WHAT = "cpshard.integrations.transformers"
@@ -85,7 +93,10 @@ def cpshard_attention(
     Under CP, ``is_causal`` (else the module's ``is_causal``), ``scaling``, GQA (from the head
     counts), the sliding window (the call's ``sliding_window``, else the module's), logit
     soft-capping (``softcap``) and attention sinks (``s_aux``) go to the CP attention, which
-    refuses what it cannot do exactly: a mask, dropout, ``position_bias``.
+    refuses what it cannot do exactly: a mask, dropout, ``position_bias``. A mask the mask
+    builder translated (:class:`~cpshard.integrations.masks.DescribedMask`: chunked attention,
+    image blocks, ...) goes to it as ``mask=``, its step's
+    :class:`~cpshard.masks.MaskDescription`.
 
     The model's ``position_ids`` (transformers passes them in ``kwargs``) tell whose tokens
     these are: a sharded batch's raise under another step's or layout's context, and outside any
@@ -106,6 +117,11 @@ def cpshard_attention(
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+    mask = None
+    if isinstance(attention_mask, DescribedMask):  # the step's translated mask: integrations.masks
+        mask, attention_mask = attention_mask.for_layer(causal, window), None
+        if mask is not None:  # it states the causality and window: the layer's must not narrow it
+            causal, window = None, None
     out = cp_attention(
         query,
         key,
@@ -119,6 +135,7 @@ def cpshard_attention(
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
         position_ids=position_ids,
+        mask=mask,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -156,23 +173,20 @@ def _plain_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """The mask builder for ``"cpshard"``: none under CP (the step's documents define the
-    attention; a mask built from one shard would be wrong) once the model's mask function is
-    one CP attention implements (:mod:`cpshard.integrations.masks`), transformers' SDPA mask
-    otherwise."""
-    if _cp_active():
+def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | DescribedMask | None:
+    """The mask builder for ``"cpshard"``: under CP no dense mask (the step's documents define
+    the attention; a mask built from one shard would be wrong) but the model's mask function
+    translated for the step (:func:`cpshard.integrations.masks.step_mask`: None when its pieces
+    are CP attention's plain ones, else a :class:`~cpshard.integrations.masks.DescribedMask` for
+    the layers' attention, or an error on every rank); transformers' SDPA mask otherwise."""
+    state = active_state()
+    if state is not None:
         # sdpa_mask(batch_size, cache_position, kv_length, kv_offset, mask_function, ...)
-        problem = mask_problem(kwargs.get("mask_function", args[4] if len(args) > 4 else None))
-        if problem is not None:
-            raise ValueError(
-                f"{_WHAT}: rank {_cp_rank()}: the model builds its attention mask with "
-                f"{problem!r}, a pattern CP attention does not implement (it implements causal "
-                "and bidirectional attention within documents and sliding windows; not chunked "
-                "attention, bidirectional image blocks or other custom masks); under CP the "
-                "step would attend something else than the model. Train this model outside CP"
-            )
-        return None
+        fn = kwargs.get("mask_function", args[4] if len(args) > 4 else None)
+        return step_mask(
+            fn, kwargs.get("config"), state.documents, step_token_types(state.derived),
+            f"{_WHAT}: rank {state.group.rank}",
+        )  # fmt: skip
     from transformers.masking_utils import sdpa_mask
 
     return sdpa_mask(*args, **kwargs)
@@ -184,7 +198,8 @@ def register() -> None:
     Gated DeltaNet layers of its hybrid models (:mod:`cpshard.integrations.gated_deltanet`), its
     Mamba layers (:mod:`cpshard.integrations.mamba`, :mod:`cpshard.integrations.mamba2`), its
     short convolutions (:mod:`cpshard.integrations.short_conv`) and MiniMax's lightning attention
-    (:mod:`cpshard.integrations.minimax`) shard-aware under CP. Idempotent."""
+    (:mod:`cpshard.integrations.minimax`) shard-aware under CP; every VLM whose attention
+    implementation becomes ``"cpshard"`` is registered (:func:`register_vlm`). Idempotent."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -199,6 +214,7 @@ def register() -> None:
     mamba2.install()  # the Mamba2 layers of Mamba2 and its hybrids under CP
     short_conv.install()  # LFM2's short convolutions under CP
     minimax.install()  # MiniMax's lightning attention under CP
+    token_types.install(ATTN_IMPLEMENTATION)  # VLMs selected for CP: their masks' token types
 
 
 # ------------------------------------------------------------------ the vision tower
@@ -259,8 +275,10 @@ def wrap_vision_tower(model: torch.nn.Module) -> torch.nn.Module:
     The tower object stays in place and its class gains :class:`CpVisionTower` in front (a
     subclass made once per tower class), so its parameter names (state_dict keys), ``dtype``,
     ``spatial_merge_size`` and ``isinstance`` checks are unchanged and the model code calls it
-    as before (``return_dict=True`` and its keyword arguments pass through). Idempotent."""
+    as before (``return_dict=True`` and its keyword arguments pass through). It also
+    registers the VLM's mask inputs (:func:`register_vlm`). Idempotent."""
     owner, name = _find_tower(model)
+    register_vlm(model)  # its mask's token types, if it reads any
     tower = getattr(owner, name)
     cls = type(tower)
     if not issubclass(cls, CpVisionTower):

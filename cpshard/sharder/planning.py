@@ -1,8 +1,9 @@
 """The step's batch planning, shared by :class:`~cpshard.sharder.ContextParallelSharder` and
 :func:`~cpshard.make_cp_blockdiag_batch_and_ctx`: :class:`BatchPlanner` is the built-in
 ``shard_batch`` of a layout (validation, padding, positions, targets, the layout, the per-step
-consensus fields every rank agrees on, and the step's CP attention state), :class:`_BatchPlan`
-shards a planned batch for one rank.
+consensus fields every rank agrees on, the step's CP attention state, and the rows' token types
+kept in it for the model's mask: :mod:`cpshard.batch.token_types`), :class:`_BatchPlan` shards
+a planned batch for one rank.
 
 Every sequence-aligned entry is sharded like the inputs: the ones the planner knows
 (``input_ids``, ``inputs_embeds``, ``labels``, ``loss_mask``, ``position_ids``), the ones named
@@ -26,6 +27,12 @@ from cpshard.attention.tokens import register_tokens
 from cpshard.batch.documents import DocumentError, document_positions_at, read_documents
 from cpshard.batch.padding import IGNORE_INDEX, pad_sequence, pad_value, sequence_dim
 from cpshard.batch.targets import CONSUMED_KEYS, BatchTargets, ShardedBatch, shift_targets
+from cpshard.batch.token_types import (
+    keep_for_step,
+    pad_token_types,
+    read_token_types,
+    token_types_field,
+)
 from cpshard.comm import Group, GroupLike, resolve_group
 from cpshard.consensus import agree
 from cpshard.fingerprints import digest
@@ -103,6 +110,8 @@ class BatchPlanner:
             "padded length": [plan.layout.padded_seq_len if plan else 0],
             "partition": digest(plan.layout.local_token_global_indices if plan else None),
             "document ids": digest(plan.documents if plan else None),
+            # the masks read the row's token types like the documents (cpshard.batch.token_types)
+            "token types": token_types_field(plan.token_types if plan else {}),
             # ranks on other strategies (or meshes) would issue other collectives and hang
             "attention strategy": [
                 STRATEGIES.index(self.strategy),
@@ -117,6 +126,9 @@ class BatchPlanner:
             step_plan = plan_step(g.rank, plan.layout, plan.padded_documents(), self.strategy,
                                   self._mesh_dims())  # fmt: skip
         state = state_from_plan(g, step_plan, plan.device, self.mesh)
+        if plan.token_types:  # the whole padded row's, for the model's mask (global order)
+            padded = pad_token_types(plan.token_types, plan.layout.padded_seq_len)
+            keep_for_step(state.derived, padded)
         sharded = plan.apply(g.rank)
         register_tokens(sharded["position_ids"], state)  # attention checks whose tokens they are
         return lambda: activated(state), sharded, plan.layout
@@ -257,6 +269,7 @@ class BatchPlanner:
             plan.positions = pos[None] if pos.dim() == 1 else pos
         plan.padding = pad.to(ref_t.device)
         plan.documents = doc_ids
+        plan.token_types = read_token_types(batch, rows, seq_len)
         if labels is not None:
             plan.num_labelled = (labels != IGNORE_INDEX).sum()
         if isinstance(step_plan, StepPlan) and step_plan.layout.original_seq_len == seq_len:
@@ -304,6 +317,7 @@ class _BatchPlan:
         self.positions: torch.Tensor | None = None  # given, or created per document
         self.padding: torch.Tensor | None = None
         self.documents: torch.Tensor | None = None  # on the host
+        self.token_types: dict[str, torch.Tensor] = {}  # the rows' [B, S], on the host
         self.num_labelled: torch.Tensor | None = None
         self.layout: ShardLayout | None = None
 
