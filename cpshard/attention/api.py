@@ -74,6 +74,7 @@ def _mask_problem(mask: MaskDescription | None, window: int | None) -> str | Non
 
 
 def _mask_mod(mask_mod: object, documents: object, what: str) -> MaskMod | None:
+    """``mask_mod`` checked to be callable or None, and its documents flag a bool."""
     if mask_mod is not None and not callable(mask_mod):
         raise TypeError(f"{what}: mask_mod must be callable or None, got {type(mask_mod).__name__}")
     if not isinstance(documents, bool):
@@ -210,11 +211,6 @@ def cp_attention(
     if state is not None:
         problem = token_problem(position_ids, state) or _sinks_problem(sinks, query)
         problem = problem or mod_problem or _mask_problem(mask, window)
-        if mask_mod is not None:
-            return _attend_mask_mod(
-                state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _WHAT,
-                problem, mask_mod, mask_mod_documents, softcap, sinks,
-            )  # fmt: skip
         if problem is None and window is not None and not causal:
             problem = "window needs is_causal=True"
         return attend(
@@ -233,6 +229,8 @@ def cp_attention(
             sinks=sinks,
             causal=causal,
             mask=mask,
+            mask_mod=mask_mod,
+            mask_mod_documents=mask_mod_documents,
         )
     check_outside(position_ids, _WHAT)
     problem = _sinks_problem(sinks, query) or mod_problem or _mask_problem(mask, window)
@@ -355,17 +353,20 @@ def attend(
     sinks: torch.Tensor | None = None,
     causal: bool = True,
     mask: MaskDescription | None = None,
+    mask_mod: MaskMod | None = None,
+    mask_mod_documents: bool = True,
 ) -> torch.Tensor:
     """Attention within documents under the step's ``state``: causal, bidirectional
     (``causal=False``) or ``mask``'s (a :class:`~cpshard.masks.MaskDescription` of the step's
     batch, planned once per description object and step), with the ``window``, ``softcap`` and
     ``sinks`` variants (:func:`cp_attention`): the step's K/V exchange, then the spans'
-    attention. ``problem``: the caller's own finding about its arguments, reported like the
-    shape checks (locally, or on every rank in checked mode), as is a description the step
-    cannot execute."""
+    attention. Or ``mask_mod``'s (within documents unless ``mask_mod_documents`` is False;
+    :mod:`cpshard.attention.mask_mod`, whatever the step's strategy). ``problem``: the
+    caller's own finding about its arguments, reported like the shape checks (locally, or on
+    every rank in checked mode), as is a description or function the step cannot execute."""
     note_cpshard_mixing()
     chosen = state
-    if problem is None:
+    if problem is None and mask_mod is None:
         try:
             chosen = state.variant(causal, mask)
         except ValueError as e:  # a description of another batch, or one it cannot execute
@@ -373,8 +374,18 @@ def attend(
         else:
             problem = _causal_claim_problem(mask, causal, chosen.looks_ahead)
     problem = problem or _problem(chosen, query, key, value, attn_mask, dropout_p, enable_gqa)
+    planned = None
+    if problem is None and mask_mod is not None:
+        try:
+            planned = mask_mod_state(state, mask_mod, query.shape[1], mask_mod_documents)
+        except ValueError as e:  # a function that does not return the broadcast bool tensor
+            problem = str(e)
+        else:
+            chosen = planned.carrier
     fields = _fields(chosen, query, key, value, window, softcap, sinks)
     check_call(chosen.group, what, problem, fields)
+    if planned is not None:
+        return planned.attend(query, key, value, scale, enable_gqa, softcap, sinks)
     d_k = key.shape[-1]
     size = query.element_size()
     plan = route(chosen, window, query.shape[1], key.shape[1], d_k, value.shape[-1], size)
@@ -385,40 +396,6 @@ def attend(
     kv = torch.cat([key, value], dim=-1)
     out, _ = cp_attention_op(query, kv, chosen.key, d_k, scale, window, softcap, sinks)
     return out
-
-
-def _attend_mask_mod(
-    state: AttentionState,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    dropout_p: float,
-    scale: float | None,
-    enable_gqa: bool,
-    what: str,
-    problem: str | None,
-    mask_mod: MaskMod,
-    documents: bool,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention under ``mask_mod`` within the step ``state`` (:mod:`cpshard.attention.mask_mod`,
-    whatever the step's strategy): checked like :func:`attend`, a function the step cannot
-    plan reported as this rank's problem naming ``mask_mod``."""
-    note_cpshard_mixing()
-    problem = problem or _problem(state, query, key, value, attn_mask, dropout_p, enable_gqa)
-    planned = None
-    if problem is None:
-        try:
-            planned = mask_mod_state(state, mask_mod, query.shape[1], documents)
-        except ValueError as e:  # a function that does not return the broadcast bool tensor
-            problem = str(e)
-    carrier = state if planned is None else planned.carrier
-    fields = _fields(carrier, query, key, value, None, softcap, sinks)
-    check_call(state.group, what, problem, fields)
-    assert planned is not None
-    return planned.attend(query, key, value, scale, enable_gqa, softcap, sinks)
 
 
 def cp_blockdiag_sdpa(
@@ -457,9 +434,7 @@ def cp_blockdiag_sdpa(
         return plain_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
-    if mask_mod is not None:
-        return _attend_mask_mod(
-            state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _SDPA_WHAT,
-            problem, mask_mod, mask_mod_documents,
-        )  # fmt: skip
-    return attend(state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _SDPA_WHAT)
+    return attend(
+        state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _SDPA_WHAT, problem,
+        mask_mod=mask_mod, mask_mod_documents=mask_mod_documents,
+    )  # fmt: skip

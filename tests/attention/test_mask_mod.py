@@ -19,7 +19,17 @@ import torch
 import torch.distributed as dist
 
 from cpshard.layouts import LAYOUTS
-from tests.helpers import D, packed_doc_ids, step_context
+from tests.helpers import (
+    assert_refused_on_every_rank,
+    check_cp_results,
+    cp_case_result,
+    each_case,
+    packed_doc_ids,
+    random_qkvw,
+    shard_heads,
+    step_context,
+    visible_reference,
+)
 
 LAYOUTS_AND_BATCH = [*LAYOUTS, "blockdiag"]
 # packing, B, S, query heads, KV heads (S not a multiple of W: trailing padding)
@@ -65,25 +75,7 @@ def _dense(name: str, doc: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _full(case: tuple) -> tuple[torch.Tensor, ...]:
     name, b, s, heads, kv_heads = case
-    g = torch.Generator().manual_seed(100 * b + s)
-    q, k, v, w = (
-        torch.randn(b, h, s, D, dtype=torch.float64, generator=g)
-        for h in (heads, kv_heads, kv_heads, heads)
-    )
-    return packed_doc_ids(name, b, s), q, k, v, w
-
-
-def _reference(q, k, v, visible: torch.Tensor) -> torch.Tensor:
-    """Attention of the whole rows under ``visible`` ``[B, H, S, S]`` (nothing seen: zeros)."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-    return probs.nan_to_num(0.0) @ v
-
-
-def _sharded(sharder, t: torch.Tensor) -> torch.Tensor:
-    return sharder.shard_token_tensor(t.transpose(1, 2), seq_dim=1, fill=0.0).transpose(1, 2)
+    return packed_doc_ids(name, b, s), *random_qkvw(b, s, heads, kv_heads, 100 * b + s)
 
 
 def _reached(step, planned, dense: torch.Tensor) -> list[str]:
@@ -111,51 +103,31 @@ def _distributed(rank: int, world: int, layouts: list[str], cases: list, names: 
     from cpshard.attention.mask_mod import mask_mod_state
 
     results = []
-    for layout in layouts:
-        for case in cases:
-            doc, *full, w = _full(case)
-            for name in names:
-                q, k, v = (t.detach().clone().requires_grad_() for t in full)
-                fn, documents = mask_mod(name, doc), MASK_MODS[name]
-                ctx, sharder = step_context(layout, doc, dist.group.WORLD)
-                attention = cp_blockdiag_sdpa if sdpa else cp_attention
-                with ctx():
-                    args = [_sharded(sharder, t) for t in (q, k, v)]
-                    out = attention(*args, enable_gqa=case[3] != case[4], mask_mod=fn,
-                                    mask_mod_documents=documents)  # fmt: skip
-                    step = active_state()
-                    planned = mask_mod_state(step, fn, case[3], documents)
-                    attention(*args, enable_gqa=True, mask_mod=fn, mask_mod_documents=documents)
-                    assert mask_mod_state(step, fn, case[3], documents) is planned
-                    reached = _reached(step, planned, _dense(name, doc, case[3]))
-                (out * _sharded(sharder, w)).sum().backward()
-                gathered = sharder.gather_token_tensor(out.detach().transpose(1, 2), 1, trim=True)
-                results.append((gathered.transpose(1, 2), q.grad, k.grad, v.grad, reached))
+    for layout, case, name, doc, (q, k, v), w in each_case(layouts, cases, names, _full):
+        fn, documents = mask_mod(name, doc), MASK_MODS[name]
+        ctx, sharder = step_context(layout, doc, dist.group.WORLD)
+        attention = cp_blockdiag_sdpa if sdpa else cp_attention
+        with ctx():
+            args = [shard_heads(sharder, t) for t in (q, k, v)]
+            out = attention(*args, enable_gqa=case[3] != case[4], mask_mod=fn,
+                            mask_mod_documents=documents)  # fmt: skip
+            step = active_state()
+            planned = mask_mod_state(step, fn, case[3], documents)
+            attention(*args, enable_gqa=True, mask_mod=fn, mask_mod_documents=documents)
+            assert mask_mod_state(step, fn, case[3], documents) is planned
+            reached = _reached(step, planned, _dense(name, doc, case[3]))
+        results.append(cp_case_result(sharder, out, w, (q, k, v), reached))
     return results
 
 
 def _check(got: list[list[tuple]], world: int, layouts: list[str], cases: list,
            names: list[str]) -> None:  # fmt: skip
-    at = 0
-    for layout in layouts:
-        for case in cases:
-            doc, q, k, v, w = _full(case)
-            for name in names:
-                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-                want = _reference(*leaves, _dense(name, doc, case[3]))
-                grads = torch.autograd.grad((want * w).sum(), leaves)
-                label = f"W={world} {layout} {case} {name}"
-                for r in range(world):
-                    torch.testing.assert_close(
-                        got[r][at][0], want, rtol=0, atol=1e-12, msg=f"{label} output, rank {r}"
-                    )
-                    assert not got[r][at][4], (label, got[r][at][4])
-                for j, grad_name in enumerate("qkv"):
-                    total = sum(got[r][at][1 + j] for r in range(world))
-                    torch.testing.assert_close(
-                        total, grads[j], rtol=0, atol=1e-10, msg=f"{label} grad {grad_name}"
-                    )
-                at += 1
+    expected = []
+    for layout, case, name, doc, leaves, w in each_case(layouts, cases, names, _full):
+        want = visible_reference(*leaves, _dense(name, doc, case[3]))
+        grads = torch.autograd.grad((want * w).sum(), leaves)
+        expected.append((f"W={world} {layout} {case} {name}", want, grads))
+    check_cp_results(got, expected)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -183,7 +155,7 @@ def _refusal(rank: int, world: int, kind: str) -> None:
 
     doc, q, k, v, _ = _full(CASES[0])
     ctx, sharder = step_context("stripe", doc)
-    q, k, v = (_sharded(sharder, t) for t in (q, k, v))
+    q, k, v = (shard_heads(sharder, t) for t in (q, k, v))
     fn = mask_mod("dilated", doc)
     kwargs: dict = {
         "mask": {"mask": MaskDescription.within_documents(doc, ahead=0)},
@@ -196,21 +168,18 @@ def _refusal(rank: int, world: int, kind: str) -> None:
         cp_attention(q, k, v, enable_gqa=True, **{"mask_mod": fn, **kwargs})
 
 
-REFUSALS = {
-    "mask": "mask_mod and mask exclude each other",
-    "window": "window must be None with mask_mod",
-    "is_causal": "is_causal=True conflicts with mask_mod",
-    "not_bool": "mask_mod must return a bool tensor of shape [2, 2, ",
-    "shape": "mask_mod must return a bool tensor of shape [2, 2, ",
-}
-
-
-@pytest.mark.parametrize("kind", list(REFUSALS))
-def test_what_cannot_be_executed_raises_on_every_rank(pool2, kind: str) -> None:
-    outcomes = pool2.run_collect(_refusal, kind, timeout=60)
-    assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
-    assert all(REFUSALS[kind] in o.error_message for o in outcomes), outcomes
-    assert all(f"rank {o.rank}" in o.error_message for o in outcomes), outcomes
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("mask", "mask_mod and mask exclude each other"),
+        ("window", "window must be None with mask_mod"),
+        ("is_causal", "is_causal=True conflicts with mask_mod"),
+        ("not_bool", "mask_mod must return a bool tensor of shape [2, 2, "),
+        ("shape", "mask_mod must return a bool tensor of shape [2, 2, "),
+    ],
+)
+def test_what_cannot_be_executed_raises_on_every_rank(pool2, kind: str, message: str) -> None:
+    assert_refused_on_every_rank(pool2.run_collect(_refusal, kind, timeout=60), message)
 
 
 def test_outside_cp_the_dense_mask() -> None:
@@ -231,7 +200,7 @@ def test_outside_cp_the_dense_mask() -> None:
         for attention in (cp_attention, cp_blockdiag_sdpa):
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
             out = attention(*leaves, enable_gqa=True, mask_mod=fn)
-            torch.testing.assert_close(out, _reference(q, k, v, visible), rtol=0, atol=1e-12)
+            torch.testing.assert_close(out, visible_reference(q, k, v, visible), rtol=0, atol=1e-12)
             (out * w).sum().backward()
             assert all(torch.isfinite(t.grad).all() for t in leaves)
     with pytest.raises(ValueError, match="cp_attention: window must be None with mask_mod"):
