@@ -149,6 +149,34 @@ def test_cp_blockdiag_sdpa_takes_a_mask_mod(pool2) -> None:
     _check(pool2.run(_distributed, *args, True, timeout=600), 2, *args)
 
 
+def _second_call_reads(rank: int, world: int) -> list[str]:
+    """Host reads of tensor data in a layer's call (forward and backward) with the function an
+    earlier layer of the step passed: its plan is the one made then."""
+    from cpshard import cp_attention
+    from cpshard.attention import active_state
+    from cpshard.attention.mask_mod import mask_mod_state
+    from tests.helpers import recording_host_reads
+
+    doc, *full, _ = _full(CASES[0])
+    ctx, sharder = step_context("balanced", doc)
+    fn = mask_mod("per_head", doc)
+    qkv = tuple(shard_heads(sharder, t).detach().requires_grad_() for t in full)
+    reads: list[str] = []
+    for layer in range(2):
+        with ctx():
+            step = active_state()
+            keys = (step.key, mask_mod_state(step, fn, full[0].shape[1], True).carrier.key)
+        with recording_host_reads(reads if layer else [], keys):
+            with ctx():
+                out = cp_attention(*qkv, enable_gqa=True, mask_mod=fn)
+            out.sum().backward()
+    return reads
+
+
+def test_a_function_is_planned_once_per_step(pool2) -> None:
+    assert pool2.run(_second_call_reads, timeout=120) == [[], []]
+
+
 def _refusal(rank: int, world: int, kind: str) -> None:
     from cpshard import cp_attention
     from cpshard.masks import MaskDescription
