@@ -24,6 +24,7 @@ from tests.helpers import (
     check_cp_results,
     cp_case_result,
     each_case,
+    masked_attention,
     packed_doc_ids,
     random_qkvw,
     shard_heads,
@@ -33,7 +34,7 @@ from tests.helpers import (
 
 LAYOUTS_AND_BATCH = [*LAYOUTS, "blockdiag"]
 # packing, B, S, query heads, KV heads (S not a multiple of W: trailing padding)
-CASES = [("interior_pad", 2, 30, 2, 1), ("random", 2, 23, 2, 2)]
+CASES = [("interior_pad", 2, 30, 2, 1), ("random", 2, 23, 2, 2), ("pad_rank", 1, 20, 2, 1)]
 # name -> whether the documents bound the mask (mask_mod_documents)
 MASK_MODS = {"summary": False, "dilated": True, "block_sparse": True, "per_head": True}
 
@@ -140,6 +141,7 @@ def test_every_layout_matches_the_dense_mask(pools, world: int) -> None:
 
 @pytest.mark.parametrize("world", [1, 3])
 def test_some_layouts_match_the_dense_mask(pools, world: int) -> None:
+    """A subset of layouts, every case (``pad_rank``: a whole rank of padding at W = 3)."""
     args = (["contiguous", "stripe", "blockdiag"], CASES, list(MASK_MODS))
     _check(pools(world).run(_distributed, *args, timeout=600), world, *args)
 
@@ -147,6 +149,49 @@ def test_some_layouts_match_the_dense_mask(pools, world: int) -> None:
 def test_cp_blockdiag_sdpa_takes_a_mask_mod(pool2) -> None:
     args = (["balanced"], CASES[1:], ["summary", "per_head"])
     _check(pool2.run(_distributed, *args, True, timeout=600), 2, *args)
+
+
+def _capped(rank: int, world: int, layouts: list[str], names: list[str]) -> list[tuple]:
+    """Per (layout, function): soft-capped logits and sinks under a ``mask_mod`` (the explicit
+    statement on the key buffer): the gathered output and this rank's gradients of q, k, v
+    and the sinks."""
+    from cpshard import cp_attention
+
+    results = []
+    sinks = torch.linspace(-1.0, 1.0, CASES[0][3], dtype=torch.float64)
+    for layout, _, name, doc, (q, k, v), w in each_case(layouts, CASES[:1], names, _full):
+        s = sinks.clone().requires_grad_()
+        ctx, sharder = step_context(layout, doc)
+        with ctx():
+            out = cp_attention(
+                *(shard_heads(sharder, t) for t in (q, k, v)), enable_gqa=True,
+                mask_mod=mask_mod(name, doc), mask_mod_documents=MASK_MODS[name], softcap=2.0,
+                sinks=s,
+            )  # fmt: skip
+        results.append(cp_case_result(sharder, out, w, (q, k, v, s), []))
+    return results
+
+
+def test_softcap_and_sinks_with_a_mask_mod(pool2) -> None:
+    """Against the per-head weighted sum on the whole rows (:func:`tests.helpers.masked_attention`:
+    a query that sees nothing gets zeros next to its sink)."""
+    layouts, names = ["stripe", "blockdiag"], ["dilated", "summary"]
+    got = pool2.run(_capped, layouts, names, timeout=300)
+    sinks = torch.linspace(-1.0, 1.0, CASES[0][3], dtype=torch.float64)
+    for at, (layout, case, name, doc, leaves, w) in enumerate(
+        each_case(layouts, CASES[:1], names, _full)
+    ):
+        leaves = (*leaves, sinks.clone().requires_grad_())
+        dense = _dense(name, doc, 1)
+        want = masked_attention(*leaves[:3], dense, leaves[0].shape[-1] ** -0.5, 2.0, leaves[3])
+        grads = torch.autograd.grad((want * w).sum(), leaves)
+        for r in range(2):
+            torch.testing.assert_close(got[r][at][0], want, rtol=0, atol=1e-12, msg=name)
+        for j, grad_name in enumerate(("q", "k", "v", "sinks")):
+            total = sum(got[r][at][1 + j] for r in range(2))
+            torch.testing.assert_close(
+                total, grads[j], rtol=0, atol=1e-10, msg=f"{layout} {name} grad {grad_name}"
+            )
 
 
 def _second_call_reads(rank: int, world: int) -> list[str]:
