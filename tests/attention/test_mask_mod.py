@@ -241,6 +241,25 @@ def _refusal(rank: int, world: int, kind: str) -> None:
         cp_attention(q, k, v, enable_gqa=True, **{"mask_mod": fn, **kwargs})
 
 
+def _differing(rank: int, world: int) -> None:
+    """Checked mode, a function that differs on rank 1 (its exchange another)."""
+    from cpshard import check_mode, cp_attention
+
+    doc, q, k, v, _ = _full(CASES[0])
+    ctx, sharder = step_context("stripe", doc)
+    q, k, v = (shard_heads(sharder, t) for t in (q, k, v))
+    fn = mask_mod("dilated" if rank == 0 else "per_head", doc)
+    with check_mode("call"), ctx():
+        cp_attention(q, k, v, enable_gqa=True, mask_mod=lambda b, h, q, k: k == q)
+        cp_attention(q, k, v, enable_gqa=True, mask_mod=fn)
+
+
+def test_checked_mode_agrees_on_the_exchange(pool2) -> None:
+    outcomes = pool2.run_collect(_differing, timeout=60)
+    assert all(not o.ok and "exchange plan differs on rank 1" in o.error_message
+               for o in outcomes), outcomes  # fmt: skip
+
+
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
