@@ -13,6 +13,9 @@ and ``auto`` (and ``hierarchical`` on a 2 x 2 mesh of 4 ranks) for MHA (8 / 8) a
 heads on the layouts of :data:`~cpshard.bench.attention_strategies.GRID_LAYOUTS` and the
 block-diagonal batch.
 
+The mask rows (:mod:`cpshard.bench.attention_masks`, every run) execute a mask description:
+chunked causal attention and bidirectional image blocks inside causal documents.
+
 The sliding-window rows (8 query / 2 KV heads, strategy ``needed_rows``: their columns are its
 exchange's) attend with a window of 4096 keys (``--quick``: 64) over documents longer than it
 (6144-12288 tokens; ``--quick``: 96-192), the baseline with the window in its dense mask: a
@@ -32,14 +35,17 @@ import torch.distributed as dist
 from cpshard import LAYOUTS, ContextParallelSharder, cp_attention
 from cpshard.attention import active_state
 from cpshard.attention.plain import plain_attention
+from cpshard.bench import attention_masks as masks
 from cpshard.bench import attention_strategies as grid
 from cpshard.bench.blockdiag import (
     HEAD_DIM,
     HEADS,
     KV_HEADS,
     all_gather_baseline,
+    case_fields,
     check_output,
     dense_mask,
+    documents,
     fwd_bwd_figures,
     random_qkv,
 )
@@ -63,15 +69,7 @@ def cases(rt: Runtime) -> list[tuple[str, str]]:
 
 
 def steps(rt: Runtime) -> int:
-    return len(cases(rt)) + (len(LAYOUTS) + 2 if rt.cfg.full else 0)
-
-
-def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
-    """``[1, S]`` document ids of random lengths in ``[lens[0], lens[1])`` (fixed seed), the last
-    one cut at S: the same batch on every rank and in every run."""
-    g = torch.Generator().manual_seed(5)
-    sizes = torch.randint(*lens, (seq_len // lens[0] + 1,), generator=g)
-    return torch.repeat_interleave(torch.arange(1, sizes.numel() + 1), sizes)[:seq_len].view(1, -1)
+    return len(cases(rt)) + len(masks.CASES) + (len(LAYOUTS) + 2 if rt.cfg.full else 0)
 
 
 def _pairs(rt: Runtime, window: int | None) -> list[int]:
@@ -147,13 +145,7 @@ def run_case(
         "softcap": softcap,
         "sinks": sinks,
         "window_rows_bound_max": None if window is None else _max(rt, runs * (window - 1)),
-        "seq_len": doc.shape[1],
-        "world": rt.world,
-        "heads": HEADS,
-        "kv_heads": KV_HEADS,
-        "head_dim": HEAD_DIM,
-        "documents": int(doc.max()),
-        "dtype": rt.cfg.dtype,
+        **case_fields(rt, doc),
         "ours_kv_rows_received_max": _max(rt, state.exchange.received_rows),
         "base_kv_rows_received": mine.numel() * (rt.world - 1),
         "pairs_per_rank": pairs,
@@ -165,8 +157,9 @@ def run_case(
 
 
 def run(rt: Runtime) -> dict:
-    """The strategy grid, then (with ``--full``) every layout with a sliding window and the
-    soft-capped and sinks rows, on the whole group, one batch each."""
+    """The strategy grid, the mask rows (:mod:`cpshard.bench.attention_masks`), then (with
+    ``--full``) every layout with a sliding window and the soft-capped and sinks rows, on the
+    whole group, one batch each."""
     quick = rt.cfg.quick
     seq_len = QUICK_SEQ_LEN if quick else SEQ_LEN if rt.cfg.full else SUBSET_SEQ_LEN
     doc = documents(seq_len, QUICK_DOC_LENS if quick else DOC_LENS)
@@ -178,9 +171,10 @@ def run(rt: Runtime) -> dict:
         rt.progress(f"attention {layout} {heads} S={seq_len} strategies")
         strategies += grid.run_case(rt, layout, heads, doc, mesh)
         release_freed_memory()
+    described = masks.run(rt)
     rows = []
     if not rt.cfg.full:
-        return {"strategies": strategies, "rows": rows}
+        return {"strategies": strategies, "masks": described, "rows": rows}
     for layout in LAYOUTS:
         rt.progress(f"attention {layout} S={seq_len} window={window}")
         rows.append(run_case(rt, layout, long_doc, window))
@@ -190,7 +184,7 @@ def run(rt: Runtime) -> dict:
     rows.append(run_case(rt, "balanced", short, softcap=SOFTCAP))
     rt.progress(f"attention balanced S={short.shape[1]} sinks")
     rows.append(run_case(rt, "balanced", short, sinks=True))
-    return {"strategies": strategies, "rows": rows}
+    return {"strategies": strategies, "masks": described, "rows": rows}
 
 
 def render_strategies(rows: list[dict]) -> list[str]:
@@ -273,4 +267,5 @@ def render_rows(rows: list[dict]) -> list[str]:
 
 def render(result: dict) -> str:
     rows = ["", *render_rows(result["rows"])] if result["rows"] else []
-    return "\n".join([*render_strategies(result["strategies"]), *rows])
+    described = ["", *masks.render(result["masks"])]
+    return "\n".join([*render_strategies(result["strategies"]), *described, *rows])

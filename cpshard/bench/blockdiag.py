@@ -48,6 +48,27 @@ def dense_mask(doc: torch.Tensor, mine: torch.Tensor, keys: torch.Tensor) -> tor
     return (same & (keys[None, :] <= mine[:, None]))[None, None]
 
 
+def documents(seq_len: int, lens: tuple[int, int]) -> torch.Tensor:
+    """``[1, S]`` document ids of random lengths in ``[lens[0], lens[1])`` (fixed seed), the last
+    one cut at S: the same batch on every rank and in every run."""
+    g = torch.Generator().manual_seed(5)
+    sizes = torch.randint(*lens, (seq_len // lens[0] + 1,), generator=g)
+    return torch.repeat_interleave(torch.arange(1, sizes.numel() + 1), sizes)[:seq_len].view(1, -1)
+
+
+def case_fields(rt: Runtime, doc: torch.Tensor) -> dict:
+    """The shapes an attention row over the documents ``doc`` ``[1, S]`` reports."""
+    return {
+        "seq_len": doc.shape[1],
+        "world": rt.world,
+        "heads": HEADS,
+        "kv_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,
+        "documents": int(doc.max()),
+        "dtype": rt.cfg.dtype,
+    }
+
+
 def check_output(rt: Runtime, ours, base, leaves: tuple[torch.Tensor, ...], what: str) -> None:
     """Raise, naming this rank and ``what``, unless ``ours(*leaves)`` matches the baseline's."""
     want, got = base(*leaves).detach(), ours(*leaves).detach()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from cpshard import ContextParallelSharder, gather_sequence
 from cpshard.attention import active_state
-from cpshard.bench.attention import documents
+from cpshard.bench.blockdiag import documents
 from cpshard.bench.blockdiag import check_output, fwd_bwd_figures
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
