@@ -10,8 +10,10 @@ the intersection of intervals with q's positions, counted by binary search over 
 positions of each rank. This rank's own tables are then listed exactly (their size is what it
 moves), everything else is counted: O(P + runs x log P) per rank, whatever ``W``.
 
-The buffer a rank attends holds its needed rows in global order per batch row; the rows arrive
-grouped by source rank (each source's in global order), and a rank's own rows are a local copy.
+:func:`plan_needed_intervals` plans the same exchange from key intervals a caller states for
+every rank (a ``mask_mod``'s reach). The buffer a rank attends holds its needed rows in global
+order per batch row; the rows arrive grouped by source rank (each source's in global order), and
+a rank's own rows are a local copy.
 """
 
 from __future__ import annotations
@@ -210,6 +212,7 @@ class _Buffer:
         self, spans: torch.Tensor, reach: int, causal: torch.Tensor | None = None,
         rules: torch.Tensor | None = None,
     ) -> NeededRowsPlan:  # fmt: skip
+        """The :class:`NeededRowsPlan` of this buffer with the given spans and their kinds."""
         counts = (self.send_counts, self.recv_counts, self.received, self.sent)
         return NeededRowsPlan(
             spans, self.width, *(tuple(c.tolist()) for c in counts), reach, self.recipe,
