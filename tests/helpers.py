@@ -164,17 +164,20 @@ def cp_case_result(
     return (gathered.transpose(1, 2), *(t.grad for t in leaves), problems)
 
 
-def check_cp_results(got: list[list[tuple]], expected: list[tuple]) -> None:
-    """``got[r][i]``: rank r's ``(gathered output, grads of the full q, k, v, problems)`` of
-    case i; ``expected[i]``: its ``(label, output, (dq, dk, dv))`` on the whole rows. Every
-    rank's output and no problems; the ranks' gradients summed."""
+def check_cp_results(
+    got: list[list[tuple]], expected: list[tuple], grad_names: tuple[str, ...] = ("q", "k", "v")
+) -> None:
+    """``got[r][i]``: rank r's ``(gathered output, *grads of the full leaves, problems)`` of
+    case i (:func:`cp_case_result`); ``expected[i]``: its ``(label, output, grads)`` on the
+    whole rows, the leaves named ``grad_names``. Every rank's output and no problems; the
+    ranks' gradients summed."""
     for at, (label, want, grads) in enumerate(expected):
         for r, results in enumerate(got):
             torch.testing.assert_close(
                 results[at][0], want, rtol=0, atol=1e-12, msg=f"{label} output, rank {r}"
             )
-            assert not results[at][4], (label, results[at][4])
-        for j, grad_name in enumerate("qkv"):
+            assert not results[at][-1], (label, results[at][-1])
+        for j, grad_name in enumerate(grad_names):
             total = sum(results[at][1 + j] for results in got)
             torch.testing.assert_close(
                 total, grads[j], rtol=0, atol=1e-10, msg=f"{label} grad {grad_name}"

@@ -345,9 +345,7 @@ def _capped(rank: int, world: int, layouts: list[str]) -> list[tuple]:
                     softcap=2.0,
                     sinks=s,
                 )
-            (out * shard_heads(sharder, w)).sum().backward()
-            gathered = sharder.gather_token_tensor(out.detach().transpose(1, 2), 1, trim=True)
-            results.append((gathered.transpose(1, 2), q.grad, k.grad, v.grad, s.grad))
+            results.append(cp_case_result(sharder, out, w, (q, k, v, s), []))
     return results
 
 
@@ -359,22 +357,15 @@ def test_softcap_and_sinks_with_a_description(pool2) -> None:
     got = pool2.run(_capped, layouts, timeout=300)
     doc, q, k, v, w = _full(CASES[0])
     sinks = torch.linspace(-1.0, 1.0, q.shape[1], dtype=torch.float64)
-    at = 0
+    expected = []
     for layout in layouts:
         for name in DESCRIPTIONS:
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
             dense = describe(name, doc).dense()
             want = masked_attention(*leaves[:3], dense, D**-0.5, 2.0, leaves[3])
             grads = torch.autograd.grad((want * w).sum(), leaves)
-            label = f"{layout} {name}"
-            for r in range(2):
-                torch.testing.assert_close(got[r][at][0], want, rtol=0, atol=1e-12, msg=label)
-            for j, grad_name in enumerate(("q", "k", "v", "sinks")):
-                total = sum(got[r][at][1 + j] for r in range(2))
-                torch.testing.assert_close(
-                    total, grads[j], rtol=0, atol=1e-10, msg=f"{label} grad {grad_name}"
-                )
-            at += 1
+            expected.append((f"{layout} {name}", want, grads))
+    check_cp_results(got, expected, ("q", "k", "v", "sinks"))
 
 
 def _refusal(rank: int, world: int, kind: str) -> None:
