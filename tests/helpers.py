@@ -114,6 +114,84 @@ def dense_attention(
     return probs @ v
 
 
+def random_qkvw(
+    b: int, s: int, heads: int, kv_heads: int, seed: int
+) -> tuple[torch.Tensor, ...]:
+    """Float64 q, k, v ``[b, heads (kv_heads), s, D]`` and an upstream weight shaped like q."""
+    g = torch.Generator().manual_seed(seed)
+    return tuple(
+        torch.randn(b, h, s, D, dtype=torch.float64, generator=g)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
+
+
+def visible_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """Attention of the whole rows under ``visible`` ``[B, 1 or H, S, S]`` (a query that sees
+    nothing: zeros), GQA by head groups."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return probs.nan_to_num(0.0) @ v
+
+
+def shard_heads(sharder, t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` ``[B, H, S, D]`` (padded with zeros)."""
+    return sharder.shard_token_tensor(t.transpose(1, 2), seq_dim=1, fill=0.0).transpose(1, 2)
+
+
+def each_case(layouts: list[str], cases: list, names: list[str], full) -> Iterator[tuple]:
+    """``(layout, case, name, doc, (q, k, v), w)`` for every layout, case and mask name, in
+    that order: ``full(case)`` gives ``(doc, q, k, v, w)``; q, k, v are fresh leaves."""
+    for layout in layouts:
+        for case in cases:
+            doc, *qkv, w = full(case)
+            for name in names:
+                leaves = tuple(t.detach().clone().requires_grad_() for t in qkv)
+                yield layout, case, name, doc, leaves, w
+
+
+def cp_case_result(
+    sharder, out: torch.Tensor, w: torch.Tensor, leaves: tuple[torch.Tensor, ...], problems: list
+) -> tuple:
+    """A rank's result of one case (what :func:`check_cp_results` takes): back-propagates its
+    share ``out * w`` (``w`` the full upstream weight), then the gathered output, the full
+    ``leaves``' (q, k, v) gradients and ``problems``."""
+    (out * shard_heads(sharder, w)).sum().backward()
+    gathered = sharder.gather_token_tensor(out.detach().transpose(1, 2), 1, trim=True)
+    return (gathered.transpose(1, 2), *(t.grad for t in leaves), problems)
+
+
+def check_cp_results(
+    got: list[list[tuple]], expected: list[tuple], grad_names: tuple[str, ...] = ("q", "k", "v")
+) -> None:
+    """``got[r][i]``: rank r's ``(gathered output, *grads of the full leaves, problems)`` of
+    case i (:func:`cp_case_result`); ``expected[i]``: its ``(label, output, grads)`` on the
+    whole rows, the leaves named ``grad_names``. Every rank's output and no problems; the
+    ranks' gradients summed."""
+    for at, (label, want, grads) in enumerate(expected):
+        for r, results in enumerate(got):
+            torch.testing.assert_close(
+                results[at][0], want, rtol=0, atol=1e-12, msg=f"{label} output, rank {r}"
+            )
+            assert not results[at][-1], (label, results[at][-1])
+        for j, grad_name in enumerate(grad_names):
+            total = sum(results[at][1 + j] for results in got)
+            torch.testing.assert_close(
+                total, grads[j], rtol=0, atol=1e-10, msg=f"{label} grad {grad_name}"
+            )
+
+
+def assert_refused_on_every_rank(outcomes: list, message: str) -> None:
+    """Every rank's outcome (``RankPool.run_collect``) a ``ValueError`` with ``message``,
+    naming the rank."""
+    assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
+    assert all(message in o.error_message for o in outcomes), outcomes
+    assert all(f"rank {o.rank}" in o.error_message for o in outcomes), outcomes
+
+
 def variant_attention(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -4,6 +4,8 @@ each document of a packed batch, across the CP group, exact forward and backward
 The package, in call order (each module imports only those after it):
 
 * :mod:`~cpshard.attention.api`: the public :func:`cp_attention` and :func:`cp_blockdiag_sdpa`;
+* :mod:`~cpshard.attention.mask_mod`: a FlexAttention-style ``mask_mod`` under CP (its
+  exchange and its mask on the key buffer, planned once per step and function);
 * :mod:`~cpshard.attention.plain`: the same variants on one device (outside a context);
 * :mod:`~cpshard.attention.tokens`: which step's context a sharded batch's tokens belong to;
 * :mod:`~cpshard.attention.strategy`: which exchange a call uses (the step's own K/V exchange,

@@ -1,9 +1,9 @@
 """The public CP attention functions: :func:`cp_attention` (causal or bidirectional within
-documents, sliding windows, a mask description, soft-capping, sinks, a sharded batch's token
-check) and
-:func:`cp_blockdiag_sdpa` (a drop-in for ``F.scaled_dot_product_attention``). Both attend under
-the active step state (:mod:`cpshard.attention.state`), whatever layout the ranks' tokens
-follow, and are plain SDPA when no CP attention context is active."""
+documents, sliding windows, a mask description, a FlexAttention-style ``mask_mod``,
+soft-capping, sinks, a sharded batch's token check) and :func:`cp_blockdiag_sdpa` (a drop-in
+for ``F.scaled_dot_product_attention``). Both attend under the active step state
+(:mod:`cpshard.attention.state`), whatever layout the ranks' tokens follow, and are plain SDPA
+when no CP attention context is active."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from collections.abc import Callable, Sequence
 import torch
 
 from cpshard.attention.head_attention import head_parallel_attention
+from cpshard.attention.mask_mod import mask_mod_state
 from cpshard.attention.ops import cp_attention_op
-from cpshard.attention.plain import described_attention, plain_attention
+from cpshard.attention.plain import described_attention, mask_mod_attention, plain_attention
 from cpshard.attention.reach import note_cpshard_mixing
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.strategy import route
 from cpshard.attention.tokens import check_outside, state_for_tokens, token_problem
 from cpshard.consensus import check_call
 from cpshard.fingerprints import device_code, digest, dtype_code
-from cpshard.masks import MaskDescription
+from cpshard.masks import MaskDescription, MaskMod
 from cpshard.validation import is_int
 
 _WHAT = "cpshard.cp_attention"
@@ -72,6 +73,38 @@ def _mask_problem(mask: MaskDescription | None, window: int | None) -> str | Non
     return None
 
 
+def _mask_mod(mask_mod: object, documents: object, what: str) -> MaskMod | None:
+    """``mask_mod`` checked to be callable or None, and its documents flag a bool."""
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"{what}: mask_mod must be callable or None, got {type(mask_mod).__name__}")
+    if not isinstance(documents, bool):
+        raise TypeError(
+            f"{what}: mask_mod_documents must be a bool, got {type(documents).__name__}"
+        )
+    return mask_mod
+
+
+def _mask_mod_problem(
+    mask_mod: MaskMod | None,
+    mask: MaskDescription | None,
+    window: int | None,
+    is_causal: bool | None,
+    attn_mask: object,
+) -> str | None:
+    """What conflicts with ``mask_mod`` among the call's other arguments (None: nothing)."""
+    if mask_mod is None:
+        return None
+    if mask is not None:
+        return "mask_mod and mask exclude each other (one states the mask)"
+    if window is not None:
+        return "window must be None with mask_mod (state the window in the function)"
+    if is_causal:
+        return "is_causal=True conflicts with mask_mod (state causality in the function)"
+    if attn_mask is not None:
+        return "attn_mask must be None with mask_mod"
+    return None
+
+
 def _causal_claim_problem(
     mask: MaskDescription | None, causal: bool, looks_ahead: bool
 ) -> str | None:
@@ -113,6 +146,8 @@ def cp_attention(
     sinks: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     mask: MaskDescription | None = None,
+    mask_mod: MaskMod | None = None,
+    mask_mod_documents: bool = True,
 ) -> torch.Tensor:
     """Attention of ``[B, H, L, D]`` queries and keys and ``[B, H, L, D_v]`` values (``D_v`` may
     differ from ``D``: multi-head latent attention).
@@ -133,6 +168,18 @@ def cp_attention(
       ``is_causal`` None or False, or True only for a description no query of which sees a
       later key; anything else raises. A description of another batch, or with a query that
       does not see itself, raises naming ``mask`` and the rank;
+    * ``mask_mod``: a FlexAttention-style ``mask_mod(b, h, q_idx, kv_idx) -> bool tensor`` over
+      the global positions of the packed rows (broadcasting index tensors; tensor operations
+      only; tensors it captures on the CPU), within each document unless
+      ``mask_mod_documents=False`` (then the function alone decides: it may reach across
+      documents); padding is never a query nor a key. The step plans each (function object,
+      query heads) once, on the host: each rank receives exactly the K/V rows its queries see,
+      and attends them under a boolean mask (per head when the function depends on ``h``)
+      placed on the device once; a query that sees no key gives zeros
+      (:mod:`cpshard.attention.mask_mod`). ``mask``, ``window``, ``attn_mask`` and
+      ``is_causal=True`` are refused with it, and so is a function that does not return a bool
+      tensor of the broadcast shape (naming ``mask_mod`` and the rank). Outside a context the
+      function's dense mask over the call's ``[B, S]`` (no documents there);
 
     * ``window``: a sliding window, the keys a query sees (itself included) within its
       document; causal only. A windowed layer exchanges at most ``window - 1`` rows before each
@@ -156,12 +203,14 @@ def cp_attention(
     softcap = _softcap(softcap)
     position_ids = _position_ids(position_ids)
     mask = _mask(mask)
+    mask_mod = _mask_mod(mask_mod, mask_mod_documents, _WHAT)
+    mod_problem = _mask_mod_problem(mask_mod, mask, window, is_causal, attn_mask)
     causal = is_causal if is_causal is not None else mask is None
     # a checkpoint recompute run after the context finds its step by its tokens
     state = state_for_tokens(position_ids, active_state())
     if state is not None:
         problem = token_problem(position_ids, state) or _sinks_problem(sinks, query)
-        problem = problem or _mask_problem(mask, window)
+        problem = problem or mod_problem or _mask_problem(mask, window)
         if problem is None and window is not None and not causal:
             problem = "window needs is_causal=True"
         return attend(
@@ -180,13 +229,19 @@ def cp_attention(
             sinks=sinks,
             causal=causal,
             mask=mask,
+            mask_mod=mask_mod,
+            mask_mod_documents=mask_mod_documents,
         )
     check_outside(position_ids, _WHAT)
-    problem = _sinks_problem(sinks, query) or _mask_problem(mask, window)
+    problem = _sinks_problem(sinks, query) or mod_problem or _mask_problem(mask, window)
     if problem is None and mask is not None:
         problem = _causal_claim_problem(mask, causal, bool((mask.ahead > 0).any()))
     if problem is not None:
         raise ValueError(f"{_WHAT}: {problem}")
+    if mask_mod is not None:
+        return mask_mod_attention(
+            query, key, value, mask_mod, dropout_p, scale, enable_gqa, _WHAT, softcap, sinks
+        )
     if mask is not None:
         return described_attention(
             query, key, value, mask, attn_mask, dropout_p, scale, enable_gqa, softcap, sinks
@@ -298,17 +353,20 @@ def attend(
     sinks: torch.Tensor | None = None,
     causal: bool = True,
     mask: MaskDescription | None = None,
+    mask_mod: MaskMod | None = None,
+    mask_mod_documents: bool = True,
 ) -> torch.Tensor:
     """Attention within documents under the step's ``state``: causal, bidirectional
     (``causal=False``) or ``mask``'s (a :class:`~cpshard.masks.MaskDescription` of the step's
     batch, planned once per description object and step), with the ``window``, ``softcap`` and
     ``sinks`` variants (:func:`cp_attention`): the step's K/V exchange, then the spans'
-    attention. ``problem``: the caller's own finding about its arguments, reported like the
-    shape checks (locally, or on every rank in checked mode), as is a description the step
-    cannot execute."""
+    attention. Or ``mask_mod``'s (within documents unless ``mask_mod_documents`` is False;
+    :mod:`cpshard.attention.mask_mod`, whatever the step's strategy). ``problem``: the
+    caller's own finding about its arguments, reported like the shape checks (locally, or on
+    every rank in checked mode), as is a description or function the step cannot execute."""
     note_cpshard_mixing()
     chosen = state
-    if problem is None:
+    if problem is None and mask_mod is None:
         try:
             chosen = state.variant(causal, mask)
         except ValueError as e:  # a description of another batch, or one it cannot execute
@@ -316,8 +374,18 @@ def attend(
         else:
             problem = _causal_claim_problem(mask, causal, chosen.looks_ahead)
     problem = problem or _problem(chosen, query, key, value, attn_mask, dropout_p, enable_gqa)
+    planned = None
+    if problem is None and mask_mod is not None:
+        try:
+            planned = mask_mod_state(state, mask_mod, query.shape[1], mask_mod_documents)
+        except ValueError as e:  # a function that does not return the broadcast bool tensor
+            problem = str(e)
+        else:
+            chosen = planned.carrier
     fields = _fields(chosen, query, key, value, window, softcap, sinks)
     check_call(chosen.group, what, problem, fields)
+    if planned is not None:
+        return planned.attend(query, key, value, scale, enable_gqa, softcap, sinks)
     d_k = key.shape[-1]
     size = query.element_size()
     plan = route(chosen, window, query.shape[1], key.shape[1], d_k, value.shape[-1], size)
@@ -339,17 +407,34 @@ def cp_blockdiag_sdpa(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    *,
+    mask_mod: MaskMod | None = None,
+    mask_mod_documents: bool = True,
 ) -> torch.Tensor:
     """Drop-in for ``F.scaled_dot_product_attention``: plain SDPA when no CP attention state is
     active; otherwise causal attention within each document across the CP group, whatever
     ``is_causal`` says (``attn_mask`` must be None and ``dropout_p`` 0: the documents define the
     mask). :func:`cpshard.cp_attention` honours ``is_causal`` and ``window`` instead.
+    ``mask_mod`` (and ``mask_mod_documents``): a FlexAttention-style mask function, as
+    :func:`cpshard.cp_attention` takes it (``is_causal`` must then be False; outside a context,
+    SDPA under its dense mask).
 
     Checks are local (shapes against the step's sizes) unless checked mode is on, which adds one
     consensus round so that bad input on one rank makes every rank raise."""
+    mask_mod = _mask_mod(mask_mod, mask_mod_documents, _SDPA_WHAT)
+    problem = _mask_mod_problem(mask_mod, None, None, is_causal, attn_mask)
     state = active_state()
     if state is None:
+        if problem is not None:
+            raise ValueError(f"{_SDPA_WHAT}: {problem}")
+        if mask_mod is not None:
+            return mask_mod_attention(
+                query, key, value, mask_mod, dropout_p, scale, enable_gqa, _SDPA_WHAT
+            )
         return plain_attention(
             query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
         )
-    return attend(state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _SDPA_WHAT)
+    return attend(
+        state, query, key, value, attn_mask, dropout_p, scale, enable_gqa, _SDPA_WHAT, problem,
+        mask_mod=mask_mod, mask_mod_documents=mask_mod_documents,
+    )  # fmt: skip

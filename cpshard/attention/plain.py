@@ -1,14 +1,14 @@
 """Single-device attention with the variants CP attention supports (a sliding window, a mask
-description, logit soft-capping, sinks): what the CP attention functions run when no CP
-attention context is active. SDPA where it serves the call; the explicit statement (plain
-PyTorch, autograd) where SDPA has no such option."""
+description, a ``mask_mod``, logit soft-capping, sinks): what the CP attention functions run
+when no CP attention context is active. SDPA where it serves the call; the explicit statement
+(plain PyTorch, autograd) where SDPA has no such option."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from cpshard.masks import MaskDescription
+from cpshard.masks import MaskDescription, MaskMod, evaluate_mask_mod
 
 
 def band(q: torch.Tensor, k: torch.Tensor, window: int) -> torch.Tensor:
@@ -121,10 +121,60 @@ def described_attention(
             f"cpshard.cp_attention: mask describes a [{mask.rows}, {mask.length}] batch, the "
             f"call's queries and keys are [{rows}, {length}] and {key.shape[-2]} keys"
         )
-    visible = mask.dense().to(query.device)
-    empty = ~visible.any(-1, keepdim=True)  # [B, S, 1]
-    visible = (visible | empty)[:, None]
-    out = plain_attention(
-        query, key, value, visible, dropout_p, False, scale, enable_gqa, None, softcap, sinks
+    visible = mask.dense().to(query.device)[:, None]
+    return visible_attention(
+        query, key, value, visible, dropout_p, scale, enable_gqa, softcap, sinks
     )
-    return out.masked_fill(empty[:, None], 0.0)
+
+
+def visible_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor,
+    dropout_p: float,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`plain_attention` of the keys ``visible`` ``[B, 1 or H, Lq, Lk]`` (bool) says each
+    query sees: a query that sees no key gets zeros (it attends every key, then its output is
+    dropped, so no NaN reaches the gradients)."""
+    empty = ~visible.any(-1, keepdim=True)
+    out = plain_attention(
+        query, key, value, visible | empty, dropout_p, False, scale, enable_gqa, None, softcap,
+        sinks,
+    )  # fmt: skip
+    return out.masked_fill(empty, 0.0)
+
+
+def mask_mod_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask_mod: MaskMod,
+    dropout_p: float,
+    scale: float | None,
+    enable_gqa: bool,
+    what: str,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`visible_attention` under ``mask_mod(b, h, q_idx, kv_idx)`` evaluated on the host
+    over the call's ``[B, S]`` positions and query heads (no documents: the function says
+    everything). Raises ``ValueError`` (naming ``what`` and ``mask_mod``) for a function that
+    does not return a bool tensor of the broadcast shape, or keys of another length."""
+    rows, heads, length = query.shape[0], query.shape[1], query.shape[-2]
+    if key.shape[-2] != length:
+        raise ValueError(
+            f"{what}: mask_mod needs as many keys as queries, got {key.shape[-2]} "
+            f"and {length}"
+        )
+    try:
+        seen = evaluate_mask_mod(mask_mod, rows, length, torch.arange(length), None, heads)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+    return visible_attention(
+        query, key, value, seen.to(query.device), dropout_p, scale, enable_gqa, softcap, sinks
+    )

@@ -10,7 +10,16 @@
 """
 
 from cpshard.masks.description import INF, MaskDescription
-from cpshard.masks.mask_mod import EMPTY, FULL, PARTIAL, MaskModPlan, plan_mask_mod
+from cpshard.masks.mask_mod import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    MaskMod,
+    MaskModPlan,
+    band_rows,
+    evaluate_mask_mod,
+    plan_mask_mod,
+)
 from cpshard.masks.pieces import MaskPieces, cut_runs
 
 __all__ = [
@@ -19,8 +28,11 @@ __all__ = [
     "INF",
     "PARTIAL",
     "MaskDescription",
+    "MaskMod",
     "MaskModPlan",
     "MaskPieces",
+    "band_rows",
     "cut_runs",
+    "evaluate_mask_mod",
     "plan_mask_mod",
 ]

@@ -43,6 +43,50 @@ class MaskModPlan:
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def band_rows(rows: int, heads: int, length: int) -> int:
+    """How many query positions one evaluation of a mask_mod takes (bounded memory)."""
+    return max(1, _BAND_ELEMENTS // max(rows * heads * length, 1))
+
+
+def evaluate_mask_mod(
+    mask_mod: MaskMod,
+    rows: int,
+    length: int,
+    queries: torch.Tensor,
+    documents: torch.Tensor | None = None,
+    heads: int = 1,
+) -> torch.Tensor:
+    """``[rows, heads', Q, length]`` bool: which keys the query positions ``queries`` ``[Q]``
+    see under ``mask_mod`` (called once with broadcasting index tensors: module doc), and
+    under ``documents`` when given; ``heads'`` is 1 when the returned tensor has no head
+    extent (the mask is every head's), else ``heads``. Raises ``ValueError`` when it does not
+    return a bool tensor that broadcasts to ``[rows, heads, Q, length]`` (e.g. a Python bool)."""
+    b = torch.arange(rows).view(rows, 1, 1, 1)
+    h = torch.arange(heads).view(1, heads, 1, 1)
+    kv = torch.arange(length).view(1, 1, 1, length)
+    shape = (rows, heads, queries.numel(), length)
+    got = mask_mod(b, h, queries.view(1, 1, -1, 1), kv)
+    if not isinstance(got, torch.Tensor) or got.dtype != torch.bool:
+        what = f"a {got.dtype} tensor" if isinstance(got, torch.Tensor) else type(got).__name__
+        raise ValueError(f"mask_mod must return a bool tensor of shape {list(shape)}, got {what}")
+    try:
+        fits = torch.broadcast_shapes(got.shape, shape) == torch.Size(shape)
+    except RuntimeError:  # not broadcastable
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"mask_mod must return a bool tensor of shape {list(shape)} (or one that "
+            f"broadcasts to it), got {list(got.shape)}"
+        )
+    per_head = got.dim() == 4 and got.shape[1] != 1
+    seen = torch.broadcast_to(got, (rows, heads if per_head else 1, *shape[2:]))
+    if documents is not None:
+        dq = documents[:, queries]
+        same = (dq[:, :, None] == documents[:, None, :]) & (dq != 0)[:, :, None]
+        seen = seen & same[:, None]
+    return seen
+
+
 def plan_mask_mod(
     mask_mod: MaskMod,
     rows: int,
@@ -62,22 +106,12 @@ def plan_mask_mod(
         )
     nq = (length + block - 1) // block
     padded = nq * block
-    b = torch.arange(rows).view(rows, 1, 1, 1)
-    h = torch.arange(heads).view(1, heads, 1, 1)
-    kv = torch.arange(length).view(1, 1, 1, length)
     pos = torch.arange(padded)
-    band = max(1, _BAND_ELEMENTS // max(rows * heads * length * block, 1))
+    band = max(1, band_rows(rows, heads, length) // block)
     parts: list[tuple[torch.Tensor, ...]] = []
     for first in range(0, nq, band):
         q = torch.arange(first * block, min((first + band) * block, length))
-        seen = torch.broadcast_to(
-            torch.as_tensor(mask_mod(b, h, q.view(1, 1, -1, 1), kv), dtype=torch.bool),
-            (rows, heads, q.numel(), length),
-        )
-        if documents is not None:
-            dq = documents[:, q]
-            same = (dq[:, :, None] == documents[:, None, :]) & (dq != 0)[:, :, None]
-            seen = seen & same[:, None]
+        seen = evaluate_mask_mod(mask_mod, rows, length, q, documents, heads)
         blocks = (q.numel() + block - 1) // block
         pad = (0, padded - length, 0, blocks * block - q.numel())
         shape = (rows, blocks, block, nq, block)

@@ -14,7 +14,11 @@ never a pass over the sequence per rank, so adding ranks never makes a rank's pl
 
 from cpshard.planning.halo import HaloPlan, plan_halo
 from cpshard.planning.head_parallel import head_parallel_kinds, node_layout
-from cpshard.planning.needed_rows import NeededRowsPlan, plan_needed_rows
+from cpshard.planning.needed_rows import (
+    NeededRowsPlan,
+    plan_needed_intervals,
+    plan_needed_rows,
+)
 from cpshard.planning.positions import RankPrefix, all_positions
 from cpshard.planning.runs import LayoutRuns, layout_runs
 from cpshard.planning.spans import Span
@@ -33,6 +37,7 @@ __all__ = [
     "layout_runs",
     "node_layout",
     "plan_halo",
+    "plan_needed_intervals",
     "plan_needed_rows",
     "plan_step",
 ]

@@ -10,8 +10,10 @@ the intersection of intervals with q's positions, counted by binary search over 
 positions of each rank. This rank's own tables are then listed exactly (their size is what it
 moves), everything else is counted: O(P + runs x log P) per rank, whatever ``W``.
 
-The buffer a rank attends holds its needed rows in global order per batch row; the rows arrive
-grouped by source rank (each source's in global order), and a rank's own rows are a local copy.
+:func:`plan_needed_intervals` plans the same exchange from key intervals a caller states for
+every rank (a ``mask_mod``'s reach). The buffer a rank attends holds its needed rows in global
+order per batch row; the rows arrive grouped by source rank (each source's in global order), and
+a rank's own rows are a local copy.
 """
 
 from __future__ import annotations
@@ -142,7 +144,7 @@ def plan_needed_rows(
     and ``window`` (a description of the padded batch), the runs cut at its segments
     (:func:`~cpshard.planning.runs.mask_runs`): each piece reaches its ``[lo, hi)``, and its
     span's rule (:attr:`NeededRowsPlan.rules`) says which of those keys each query sees."""
-    world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
+    b, padded = runs.rows, runs.padded
     if (mask is None) == (causal is None) or (mask is not None and window is not None):
         raise ValueError("plan_needed_rows takes causal (and a window) or a mask description")
     if causal is not None:
@@ -151,50 +153,9 @@ def plan_needed_rows(
         pieces = mask_runs(runs, mask)
         intervals = _sorted_for_merge(*pieces.intervals(), b, padded)
         reach = pieces.reach()
-    mr, mrow, mlo, mhi = _merge(*intervals)  # every rank's needed rows
-
-    # Counted for every rank: rows needed, of them its own, and its rows counted once per rank
-    # that needs them (over its runs: padding is never needed).
-    needed = _per_rank(world, mr, mhi - mlo)
-    # Its own rows among them: all its document tokens (each run lies in its own interval, and
-    # the intervals hold document positions only).
-    own = runs.tokens()
     rule = (causal, window) if causal is not None else None
-    received, sent = needed - own, _served(runs, mrow, mlo, mhi, rule) - own
-
-    # This rank's buffer: its intervals back to back per row, in global order.
-    lo_i, hi_i = torch.searchsorted(mr, torch.tensor([rank, rank + 1])).tolist()
-    irow, ilo, ihi = mrow[lo_i:hi_i], mlo[lo_i:hi_i], mhi[lo_i:hi_i]
-    size = ihi - ilo
-    per_row = _per_rank(b, irow, size)
-    width = int(per_row.max()) if b else 0
-    # buffer row of each interval's first position: the rows of the row's earlier intervals
-    offset = torch.cumsum(size, 0) - size - (torch.cumsum(per_row, 0) - per_row)[irow]
-
-    keys = irow * (padded + 1) + ilo  # this rank's intervals, sorted by row and start
-
-    def buffer_row(row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Buffer rows of the needed positions ``position`` of batch rows ``row``."""
-        j = torch.searchsorted(keys, row * (padded + 1) + position, right=True) - 1
-        return offset[j] + position - ilo[j]
-
-    # Received: every source's positions inside its intervals, by source, row and position.
-    prefix = runs.prefix
-    sources = torch.arange(world).repeat_interleave(irow.numel())
-    prow, plo, phi = (t.repeat(world) for t in (irow, ilo, ihi))
-    first, last = prefix.every_before(irow.repeat(2), torch.cat((ilo, ihi))).chunk(2, 1)
-    first = first.reshape(-1)
-    count = last.reshape(-1) - first
-    recv_counts = _per_rank(world, sources, count)
-
-    # What it sends: its positions inside every rank's intervals, a range of its slots each.
-    send_first, send_last = prefix.before_on(rank, mrow.repeat(2), torch.cat((mlo, mhi))).chunk(2)
-    send_count = send_last - send_first
-    send_counts = _per_rank(world, mr, send_count)
-    recipe = _TableRecipe(
-        runs, width, sources, prow, first, count, (offset - ilo).repeat(world),
-        mrow * length + send_first, send_count,
-    )  # fmt: skip
+    rows = _buffer(rank, runs, _merge(*intervals), rule)
+    buffer_row = rows.buffer_row
 
     flags = rules = None
     if mask is None:
@@ -211,17 +172,101 @@ def plan_needed_rows(
         split = torch.where(visible, last, buffer_row(row, begin))
         rules = torch.stack((last, back, ahead), 1)
     spans = torch.stack((row, q, n, buffer_row(row, lo), split, ds), 1)
-    return NeededRowsPlan(
-        spans,
-        width,
-        tuple(send_counts.tolist()),
-        tuple(recv_counts.tolist()),
-        tuple(received.tolist()),
-        tuple(sent.tolist()),
-        reach,
-        recipe,
-        flags,
-        rules,
+    return rows.plan(spans, reach, flags, rules)
+
+
+def plan_needed_intervals(
+    rank: int, runs: LayoutRuns, intervals: tuple[torch.Tensor, ...], reach: int
+) -> NeededRowsPlan:
+    """Rank ``rank``'s exchange of explicit key intervals: ``intervals`` ``(rank, row, lo, hi)``
+    of every rank (int64, sorted by rank, row and ``lo``, disjoint) are the rows each rank's
+    buffer holds, in global order per batch row; each rank's must hold all its own document
+    tokens (they are copied locally, not counted as received). The plan has no spans (the
+    caller says which buffer rows each query sees); ``reach``: the most keys a query sees."""
+    return _buffer(rank, runs, intervals, None).plan(torch.zeros(0, 6, dtype=torch.int64), reach)
+
+
+@dataclass(frozen=True)
+class _Buffer:
+    """One rank's key buffer and exchange counts for every rank's merged intervals: its
+    intervals back to back per batch row (``keys``: their sorted row-and-start keys,
+    ``offset``: each one's first buffer row, ``ilo``: its start)."""
+
+    padded: int
+    width: int
+    send_counts: torch.Tensor
+    recv_counts: torch.Tensor
+    received: torch.Tensor
+    sent: torch.Tensor
+    recipe: _TableRecipe
+    keys: torch.Tensor
+    offset: torch.Tensor
+    ilo: torch.Tensor
+
+    def buffer_row(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Buffer rows of the needed positions ``position`` of batch rows ``row``."""
+        j = torch.searchsorted(self.keys, row * (self.padded + 1) + position, right=True) - 1
+        return self.offset[j] + position - self.ilo[j]
+
+    def plan(
+        self, spans: torch.Tensor, reach: int, causal: torch.Tensor | None = None,
+        rules: torch.Tensor | None = None,
+    ) -> NeededRowsPlan:  # fmt: skip
+        """The :class:`NeededRowsPlan` of this buffer with the given spans and their kinds."""
+        counts = (self.send_counts, self.recv_counts, self.received, self.sent)
+        return NeededRowsPlan(
+            spans, self.width, *(tuple(c.tolist()) for c in counts), reach, self.recipe,
+            causal, rules,
+        )  # fmt: skip
+
+
+def _buffer(
+    rank: int, runs: LayoutRuns, merged: tuple[torch.Tensor, ...],
+    rule: tuple[bool, int | None] | None,
+) -> _Buffer:  # fmt: skip
+    """Rank ``rank``'s :class:`_Buffer` of every rank's disjoint intervals ``merged`` (rank,
+    row, lo, hi; sorted), each rank's holding its own document tokens. ``rule``: the ``(causal,
+    window)`` the intervals follow (:func:`_served`'s closed form; None: any)."""
+    world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
+    mr, mrow, mlo, mhi = merged
+
+    # Counted for every rank: rows needed, of them its own, and its rows counted once per rank
+    # that needs them (over its runs: padding is never needed).
+    needed = _per_rank(world, mr, mhi - mlo)
+    # Its own rows among them: all its document tokens (each run lies in its own interval, and
+    # the intervals hold document positions only).
+    own = runs.tokens()
+    received, sent = needed - own, _served(runs, mrow, mlo, mhi, rule) - own
+
+    # This rank's buffer: its intervals back to back per row, in global order.
+    lo_i, hi_i = torch.searchsorted(mr, torch.tensor([rank, rank + 1])).tolist()
+    irow, ilo, ihi = mrow[lo_i:hi_i], mlo[lo_i:hi_i], mhi[lo_i:hi_i]
+    size = ihi - ilo
+    per_row = _per_rank(b, irow, size)
+    width = int(per_row.max()) if b else 0
+    # buffer row of each interval's first position: the rows of the row's earlier intervals
+    offset = torch.cumsum(size, 0) - size - (torch.cumsum(per_row, 0) - per_row)[irow]
+
+    # Received: every source's positions inside its intervals, by source, row and position.
+    prefix = runs.prefix
+    sources = torch.arange(world).repeat_interleave(irow.numel())
+    prow = irow.repeat(world)
+    first, last = prefix.every_before(irow.repeat(2), torch.cat((ilo, ihi))).chunk(2, 1)
+    first = first.reshape(-1)
+    count = last.reshape(-1) - first
+    recv_counts = _per_rank(world, sources, count)
+
+    # What it sends: its positions inside every rank's intervals, a range of its slots each.
+    send_first, send_last = prefix.before_on(rank, mrow.repeat(2), torch.cat((mlo, mhi))).chunk(2)
+    send_count = send_last - send_first
+    send_counts = _per_rank(world, mr, send_count)
+    recipe = _TableRecipe(
+        runs, width, sources, prow, first, count, (offset - ilo).repeat(world),
+        mrow * length + send_first, send_count,
+    )  # fmt: skip
+    keys = irow * (padded + 1) + ilo  # this rank's intervals, sorted by row and start
+    return _Buffer(
+        padded, width, send_counts, recv_counts, received, sent, recipe, keys, offset, ilo
     )
 
 

@@ -23,13 +23,20 @@ import torch.distributed as dist
 from cpshard.layouts import LAYOUTS
 from cpshard.masks import MaskDescription
 from tests.helpers import (
+    assert_refused_on_every_rank,
     D,
+    check_cp_results,
+    cp_case_result,
+    each_case,
     cp_mesh,
     kernel_path,
     masked_attention,
     packed_doc_ids,
+    random_qkvw,
     recording_routes,
+    shard_heads,
     step_context,
+    visible_reference,
 )
 
 LAYOUTS_AND_BATCH = [*LAYOUTS, "blockdiag"]
@@ -102,26 +109,12 @@ def describe(name: str, doc: torch.Tensor) -> MaskDescription:
 def _full(case: tuple) -> tuple[torch.Tensor, ...]:
     """Document ids, full q/k/v and the upstream weight of a case."""
     name, b, s, heads, kv_heads = case
-    g = torch.Generator().manual_seed(1000 * b + s)
-    q, k, v, w = (
-        torch.randn(b, h, s, D, dtype=torch.float64, generator=g)
-        for h in (heads, kv_heads, kv_heads, heads)
-    )
-    return packed_doc_ids(name, b, s), q, k, v, w
+    return packed_doc_ids(name, b, s), *random_qkvw(b, s, heads, kv_heads, 1000 * b + s)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor):
-    """Attention of the whole rows under ``visible`` ``[B, S, S]`` (a row that sees nothing:
-    zeros), GQA by head groups."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scores = (q @ k.transpose(-1, -2)) / q.shape[-1] ** 0.5
-    probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), dim=-1)
-    return probs.nan_to_num(0.0) @ v
-
-
-def _sharded(sharder, t: torch.Tensor) -> torch.Tensor:
-    return sharder.shard_token_tensor(t.transpose(1, 2), seq_dim=1, fill=0.0).transpose(1, 2)
+    """Attention of the whole rows under ``visible`` ``[B, S, S]``."""
+    return visible_reference(q, k, v, visible[:, None])
 
 
 def _reached(state, sharder, mask: MaskDescription) -> list[str]:
@@ -177,25 +170,19 @@ def _cases(
 
     group = cp_mesh(2, world // 2) if mesh else dist.group.WORLD
     results = []
-    for layout in layouts:
-        for case in cases:
-            doc, *full, w = _full(case)
-            for name in names:
-                q, k, v = (t.detach().clone().requires_grad_() for t in full)
-                mask = describe(name, doc)
-                ctx, sharder = _step(layout, doc, group, strategy)
-                with ctx():
-                    out = cp_attention(
-                        *(_sharded(sharder, t) for t in (q, k, v)),
-                        enable_gqa=case[3] != case[4],
-                        mask=mask,
-                    )
-                    state = active_state().masked(mask)
-                    assert active_state().masked(mask) is state  # planned once per step
-                    reached = [] if strategy != "needed_rows" else _reached(state, sharder, mask)
-                (out * _sharded(sharder, w)).sum().backward()
-                gathered = sharder.gather_token_tensor(out.detach().transpose(1, 2), 1, trim=True)
-                results.append((gathered.transpose(1, 2), q.grad, k.grad, v.grad, reached))
+    for layout, case, name, doc, (q, k, v), w in each_case(layouts, cases, names, _full):
+        mask = describe(name, doc)
+        ctx, sharder = _step(layout, doc, group, strategy)
+        with ctx():
+            out = cp_attention(
+                *(shard_heads(sharder, t) for t in (q, k, v)),
+                enable_gqa=case[3] != case[4],
+                mask=mask,
+            )
+            state = active_state().masked(mask)
+            assert active_state().masked(mask) is state  # planned once per step
+            reached = [] if strategy != "needed_rows" else _reached(state, sharder, mask)
+        results.append(cp_case_result(sharder, out, w, (q, k, v), reached))
     return results
 
 
@@ -220,26 +207,12 @@ def _check(
     got: list[list[tuple]], world: int, layouts: list[str], cases: list, names: list[str],
     where: str,
 ) -> None:  # fmt: skip
-    at = 0
-    for layout in layouts:
-        for case in cases:
-            doc, q, k, v, w = _full(case)
-            for name in names:
-                leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-                want = _reference(*leaves, describe(name, doc).dense())
-                grads = torch.autograd.grad((want * w).sum(), leaves)
-                label = f"{where} W={world} {layout} {case} {name}"
-                for r in range(world):
-                    torch.testing.assert_close(
-                        got[r][at][0], want, rtol=0, atol=1e-12, msg=f"{label} output, rank {r}"
-                    )
-                    assert not got[r][at][4], (label, got[r][at][4])
-                for j, grad_name in enumerate("qkv"):
-                    total = sum(got[r][at][1 + j] for r in range(world))
-                    torch.testing.assert_close(
-                        total, grads[j], rtol=0, atol=1e-10, msg=f"{label} grad {grad_name}"
-                    )
-                at += 1
+    expected = []
+    for layout, case, name, doc, leaves, w in each_case(layouts, cases, names, _full):
+        want = _reference(*leaves, describe(name, doc).dense())
+        grads = torch.autograd.grad((want * w).sum(), leaves)
+        expected.append((f"{where} W={world} {layout} {case} {name}", want, grads))
+    check_cp_results(got, expected)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -294,11 +267,11 @@ def _same_as_today(rank: int, world: int, layout: str) -> list[str]:
             mask = describe(name, doc)
             results = []
             for kwargs in ({"mask": mask}, today):
-                q, k, v = (_sharded(sharder, t).detach().requires_grad_() for t in full)
+                q, k, v = (shard_heads(sharder, t).detach().requires_grad_() for t in full)
                 with ctx():
                     out = cp_attention(q, k, v, enable_gqa=case[3] != case[4], **kwargs)
                     step = active_state()
-                results.append((out, *torch.autograd.grad((out * _sharded(sharder, w)).sum(),
+                results.append((out, *torch.autograd.grad((out * shard_heads(sharder, w)).sum(),
                                                           (q, k, v))))  # fmt: skip
             masked = step.masked(mask)
             plain = step.variant(name != "bidirectional").windowed(today.get("window"))
@@ -333,7 +306,7 @@ def _second_call_reads(rank: int, world: int, path: str) -> list[str]:
     doc, *full, _ = _full(CASES[0])
     ctx, sharder = step_context("balanced", doc)
     mask = describe("sliding_image", doc)
-    qkv = tuple(_sharded(sharder, t).detach().requires_grad_() for t in full)
+    qkv = tuple(shard_heads(sharder, t).detach().requires_grad_() for t in full)
     reads: list[str] = []
     with kernel_path(path):
         for layer in range(2):
@@ -366,15 +339,13 @@ def _capped(rank: int, world: int, layouts: list[str]) -> list[tuple]:
             ctx, sharder = step_context(layout, doc)
             with ctx():
                 out = cp_attention(
-                    *(_sharded(sharder, t) for t in (q, k, v)),
+                    *(shard_heads(sharder, t) for t in (q, k, v)),
                     enable_gqa=True,
                     mask=describe(name, doc),
                     softcap=2.0,
                     sinks=s,
                 )
-            (out * _sharded(sharder, w)).sum().backward()
-            gathered = sharder.gather_token_tensor(out.detach().transpose(1, 2), 1, trim=True)
-            results.append((gathered.transpose(1, 2), q.grad, k.grad, v.grad, s.grad))
+            results.append(cp_case_result(sharder, out, w, (q, k, v, s), []))
     return results
 
 
@@ -386,22 +357,15 @@ def test_softcap_and_sinks_with_a_description(pool2) -> None:
     got = pool2.run(_capped, layouts, timeout=300)
     doc, q, k, v, w = _full(CASES[0])
     sinks = torch.linspace(-1.0, 1.0, q.shape[1], dtype=torch.float64)
-    at = 0
+    expected = []
     for layout in layouts:
         for name in DESCRIPTIONS:
             leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
             dense = describe(name, doc).dense()
             want = masked_attention(*leaves[:3], dense, D**-0.5, 2.0, leaves[3])
             grads = torch.autograd.grad((want * w).sum(), leaves)
-            label = f"{layout} {name}"
-            for r in range(2):
-                torch.testing.assert_close(got[r][at][0], want, rtol=0, atol=1e-12, msg=label)
-            for j, grad_name in enumerate(("q", "k", "v", "sinks")):
-                total = sum(got[r][at][1 + j] for r in range(2))
-                torch.testing.assert_close(
-                    total, grads[j], rtol=0, atol=1e-10, msg=f"{label} grad {grad_name}"
-                )
-            at += 1
+            expected.append((f"{layout} {name}", want, grads))
+    check_cp_results(got, expected, ("q", "k", "v", "sinks"))
 
 
 def _refusal(rank: int, world: int, kind: str) -> None:
@@ -409,7 +373,7 @@ def _refusal(rank: int, world: int, kind: str) -> None:
 
     doc, q, k, v, _ = _full(CASES[0])
     ctx, sharder = step_context("stripe", doc)
-    q, k, v = (_sharded(sharder, t) for t in (q, k, v))
+    q, k, v = (shard_heads(sharder, t) for t in (q, k, v))
     with ctx():
         if kind == "other_batch":
             cp_attention(q, k, v, enable_gqa=True, mask=describe("chunked", doc[:1]))
@@ -433,10 +397,7 @@ REFUSALS = {
 
 @pytest.mark.parametrize("kind", list(REFUSALS))
 def test_what_cannot_be_executed_raises_on_every_rank(pool2, kind: str) -> None:
-    outcomes = pool2.run_collect(_refusal, kind, timeout=60)
-    assert all(not o.ok and o.error_type == "ValueError" for o in outcomes), outcomes
-    assert all(REFUSALS[kind] in o.error_message for o in outcomes), outcomes
-    assert all(f"rank {o.rank}" in o.error_message for o in outcomes), outcomes
+    assert_refused_on_every_rank(pool2.run_collect(_refusal, kind, timeout=60), REFUSALS[kind])
 
 
 def test_outside_cp_the_dense_mask() -> None:

@@ -120,3 +120,7 @@ def test_mask_mod_bad_arguments() -> None:
         plan_mask_mod(lambda b, h, q, k: k <= q, 1, 4, documents=torch.ones(1, 5).long())
     with pytest.raises(ValueError, match="block"):
         plan_mask_mod(lambda b, h, q, k: k <= q, 1, 4, block=0)
+    with pytest.raises(ValueError, match="mask_mod must return a bool tensor of shape"):
+        plan_mask_mod(lambda b, h, q, k: (k <= q).long(), 1, 4)
+    with pytest.raises(ValueError, match="got \\[2, 1, 1, 1\\]"):
+        plan_mask_mod(lambda b, h, q, k: torch.ones(2, 1, 1, 1, dtype=torch.bool), 1, 4)
