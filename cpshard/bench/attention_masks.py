@@ -9,10 +9,15 @@ S):
 * ``chunked``: chunked causal attention ``chunks(S / 4) ∩ causal`` (chunks of 8192 tokens at
   S = 32768, 512 with ``--quick``), documents longer than a chunk;
 * ``image blocks``: bidirectional image spans of S / 32 to S / 8 tokens (1024-4095 at S =
-  32768) inside causal documents, ``causal ∪ blocks``, every other document without images.
+  32768) inside causal documents, ``causal ∪ blocks``, every other document without images;
+* ``mask_mod``: ``cp_attention(..., mask_mod=fn)`` with a FlexAttention-style function, a
+  dilated causal pattern inside each document (query ``q`` sees key ``k <= q`` when ``q - k``
+  is a multiple of 4) plus the row's first token, a summary every query sees across documents
+  (``mask_mod_documents=False``: the function states the documents itself).
 
 The baseline all-gathers K and V (list all-gather + cat, backward reduce-scatter) and calls SDPA
-under this rank's rows of ``description.dense()`` over the gathered (rank-major) keys; cpshard's
+under this rank's rows of ``description.dense()`` (the ``mask_mod`` row: the function evaluated
+on every (query, key) pair) over the gathered (rank-major) keys; cpshard's
 output must equal it. Each row reports forward+backward time, peak extra memory, the bytes each
 forward keeps for its backward, and per rank the K/V rows cpshard's exchange receives next to
 the rows outside the rank's own that its queries' masks reach (from the same dense mask) and the
@@ -41,11 +46,13 @@ from cpshard.bench.blockdiag import (
 from cpshard.bench.memory import release_freed_memory, saved_bytes
 from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
-from cpshard.masks import MaskDescription
+from cpshard.attention.mask_mod import mask_mod_state
+from cpshard.masks import MaskDescription, MaskMod
 
 SEQ_LEN, DEFAULT_SEQ_LEN, QUICK_SEQ_LEN = 32768, 4096, 2048
 LAYOUT = "balanced"
-CASES = ("chunked", "image blocks")
+CASES = ("chunked", "image blocks", "mask_mod")
+DILATION = 4  # the mask_mod row: a query sees every 4th earlier key of its document
 
 
 def seq_len(full: bool, quick: bool) -> int:
@@ -102,6 +109,27 @@ def describe(case: str, doc: torch.Tensor) -> MaskDescription:
     return union
 
 
+def summary_dilated(doc: torch.Tensor) -> MaskMod:
+    """The ``mask_mod`` row's function over the documents ``doc`` ``[B, S]``: causal keys of the
+    query's own document at a multiple of :data:`DILATION` back, and position 0 of the row (a
+    summary token) from every query."""
+
+    def fn(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        same = (doc[b, q] == doc[b, k]) & (k <= q) & ((q - k) % DILATION == 0)
+        return same | (k == 0)
+
+    return fn
+
+
+def _dense(case: str, doc: torch.Tensor, mine: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``[L, S]``: which of the gathered ``keys`` each query at ``mine`` sees (the baseline's
+    mask, stated directly from the description or the function)."""
+    if case == "mask_mod":
+        b = torch.zeros(1, dtype=torch.int64)
+        return summary_dilated(doc)(b, b, mine[:, None], keys[None, :])
+    return describe(case, doc).dense()[0][mine][:, keys]
+
+
 def _per_rank(rt: Runtime, value: int) -> list[int]:
     """``value`` of every rank, alike on every rank (on the group's device: NCCL reduces no
     host tensor)."""
@@ -113,26 +141,38 @@ def _per_rank(rt: Runtime, value: int) -> list[int]:
 
 def run_case(rt: Runtime, case: str, doc: torch.Tensor) -> dict:
     """fwd+bwd time, peak extra memory, saved bytes and K/V rows received and reached per rank
-    of ``case``'s description over ``doc``, checked against the all-gather baseline."""
-    description = describe(case, doc)
+    of ``case``'s mask over ``doc``, checked against the all-gather baseline."""
     sharder = ContextParallelSharder(rt.pg, LAYOUT, strategy="needed_rows")
     ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
     lay = sharder.shard_layout
     mine = lay.indices(rt.rank)
     keys = torch.cat([lay.indices(r) for r in range(rt.world)])  # the gathered keys' positions
-    mask = description.dense()[0][mine][:, keys]  # [L, S] over the gathered keys
+    mask = _dense(case, doc, mine, keys)  # [L, S] over the gathered keys
     reach = mask.any(0).view(rt.world, -1)
     reach[rt.rank] = False  # the rows of other ranks this rank's queries see
     q, k, v, grad = random_qkv(rt, mine.numel())
     base = all_gather_baseline(rt, mask[None, None].to(rt.device))
 
+    if case == "mask_mod":
+        fn, description = summary_dilated(doc), None
+        masked = {"mask_mod": fn, "mask_mod_documents": False}
+    else:
+        description = describe(case, doc)
+        masked = {"mask": description}
+
     def ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
-            return cp_attention(q, k, v, enable_gqa=True, mask=description)
+            return cp_attention(q, k, v, enable_gqa=True, **masked)
 
     check_output(rt, ours, base, (q, k, v), f"attention {case}")
     with ctx():
-        received = active_state().masked(description).exchange.received_rows
+        state = active_state()
+        if description is None:
+            heads = q.shape[1]
+            state = mask_mod_state(state, fn, heads, documents=False).carrier
+        else:
+            state = state.masked(description)
+        received = state.exchange.received_rows
     blocks = image_ids(doc) if case == "image blocks" else None
     out = {
         "layout": LAYOUT,
@@ -141,7 +181,7 @@ def run_case(rt: Runtime, case: str, doc: torch.Tensor) -> dict:
         "images": None if blocks is None else int(blocks.max()) + 1,
         "image_tokens": None if blocks is None else int((blocks >= 0).sum()),
         **case_fields(rt, doc),
-        "segments": description.segments,
+        "segments": None if description is None else description.segments,
         "ours_kv_rows_received": _per_rank(rt, received),
         "kv_rows_reached": _per_rank(rt, int(reach.sum())),
         "base_kv_rows_received": mine.numel() * (rt.world - 1),
@@ -152,7 +192,7 @@ def run_case(rt: Runtime, case: str, doc: torch.Tensor) -> dict:
 
 
 def run(rt: Runtime) -> list[dict]:
-    """Both rows (:data:`CASES`) on the whole group, one batch each."""
+    """Every row (:data:`CASES`) on the whole group, one batch each."""
     doc = mask_documents(seq_len(rt.cfg.full, rt.cfg.quick))
     rows = []
     for case in CASES:
@@ -164,10 +204,10 @@ def run(rt: Runtime) -> list[dict]:
 
 def render(rows: list[dict]) -> list[str]:
     """The mask rows' table."""
-    head = rows[0]  # every run has both rows
+    head = rows[0]  # every run has every row
     out = [
-        "# attention: cp_attention(mask=MaskDescription) fwd+bwd, strategy needed_rows, layout",
-        f"#   {LAYOUT}  vs  full K/V all-gather + SDPA under description.dense();",
+        "# attention: cp_attention(mask=MaskDescription | mask_mod=fn) fwd+bwd, strategy",
+        f"#   needed_rows, layout {LAYOUT}  vs  full K/V all-gather + SDPA under the dense mask;",
         f"#   W = {head['world']}, S = {head['seq_len']}, {head['documents']} documents, "
         f"{head['heads']} query / {head['kv_heads']} KV heads, head dim {head['head_dim']};",
         "#   median ms (max over ranks), peak extra MiB of fwd+bwd, MiB kept for the backward;",
@@ -181,6 +221,11 @@ def render(rows: list[dict]) -> list[str]:
             out.append(
                 f"# image blocks: causal ∪ {r['images']} bidirectional spans "
                 f"({r['image_tokens']} tokens)"
+            )
+        if r["case"] == "mask_mod":
+            out.append(
+                f"# mask_mod: causal keys {DILATION} apart in the document, and the row's first "
+                "token from every query"
             )
     out.append(
         f"#{'case':>13} {'cpshard ms':>11} {'base ms':>9} {'speedup':>8} {'cpshard MiB':>12} "

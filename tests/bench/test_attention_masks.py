@@ -1,7 +1,8 @@
 """The attention section's mask rows (:mod:`cpshard.bench.attention_masks`): a quick run on two
-spawned ranks (gloo) times both rows with outputs checked against the all-gather baseline (the
+spawned ranks (gloo) times every row with outputs checked against the all-gather baseline (the
 run fails otherwise), and every rank's received K/V rows equal the rows outside its shard that
-its queries reach under ``description.dense()``, recomputed here from the same batch."""
+its queries reach under the description's dense mask (or the ``mask_mod`` row's pattern),
+recomputed here from the same batch."""
 
 from __future__ import annotations
 
@@ -21,10 +22,22 @@ from cpshard.layouts import make_layout
 WORLD = 2
 
 
+def _dense(case: str, doc: torch.Tensor) -> torch.Tensor:
+    """``[S, S]``: which keys each query sees: the description's dense mask, or for the
+    ``mask_mod`` row its pattern stated here (causal keys 4 apart in the query's document, and
+    position 0 from every query)."""
+    if case != "mask_mod":
+        return describe(case, doc).dense()[0]
+    pos = torch.arange(doc.shape[1])
+    q, k = pos[:, None], pos[None, :]
+    ids = doc[0]
+    return ((ids[:, None] == ids[None, :]) & (k <= q) & ((q - k) % 4 == 0)) | (k == 0)
+
+
 def _reached(case: str, doc: torch.Tensor) -> list[int]:
-    """Per rank: the positions outside its shard that its queries see under ``case``'s
-    description of ``doc``."""
-    dense = describe(case, doc).dense()[0]
+    """Per rank: the positions outside its shard that its queries see under ``case``'s mask of
+    ``doc``."""
+    dense = _dense(case, doc)
     lay = make_layout(LAYOUT, WORLD, doc.shape[1], doc_ids=doc)
     out = []
     for r in range(WORLD):
@@ -39,7 +52,7 @@ def test_quick_run_reports_the_mask_rows(run_bench):
     proc, data = run_bench(
         *"--world 2 --ops attention --quick --repeats 1 --warmup 0 --iters 1 --no-memory".split()
     )
-    assert "# attention: cp_attention(mask=MaskDescription)" in proc.stdout
+    assert "# attention: cp_attention(mask=MaskDescription | mask_mod=fn)" in proc.stdout
     rows = data["attention"]["masks"]
     assert [r["case"] for r in rows] == list(CASES)
     seq = seq_len(full=False, quick=True)
@@ -56,11 +69,12 @@ def test_quick_run_reports_the_mask_rows(run_bench):
         reached = _reached(r["case"], doc)
         assert r["ours_kv_rows_received"] == r["kv_rows_reached"] == reached, r["case"]
         assert max(reached) <= r["base_kv_rows_received"] == seq - seq // WORLD
-    chunked, image = rows
+    chunked, image, mod = rows
     assert chunked["chunk"] == chunk_size(seq) and image["chunk"] is None
     assert image["images"] == int(images.max()) + 1 > 1
     # chunks cut every document, so a rank receives less than the all-gather
     assert max(chunked["ours_kv_rows_received"]) < chunked["base_kv_rows_received"]
+    assert mod["segments"] is None and min(mod["ours_kv_rows_received"]) > 0
 
 
 def test_full_size_batch() -> None:
@@ -80,5 +94,5 @@ def test_full_size_batch() -> None:
         assert ids[span].unique().numel() == 1  # inside one document
     with_images = {int(ids[span[0]]) for span in spans}
     assert 0 < len(with_images) < int(ids.max())
-    for case in CASES:
+    for case in ("chunked", "image blocks"):
         assert describe(case, doc).segments > int(ids.max())  # chunks / spans cut documents
