@@ -215,7 +215,7 @@ def _check(
     check_cp_results(got, expected)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_layout_matches_the_dense_mask(pools, world: int) -> None:
     """Every layout and the block-diagonal batch, every description, B = 1 and 2, interior
     padding, GQA."""

@@ -131,7 +131,7 @@ def _check(got: list[list[tuple]], world: int, layouts: list[str], cases: list,
     check_cp_results(got, expected)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_layout_matches_the_dense_mask(pools, world: int) -> None:
     """Every layout and the block-diagonal batch, every function, B = 2, interior padding,
     GQA: forward, float64 backward, and the rows each rank receives."""
