@@ -1,8 +1,8 @@
 """The ``per_document_head_tail`` layout: the serpentine zig-zag inside every run of a packed
 row (documents and padding runs alike), planned from the batch's document ids with whole-tensor
-work over the runs of a row: every rank's positions listed rank by rank from the runs' chunk
-table (:class:`~cpshard.layouts.serpentine.ZigzagTable`, kept on the record for the step's
-planners), or the rows' pieces (:func:`~cpshard.layouts.serpentine.zigzag_pieces`).
+work over the runs of a row: the runs' chunk table
+(:class:`~cpshard.layouts.serpentine.ZigzagTable`), from which every rank's positions are listed
+rank by rank (the table kept on the record for the step's planners), or the rows' pieces.
 
 A run of ``n`` tokens is cut into ``C`` chunks (default ``2W``) of ``n // C`` tokens, chunk
 ``k`` owned by rank ``k`` on even passes of ``W`` chunks and by ``W - 1 - k % W`` on odd ones
@@ -16,17 +16,13 @@ length is a multiple of ``W``.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
-from cpshard.batch.runs import id_runs
 from cpshard.layouts.base import LayoutStrategy
 from cpshard.layouts.owners import RowPieces, check_doc_ids, owner_of_pieces
 from cpshard.layouts.serpentine import (
     ZigzagTable,
     default_num_chunks,
-    zigzag_pieces,
     zigzag_table,
 )
 from cpshard.validation import is_int
@@ -72,12 +68,7 @@ def per_document_head_tail_pieces(
 ) -> list[RowPieces]:
     """Every row's pieces under ``per_document_head_tail`` (module doc)."""
     chunks = _checked_chunks(doc_ids, world, num_chunks)
-    row, start, end, _ = id_runs(doc_ids.detach().to("cpu", torch.int64))
-    bounds = torch.searchsorted(row, torch.arange(doc_ids.shape[0] + 1)).tolist()
-    return [
-        zigzag_pieces(start[a:b], end[a:b] - start[a:b], world, chunks)
-        for a, b in itertools.pairwise(bounds)
-    ]
+    return zigzag_table(doc_ids.detach().to("cpu", torch.int64), world, chunks).row_pieces()
 
 
 PER_DOCUMENT_HEAD_TAIL = LayoutStrategy(

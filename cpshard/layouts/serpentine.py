@@ -17,6 +17,7 @@ every rank the same number of extras.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -144,6 +145,18 @@ class ZigzagTable:
 
         at, n = rank_major(self.first), rank_major(self.size)
         return ragged_arange(at, n).view(self.world, self.rows, -1)
+
+    def row_pieces(self) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Every row's pieces: the start, length and rank of each non-empty chunk, in position
+        order."""
+        ranks = chunk_ranks(self.world, self.chunks)
+        bounds = torch.searchsorted(self.row, torch.arange(self.rows + 1)).tolist()
+        out = []
+        for a, b in itertools.pairwise(bounds):
+            size = self.size[a:b]
+            keep = size > 0
+            out.append((self.first[a:b][keep], size[keep], ranks.expand_as(size)[keep]))
+        return out
 
     def describes(self, doc_ids: torch.Tensor) -> bool:
         """Whether the padded ids ``doc_ids`` ``[B, P]`` are the ones the table was made from

@@ -4,6 +4,8 @@ no pass over the padded sequence)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from cpshard.layouts import ShardLayout, rank_major_inverse
@@ -93,10 +95,7 @@ class RankPrefix:
 
     def every_before(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """``[W, N]``: :meth:`before` for every rank at each position."""
-        ranks = torch.arange(self.world).repeat_interleave(position.numel())
-        return self.before(ranks, row.repeat(self.world), position.repeat(self.world)).view(
-            self.world, -1
-        )
+        return every_rank_before(self.before, self.world, row, position)
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """:meth:`before` for one ``rank``: a search of its own pieces only (a table that
@@ -119,3 +118,13 @@ def _below(
     at = j.clamp(min=0)
     held = (j >= 0) & (keys[at] >= base)
     return torch.where(held, q[at] + torch.minimum(position - start[at], size[at]), 0)
+
+
+def every_rank_before(
+    before: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    world: int, row: torch.Tensor, position: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """``[W, N]``: a prefix's elementwise ``before(rank, row, position)`` for every rank at each
+    of the ``N`` positions (one call over the repeated lookups)."""
+    ranks = torch.arange(world).repeat_interleave(position.numel())
+    return before(ranks, row.repeat(world), position.repeat(world)).view(world, -1)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from cpshard.planning.positions import every_rank_before
+
 
 def _below(x: torch.Tensor, rank: torch.Tensor | int, world: int) -> torch.Tensor:
     """Positions ``p < x`` with ``p % world == rank`` (``x >= 0``)."""
@@ -108,10 +110,7 @@ class StripePrefix:
 
     def every_before(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """``[W, N]``: :meth:`before` for every rank at each position."""
-        ranks = torch.arange(self.world).repeat_interleave(position.numel())
-        return self.before(ranks, row.repeat(self.world), position.repeat(self.world)).view(
-            self.world, -1
-        )
+        return every_rank_before(self.before, self.world, row, position)
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """:meth:`before` for one ``rank``."""

@@ -107,10 +107,7 @@ class ZigzagRuns:
 
     def tokens(self) -> torch.Tensor:
         """``[W]``: every rank's document tokens."""
-        per_chunk = self.size[self.is_doc].sum(0)
-        return torch.zeros(self.world, dtype=torch.int64).index_add_(
-            0, chunk_ranks(self.world, per_chunk.numel()), per_chunk
-        )
+        return self._by_rank(self.size[self.is_doc].sum(0))
 
     def _last_chunks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The document runs and, per (document, rank), the index of the rank's last non-empty
@@ -171,10 +168,7 @@ class ZigzagRuns:
             bounds = torch.cat([self.first[d], self.run_end[d][:, None]], 1)  # [D, C + 1]
             covered = Coverage(row, lo, hi, b, padded, bounds.numel())
             below = covered.below(self.run_row[d][:, None].expand_as(bounds), bounds)
-            per_chunk = torch.diff(below, dim=1).sum(0)
-            return torch.zeros(self.world, dtype=torch.int64).index_add_(
-                0, chunk_ranks(self.world, per_chunk.numel()), per_chunk
-            )
+            return self._by_rank(torch.diff(below, dim=1).sum(0))
         delta = torch.zeros(b * (padded + 1), dtype=torch.int64)
         delta.index_add_(0, row * (padded + 1) + lo, torch.ones_like(lo))
         delta.index_add_(0, row * (padded + 1) + hi, torch.full_like(hi, -1))
@@ -201,8 +195,11 @@ class ZigzagRuns:
             needers = ends[:, 1:].flip(1).cumsum(1).flip(1)
         else:
             needers = (last >= 0).sum(1, keepdim=True)
-        per_chunk = (size * needers).sum(0)
-        ranks = chunk_ranks(self.world, chunks)
+        return self._by_rank((size * needers).sum(0))
+
+    def _by_rank(self, per_chunk: torch.Tensor) -> torch.Tensor:
+        """``[W]``: per-chunk sums ``[C]`` (over the runs) summed by the chunks' owners."""
+        ranks = chunk_ranks(self.world, per_chunk.numel())
         return torch.zeros(self.world, dtype=torch.int64).index_add_(0, ranks, per_chunk)
 
     def position(self, rank: torch.Tensor, row: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
