@@ -25,6 +25,8 @@ import torch
 from cpshard.masks import INF, MaskDescription
 from cpshard.planning.coverage import Coverage
 from cpshard.planning.runs import LayoutRuns, mask_runs
+from cpshard.planning.zigzag_exchange import ZigzagExchange, ZigzagRowTables, zigzag_exchange
+from cpshard.planning.zigzag_runs import ZigzagRuns
 from cpshard.ranges import ragged_arange
 
 
@@ -81,7 +83,7 @@ class NeededRowsPlan:
     received: tuple[int, ...]
     sent: tuple[int, ...]
     reach: int
-    recipe: _TableRecipe = field(repr=False, compare=False)
+    recipe: _TableRecipe | ZigzagRowTables = field(repr=False, compare=False)
     causal: torch.Tensor | None = None
     rules: torch.Tensor | None = None
     _made: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
@@ -147,14 +149,18 @@ def plan_needed_rows(
     b, padded = runs.rows, runs.padded
     if (mask is None) == (causal is None) or (mask is not None and window is not None):
         raise ValueError("plan_needed_rows takes causal (and a window) or a mask description")
-    if causal is not None:
-        intervals, reach = runs.intervals(causal, window), runs.reach(causal)
+    exchange: _IntervalExchange | ZigzagExchange
+    if causal is not None and window is None and isinstance(runs.closed, ZigzagRuns):
+        exchange, reach = zigzag_exchange(runs.closed, rank, causal), runs.reach(causal)
     else:
-        pieces = mask_runs(runs, mask)
-        intervals = _sorted_for_merge(*pieces.intervals(), b, padded)
-        reach = pieces.reach()
-    rule = (causal, window) if causal is not None else None
-    rows = _buffer(rank, runs, _merge(*intervals), rule)
+        if causal is not None:
+            intervals, reach = runs.intervals(causal, window), runs.reach(causal)
+        else:
+            pieces = mask_runs(runs, mask)
+            intervals = _sorted_for_merge(*pieces.intervals(), b, padded)
+            reach = pieces.reach()
+        exchange = _interval_exchange(rank, runs, _merge(*intervals))
+    rows = _buffer_rows(runs, exchange.mine)
     buffer_row = rows.buffer_row
 
     flags = rules = None
@@ -172,7 +178,7 @@ def plan_needed_rows(
         split = torch.where(visible, last, buffer_row(row, begin))
         rules = torch.stack((last, back, ahead), 1)
     spans = torch.stack((row, q, n, buffer_row(row, lo), split, ds), 1)
-    return rows.plan(spans, reach, flags, rules)
+    return _plan(exchange, rows, spans, reach, flags, rules)
 
 
 def plan_needed_intervals(
@@ -183,22 +189,19 @@ def plan_needed_intervals(
     buffer holds, in global order per batch row; each rank's must hold all its own document
     tokens (they are copied locally, not counted as received). The plan has no spans (the
     caller says which buffer rows each query sees); ``reach``: the most keys a query sees."""
-    return _buffer(rank, runs, intervals, None).plan(torch.zeros(0, 6, dtype=torch.int64), reach)
+    exchange = _interval_exchange(rank, runs, intervals)
+    rows = _buffer_rows(runs, exchange.mine)
+    return _plan(exchange, rows, torch.zeros(0, 6, dtype=torch.int64), reach)
 
 
 @dataclass(frozen=True)
-class _Buffer:
-    """One rank's key buffer and exchange counts for every rank's merged intervals: its
-    intervals back to back per batch row (``keys``: their sorted row-and-start keys,
-    ``offset``: each one's first buffer row, ``ilo``: its start)."""
+class _BufferRows:
+    """One rank's key buffer: its intervals back to back per batch row, ``width`` rows each
+    (``keys``: their sorted row-and-start keys, ``offset``: each one's first buffer row,
+    ``ilo``: its start)."""
 
     padded: int
     width: int
-    send_counts: torch.Tensor
-    recv_counts: torch.Tensor
-    received: torch.Tensor
-    sent: torch.Tensor
-    recipe: _TableRecipe
     keys: torch.Tensor
     offset: torch.Tensor
     ilo: torch.Tensor
@@ -208,26 +211,67 @@ class _Buffer:
         j = torch.searchsorted(self.keys, row * (self.padded + 1) + position, right=True) - 1
         return self.offset[j] + position - self.ilo[j]
 
-    def plan(
-        self, spans: torch.Tensor, reach: int, causal: torch.Tensor | None = None,
-        rules: torch.Tensor | None = None,
-    ) -> NeededRowsPlan:  # fmt: skip
-        """The :class:`NeededRowsPlan` of this buffer with the given spans and their kinds."""
-        counts = (self.send_counts, self.recv_counts, self.received, self.sent)
-        return NeededRowsPlan(
-            spans, self.width, *(tuple(c.tolist()) for c in counts), reach, self.recipe,
-            causal, rules,
+
+def _buffer_rows(runs: LayoutRuns, mine: tuple[torch.Tensor, ...]) -> _BufferRows:
+    """The buffer of this rank's intervals ``mine`` (row, lo, hi; in row and position order,
+    disjoint; adjacent ones are merged here)."""
+    irow, ilo, ihi = _merge(torch.zeros_like(mine[0]), *mine)[1:]
+    size = ihi - ilo
+    per_row = _per_rank(runs.rows, irow, size)
+    width = int(per_row.max()) if runs.rows else 0
+    # buffer row of each interval's first position: the rows of the row's earlier intervals
+    offset = torch.cumsum(size, 0) - size - (torch.cumsum(per_row, 0) - per_row)[irow]
+    return _BufferRows(runs.padded, width, irow * (runs.padded + 1) + ilo, offset, ilo)
+
+
+def _plan(
+    exchange: _IntervalExchange | ZigzagExchange, rows: _BufferRows, spans: torch.Tensor,
+    reach: int, causal: torch.Tensor | None = None, rules: torch.Tensor | None = None,
+) -> NeededRowsPlan:  # fmt: skip
+    """The :class:`NeededRowsPlan` of an exchange into the buffer ``rows`` with the given spans
+    and their kinds."""
+    e = exchange
+    counts = (e.send_counts, e.recv_counts, e.received, e.sent)
+    return NeededRowsPlan(
+        spans, rows.width, *(tuple(c.tolist()) for c in counts), reach, e.tables(rows),
+        causal, rules,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _IntervalExchange:
+    """Rank ``rank``'s exchange of every rank's merged intervals: rows every rank receives from
+    and sends to the others (``received``, ``sent``), what this rank receives from and sends to
+    each (``recv_counts``, ``send_counts``), its own intervals ``mine`` (row, lo, hi) and the
+    ranges its row tables are made from (:class:`_TableRecipe`)."""
+
+    runs: LayoutRuns
+    received: torch.Tensor
+    sent: torch.Tensor
+    recv_counts: torch.Tensor
+    send_counts: torch.Tensor
+    mine: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    source: torch.Tensor
+    first: torch.Tensor
+    count: torch.Tensor
+    send_first: torch.Tensor
+    send_count: torch.Tensor
+
+    def tables(self, rows: _BufferRows) -> _TableRecipe:
+        world = self.runs.world
+        irow = self.mine[0]
+        return _TableRecipe(
+            self.runs, rows.width, self.source, irow.repeat(world), self.first, self.count,
+            (rows.offset - rows.ilo).repeat(world), self.send_first, self.send_count,
         )  # fmt: skip
 
 
-def _buffer(
-    rank: int, runs: LayoutRuns, merged: tuple[torch.Tensor, ...],
-    rule: tuple[bool, int | None] | None,
-) -> _Buffer:  # fmt: skip
-    """Rank ``rank``'s :class:`_Buffer` of every rank's disjoint intervals ``merged`` (rank,
-    row, lo, hi; sorted), each rank's holding its own document tokens. ``rule``: the ``(causal,
-    window)`` the intervals follow (:func:`_served`'s closed form; None: any)."""
-    world, b, padded, length = runs.world, runs.rows, runs.padded, runs.local_len
+def _interval_exchange(
+    rank: int, runs: LayoutRuns, merged: tuple[torch.Tensor, ...]
+) -> _IntervalExchange:
+    """Rank ``rank``'s :class:`_IntervalExchange` of every rank's disjoint intervals ``merged``
+    (rank, row, lo, hi; sorted), each rank's holding its own document tokens."""
+    world, length = runs.world, runs.local_len
     mr, mrow, mlo, mhi = merged
 
     # Counted for every rank: rows needed, of them its own, and its rows counted once per rank
@@ -236,21 +280,14 @@ def _buffer(
     # Its own rows among them: all its document tokens (each run lies in its own interval, and
     # the intervals hold document positions only).
     own = runs.tokens()
-    received, sent = needed - own, _served(runs, mrow, mlo, mhi, rule) - own
+    received, sent = needed - own, _served(runs, mrow, mlo, mhi) - own
 
-    # This rank's buffer: its intervals back to back per row, in global order.
     lo_i, hi_i = torch.searchsorted(mr, torch.tensor([rank, rank + 1])).tolist()
     irow, ilo, ihi = mrow[lo_i:hi_i], mlo[lo_i:hi_i], mhi[lo_i:hi_i]
-    size = ihi - ilo
-    per_row = _per_rank(b, irow, size)
-    width = int(per_row.max()) if b else 0
-    # buffer row of each interval's first position: the rows of the row's earlier intervals
-    offset = torch.cumsum(size, 0) - size - (torch.cumsum(per_row, 0) - per_row)[irow]
 
     # Received: every source's positions inside its intervals, by source, row and position.
     prefix = runs.prefix
     sources = torch.arange(world).repeat_interleave(irow.numel())
-    prow = irow.repeat(world)
     first, last = prefix.every_before(irow.repeat(2), torch.cat((ilo, ihi))).chunk(2, 1)
     first = first.reshape(-1)
     count = last.reshape(-1) - first
@@ -260,25 +297,17 @@ def _buffer(
     send_first, send_last = prefix.before_on(rank, mrow.repeat(2), torch.cat((mlo, mhi))).chunk(2)
     send_count = send_last - send_first
     send_counts = _per_rank(world, mr, send_count)
-    recipe = _TableRecipe(
-        runs, width, sources, prow, first, count, (offset - ilo).repeat(world),
+    return _IntervalExchange(
+        runs, received, sent, recv_counts, send_counts, (irow, ilo, ihi), sources, first, count,
         mrow * length + send_first, send_count,
     )  # fmt: skip
-    keys = irow * (padded + 1) + ilo  # this rank's intervals, sorted by row and start
-    return _Buffer(
-        padded, width, send_counts, recv_counts, received, sent, recipe, keys, offset, ilo
-    )
 
 
-def _served(
-    runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-    rule: tuple[bool, int | None] | None = None,
-) -> torch.Tensor:  # fmt: skip
+def _served(runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     """``[W]``: every rank's document tokens counted once per interval ``[lo, hi)`` (of batch
-    rows ``row``; intervals of document positions) that holds them. ``rule``: the ``(causal,
-    window)`` the intervals follow, for a closed form that counts from it (None: a mask's)."""
+    rows ``row``; intervals of document positions) that holds them."""
     if runs.closed is not None:
-        return runs.closed.served(row, lo, hi, rule)
+        return runs.closed.served(row, lo, hi)
     covered = Coverage(row, lo, hi, runs.rows, runs.padded, runs.n.numel())
     start = runs.begin
     counts = covered.below(runs.row, start + runs.n) - covered.below(runs.row, start)

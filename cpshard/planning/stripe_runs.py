@@ -85,12 +85,9 @@ class StripeRuns:
         """The global position of ``rank``'s local index ``slot`` (the same in every row)."""
         return slot * self.world + rank
 
-    def served(
-        self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-        rule: tuple[bool, int | None] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    def served(self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """``[W]``: every rank's positions inside the ranges ``[lo, hi)`` (document positions,
-        counted once per range; the same in every row; ``rule`` unused)."""
+        counted once per range; the same in every row)."""
         return _per_residue(self.world, lo, hi)
 
     def prefix(self) -> StripePrefix:

@@ -16,6 +16,7 @@ positions.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,7 +33,8 @@ class ZigzagRuns:
     rows of ``padded`` positions: every run's row, start, end and whether it is a document
     (``[R]``), each chunk's first position and size (``[R, C]``), the chunk ``owned[r, t]`` of
     rank ``r`` in pass ``t`` (``[W, C / W]``), the positions of every rank before each run of
-    its row (``[R, W]``) and every rank's positions ``[W, B, L]`` (the layout's)."""
+    its row (:meth:`before_run`, ``[R, W]``) and every rank's positions ``[W, B, L]`` (the
+    layout's)."""
 
     world: int
     padded: int
@@ -44,7 +46,6 @@ class ZigzagRuns:
     first: torch.Tensor
     size: torch.Tensor
     owned: torch.Tensor
-    before_run: torch.Tensor
     indices: torch.Tensor
     _made: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -69,13 +70,9 @@ class ZigzagRuns:
             mine = table.indices()
             if idx.shape != mine.shape or not torch.equal(idx, mine):
                 return None
-        size = table.size
-        per_run = torch.zeros(size.shape[0], world, dtype=torch.int64)
-        per_run.index_add_(1, chunk_ranks(world, chunks), size)
-        before_run = torch.cumsum(per_run, 0).sub_(per_run).sub_(table.row[:, None] * idx.shape[-1])
         return cls(
             world, padded, rows, table.row, table.start, table.end, table.ids != 0, table.first,
-            size, owned_chunks(world, chunks), before_run, idx,
+            table.size, owned_chunks(world, chunks), idx,
         )  # fmt: skip
 
     @property
@@ -86,17 +83,87 @@ class ZigzagRuns:
     def doc_end(self) -> torch.Tensor:
         return self.run_end[self.is_doc]
 
+    @property
+    def local_len(self) -> int:
+        return self.indices.shape[-1]
+
+    def before_run(self) -> torch.Tensor:
+        """``[R, W]``: every rank's positions of the run's row before each run (made once)."""
+
+        def make() -> torch.Tensor:
+            per_run = torch.zeros(self.size.shape[0], self.world, dtype=torch.int64)
+            per_run.index_add_(1, chunk_ranks(self.world, self.size.shape[1]), self.size)
+            before = torch.cumsum(per_run, 0).sub_(per_run)
+            return before.sub_(self.run_row[:, None] * self.local_len)
+
+        return self._cached("before run", make)
+
+    def rank_before_run(self, rank: int) -> torch.Tensor:
+        """``[R]``: :meth:`before_run` of one rank (its own chunks' sizes only)."""
+        if "before run" in self._made:
+            return self._made["before run"][:, rank]
+        per_run = self.size[:, self.owned[rank]].sum(1)
+        return torch.cumsum(per_run, 0).sub_(per_run).sub_(self.run_row * self.local_len)
+
     def serves(self, causal: bool, window: int | None) -> bool:
-        """Every mask of the runs: each rank's chunks give its intervals."""
-        return True
+        """With a window: each rank's chunks give its intervals (without one, the exchange has
+        a closed form of its own, :mod:`~cpshard.planning.zigzag_exchange`)."""
+        return window is not None
+
+    def _cached(self, name: str, make: Callable[[], Any]) -> Any:
+        if name not in self._made:
+            self._made[name] = make()
+        return self._made[name]
+
+    def doc_runs(self) -> torch.Tensor:
+        """``[D]``: the table's document runs (not padding)."""
+        return self._cached("docs", lambda: torch.nonzero(self.is_doc).flatten())
+
+    def rank_sizes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every rank's chunk of every pass of the runs, ``[R, K, W]`` (pass ``t``'s chunk of
+        rank ``r``: chunk ``t W + r`` on even passes, ``t W + W - 1 - r`` on odd ones; 0 for
+        padding runs), and how many of a rank's chunks of each run are non-empty ``[R, W]``
+        (its first ones: the chunks of a run differ by at most a token, the extras dealt pass
+        by pass). Made once."""
+
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            runs, chunks = self.size.shape
+            by_pass = self.size.view(runs, chunks // self.world, self.world)
+            sizes = by_pass * self.is_doc[:, None, None]
+            sizes[:, 1::2] = sizes[:, 1::2].flip(2)
+            return sizes, (sizes > 0).sum(1)
+
+        return self._cached("rank sizes", make)
+
+    def last_chunks(self) -> torch.Tensor:
+        """``[R, W]``: the index of every rank's last non-empty chunk of each document run (-1:
+        none, and for padding runs)."""
+
+        def make() -> torch.Tensor:
+            world = self.world
+            p = self.rank_sizes()[1] - 1
+            ranks = torch.arange(world)
+            # p W + r on even passes, p W + W - 1 - r on odd ones; -1 - r (clamped) for p = -1
+            chunk = (p & 1).mul_(world - 1 - 2 * ranks).add_(ranks).add_(p * world)
+            return chunk.clamp_(min=-1)
+
+        return self._cached("last chunks", make)
+
+    def through_last_chunk(self) -> torch.Tensor:
+        """``[R, W]``: the tokens of each document run up to the end of every rank's last chunk
+        of it (0: it holds none)."""
+        size, last = self.size, self.last_chunks()
+        running = torch.cumsum(size.view(-1), 0).view_as(size)  # one flat pass: cheaper
+        through = running.gather(1, last.clamp(min=0)) - (running[:, :1] - size[:, :1])
+        return through.mul_(last >= 0)
 
     def rank_runs(self, rank: int, documents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rank ``rank``'s runs (row, local index, length, document start, first position,
         document end) in row and position order; ``documents`` unused (the table has them)."""
-        d = torch.nonzero(self.is_doc).flatten()
+        d = self.doc_runs()
         k = self.owned[rank]
-        begin, n = self.first[d][:, k], self.size[d][:, k]  # [D, C / W]
-        q = torch.cumsum(n, 1).sub_(n).add_(self.before_run[d, rank][:, None])
+        begin, n = self.first[:, k][d], self.size[:, k][d]  # [D, C / W]
+        q = torch.cumsum(n, 1).sub_(n).add_(self.rank_before_run(rank)[d][:, None])
         keep = n > 0
         doc = d[:, None].expand_as(n)[keep]
         cols = (
@@ -107,63 +174,29 @@ class ZigzagRuns:
 
     def tokens(self) -> torch.Tensor:
         """``[W]``: every rank's document tokens."""
-        return self._by_rank(self.size[self.is_doc].sum(0))
+        return self.rank_sizes()[0].sum((0, 1))
 
-    def _last_chunks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The document runs and, per (document, rank), the index of the rank's last non-empty
-        chunk of it (-1: none): what the intervals and served counts without a window need
-        (made once per step)."""
-        if "last" not in self._made:
-            d = torch.nonzero(self.is_doc).flatten()
-            size = self.size[d]  # [D, C]
-            ranks = chunk_ranks(self.world, size.shape[1]).expand_as(size)
-            index = torch.arange(size.shape[1]).expand_as(size)
-            last = torch.full((d.numel(), self.world), -1, dtype=torch.int64)
-            last.scatter_reduce_(1, ranks, torch.where(size > 0, index, -1), "amax")
-            self._made["last"] = (d, last)
-        return self._made["last"]
-
-    def intervals(self, causal: bool, window: int | None) -> tuple[torch.Tensor, ...]:
-        """Every rank's key intervals, ordered by rank, row and start (overlapping or adjacent
-        ones not yet merged): without a window one per (rank, document it holds a token of),
-        from the document's start to its last chunk's end (or the document's); with one, one
-        per chunk, from its first query's window."""
-        if window is None:
-            d, last = self._last_chunks()
-            last = last.T.contiguous()  # [W, D]
-            held = last >= 0
-            rank, doc = torch.nonzero(held, as_tuple=True)
-            run = d[doc]
-            if causal:
-                at = run * self.size.shape[1] + last[held]
-                hi = self.first.view(-1)[at] + self.size.view(-1)[at]
-            else:
-                hi = self.run_end[run]
-            return rank, self.run_row[run], self.run_start[run], hi
-        d = torch.nonzero(self.is_doc).flatten()
+    def intervals(self, causal: bool, window: int) -> tuple[torch.Tensor, ...]:
+        """Every rank's key intervals with a window, one per chunk from its first query's
+        window, ordered by rank, row and start (overlapping or adjacent ones not yet merged)."""
+        d = self.doc_runs()
         row, ds, de = self.run_row[d], self.run_start[d], self.run_end[d]
-        begin, n = self.first[d][:, self.owned], self.size[d][:, self.owned]  # [D, W, C / W]
+        begin, n = self.first[:, self.owned][d], self.size[:, self.owned][d]  # [D, W, C / W]
         keep = (n > 0).permute(1, 0, 2)  # [W, D, C / W]
         rank, doc, _ = torch.nonzero(keep, as_tuple=True)
         lo = torch.maximum(ds[doc], begin.permute(1, 0, 2)[keep] - window + 1)
         hi = (begin + n).permute(1, 0, 2)[keep] if causal else de[doc]
         return rank, row[doc], lo, hi
 
-    def served(
-        self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
-        rule: tuple[bool, int | None] | None = None,
-    ) -> torch.Tensor:  # fmt: skip
+    def served(self, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """``[W]``: every rank's document tokens counted once per interval ``[lo, hi)`` of batch
-        row ``row`` that holds them. Intervals of :meth:`intervals` without a window (``rule``
-        ``(causal, None)``): counted per chunk from the ranks that need it. Otherwise, few
-        chunks: the intervals' coverage read at the chunks' bounds
+        row ``row`` that holds them (intervals of document positions). Few chunks: the
+        intervals' coverage read at the chunks' bounds
         (:class:`~cpshard.planning.coverage.Coverage`); about a chunk per few positions: how
         many intervals hold each position, summed by owner (O(positions) whatever the world
-        size; the intervals hold document positions only)."""
-        if rule is not None and rule[1] is None:
-            return self._served_by_chunk(rule[0])
+        size)."""
         b, padded = self.rows, self.padded
-        d = torch.nonzero(self.is_doc).flatten()
+        d = self.doc_runs()
         if d.numel() * (self.size.shape[1] + 1) * DENSE_LOOKUPS <= b * padded:
             bounds = torch.cat([self.first[d], self.run_end[d][:, None]], 1)  # [D, C + 1]
             covered = Coverage(row, lo, hi, b, padded, bounds.numel())
@@ -174,27 +207,27 @@ class ZigzagRuns:
         delta.index_add_(0, row * (padded + 1) + hi, torch.full_like(hi, -1))
         held = torch.cumsum(delta, 0).view(b, padded + 1)[:, :padded]
         owner = torch.empty(b, padded, dtype=torch.int64)
-        length = self.indices.shape[-1]
+        length = self.local_len
         ranks = torch.arange(self.world).repeat_interleave(length).expand(b, -1)
         owner.scatter_(1, self.indices.permute(1, 0, 2).reshape(b, -1), ranks)
         return torch.zeros(self.world, dtype=torch.int64).index_add_(
             0, owner.view(-1), held.reshape(-1)
         )
 
-    def _served_by_chunk(self, causal: bool) -> torch.Tensor:
-        """:meth:`served` of the intervals without a window: rank ``r'`` needs a document from
-        its start to the end of its last chunk (causal) or to the document's end, so chunk
-        ``j`` is served once to every rank whose last chunk is ``j`` or later (causal) or that
-        holds a token of the document."""
-        d, last = self._last_chunks()
-        size = self.size[d]  # [D, C]
-        chunks = size.shape[1]
+    def served_without_window(self, causal: bool) -> torch.Tensor:
+        """``[W]``: every rank's document tokens counted once per rank that needs them without a
+        window: rank ``r'`` needs a document from its start to the end of its last chunk
+        (causal) or to the document's end, so chunk ``j`` is served once to every rank whose
+        last chunk is ``j`` or later (causal) or that holds a token of the document."""
+        size, last = self.size, self.last_chunks()
         if causal:  # needers[:, j]: ranks whose last chunk is j or later
-            ends = torch.zeros(d.numel(), chunks + 1, dtype=torch.int64)
+            ends = torch.zeros(size.shape[0], size.shape[1] + 1, dtype=torch.int64)
             ends.scatter_add_(1, last + 1, torch.ones_like(last))  # column 0: holds none
-            needers = ends[:, 1:].flip(1).cumsum(1).flip(1)
-        else:
-            needers = (last >= 0).sum(1, keepdim=True)
+            below = torch.cumsum(ends.view(-1), 0).view_as(ends)  # one flat pass: cheaper
+            # the run's holders less those whose last chunk is below j (padding runs: none)
+            needers = below[:, :-1].neg_().add_(below[:, -1:])
+            return self._by_rank(needers.mul_(size).sum(0))
+        needers = (last >= 0).sum(1, keepdim=True)
         return self._by_rank((size * needers).sum(0))
 
     def _by_rank(self, per_chunk: torch.Tensor) -> torch.Tensor:
@@ -229,7 +262,7 @@ class ZigzagPrefix:
         j = self._run(row, position)
         k = t.owned[rank]  # [N, C / W]
         within = (position[:, None] - t.first[j[:, None], k]).clamp_(min=0)
-        return t.before_run[j, rank] + torch.minimum(within, t.size[j[:, None], k]).sum(1)
+        return t.before_run()[j, rank] + torch.minimum(within, t.size[j[:, None], k]).sum(1)
 
     def every_before(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """``[W, N]``: :meth:`before` for every rank at each position (one search per
@@ -239,7 +272,7 @@ class ZigzagPrefix:
         first, size = t.first[j], t.size[j]  # [N, C]
         within = torch.minimum((position[:, None] - first).clamp_(min=0), size)
         ranks = chunk_ranks(t.world, size.shape[1])
-        return t.before_run[j].index_add_(1, ranks, within).T
+        return t.before_run()[j].index_add_(1, ranks, within).T
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """:meth:`before` for one ``rank``: with a lookup for every few positions, from the
@@ -251,4 +284,4 @@ class ZigzagPrefix:
         mine = t.indices[rank] + 1 + torch.arange(t.rows)[:, None] * span  # [B, L]
         count = torch.zeros(t.rows * span, dtype=torch.int64)
         count.index_fill_(0, mine.reshape(-1), 1)
-        return torch.cumsum(count, 0)[row * span + position] - row * t.indices.shape[-1]
+        return torch.cumsum(count, 0)[row * span + position] - row * t.local_len

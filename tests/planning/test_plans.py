@@ -266,8 +266,9 @@ def test_runs_equal_the_pass_over_every_position() -> None:
 def test_zigzag_closed_form_answers_as_the_runs_do() -> None:
     """The per-document zig-zag's chunk table (used whenever the layout's pieces are the deal of
     its documents) answers every question of the planners as the runs and their search do: a
-    rank's runs, token counts, merged key intervals with and without windows, served counts,
-    and positions below any position, for every rank and row, with a num_chunks of 2W and 4W."""
+    rank's runs, token counts, merged key intervals with windows, served counts, the whole
+    needed-rows plan without a window (its closed-form exchange, row tables included), and
+    positions below any position, for every rank and row, with a num_chunks of 2W and 4W."""
     from cpshard.planning.needed_rows import _merge, _served
     from cpshard.planning.runs import LayoutRuns
 
@@ -289,16 +290,21 @@ def test_zigzag_closed_form_answers_as_the_runs_do() -> None:
             assert all(torch.equal(a, c) for a, c in zip(got, want, strict=True)), (world, rank)
         assert torch.equal(closed.tokens(), plain.tokens())
         for causal in (True, False):
-            for w in (None, window):
-                assert all(
-                    torch.equal(a, c)
-                    for a, c in zip(_merge(*closed.intervals(causal, w)),
-                                    _merge(*plain.intervals(causal, w)), strict=True)
-                ), (world, causal, w)  # fmt: skip
+            for w in {None, window}:
                 _, row, lo, hi = _merge(*plain.intervals(causal, w))
-                want = _served(plain, row, lo, hi)
-                assert torch.equal(_served(closed, row, lo, hi), want)  # from the intervals
-                assert torch.equal(_served(closed, row, lo, hi, (causal, w)), want)  # the rule
+                assert torch.equal(_served(closed, row, lo, hi), _served(plain, row, lo, hi))
+                if w is not None:
+                    assert all(
+                        torch.equal(a, c)
+                        for a, c in zip(_merge(*closed.intervals(causal, w)),
+                                        _merge(*plain.intervals(causal, w)), strict=True)
+                    ), (world, causal, w)  # fmt: skip
+            for rank in range(world):  # the closed-form exchange against the intervals'
+                got, want = (plan_needed_rows(rank, r, causal) for r in (closed, plain))
+                for name in ("spans", "send_rows", "recv_rows"):
+                    assert torch.equal(getattr(got, name), getattr(want, name)), (name, rank)
+                for name in ("buffer_len", "send_counts", "recv_counts", "received", "sent"):
+                    assert getattr(got, name) == getattr(want, name), (name, world, rank)
         b, p = padded.shape
         n = 200
         rank = torch.randint(0, world, (n,))
