@@ -120,8 +120,9 @@ class ZigzagTable:
     """Every run of one id of every row of padded ids ``[rows, padded]`` (documents and
     padding) zig-zagged over ``chunks`` chunks for ``world`` ranks, the extras counter
     restarting at every row: the runs' ``row``, ``start``, ``end`` and ``ids`` ``[R]`` (ordered
-    by row and start: they are the ids, run by run) and every chunk's ``first`` position and
-    ``size`` ``[R, C]``."""
+    by row and start: they are the ids, run by run), the extras counter at each run
+    ``counter`` ``[R]`` (its first extra token goes to that rank) and every chunk's ``first``
+    position and ``size`` ``[R, C]``."""
 
     rows: int
     padded: int
@@ -131,6 +132,7 @@ class ZigzagTable:
     start: torch.Tensor
     end: torch.Tensor
     ids: torch.Tensor
+    counter: torch.Tensor
     first: torch.Tensor
     size: torch.Tensor
 
@@ -183,4 +185,4 @@ def zigzag_table(doc_ids: torch.Tensor, world: int, chunks: int) -> ZigzagTable:
     )
     first = torch.cumsum(size, 1).sub_(size).add_(start[:, None])
     b, padded = doc_ids.shape
-    return ZigzagTable(b, padded, world, chunks, row, start, end, ids, first, size)
+    return ZigzagTable(b, padded, world, chunks, row, start, end, ids, counter, first, size)

@@ -56,13 +56,12 @@ class ZigzagRowTables:
         (its tokens in ``r'``'s interval: its chunks ascend with the passes), by ``r'``, then
         document."""
         t, rank = self.table, self.rank
-        sizes, nonempty = t.rank_sizes()
-        world = t.world
+        nonempty, world = t.nonempty(), t.world
         holds = nonempty > 0
-        own = sizes[:, :, rank]  # [R, K]
+        own = t.own_sizes(rank)  # [R, K]
         if self.causal:
             at = (nonempty - 1).clamp_(min=0)
-            mine_first = _orders(world, sizes.shape[1], rank)[1]
+            mine_first = _orders(world, own.shape[1], rank)[1]
             sends = (torch.cumsum(own, 1) - own).gather(1, at)
             sends += own.gather(1, at) * mine_first[at, torch.arange(world)]
             sends.mul_(holds)
@@ -76,16 +75,16 @@ class ZigzagRowTables:
         of this rank's interval (its chunks up to this rank's last one), by source, then
         document, at their buffer rows."""
         t, rank = self.table, self.rank
-        sizes, nonempty = t.rank_sizes()
-        world, passes = t.world, sizes.shape[1]
+        nonempty = t.nonempty()
         held = nonempty[:, rank] > 0
-        mine = sizes[held]  # [R', K, W]
+        d = torch.nonzero(held).flatten()
+        mine = t.rank_sizes(d)  # [R', K, W]
+        world, passes = t.world, mine.shape[1]
         if self.causal:
             p = (nonempty[held, rank] - 1)[:, None, None]
             k = torch.arange(passes)[None, :, None]
             mine = mine * ((k < p) | ((k == p) & _orders(world, passes, rank)[0][None]))
         count = mine.sum(1).T.reshape(-1)  # [W * R']: by source, then document
-        d = torch.nonzero(held).flatten()
         first = t.before_run()[d].T.reshape(-1)  # every source's local index at the start
         slot = ragged_arange(first, count)
         src = torch.arange(world).repeat_interleave(d.numel())
@@ -125,8 +124,8 @@ def zigzag_exchange(table: ZigzagRuns, rank: int, causal: bool) -> ZigzagExchang
     column sums of the chunk sizes, grouped by where the intervals end (no per-(document,
     rank) table but the reach of each)."""
     world = table.world
-    sizes, nonempty = table.rank_sizes()  # [R, K, W], [R, W]
-    passes = sizes.shape[1]
+    nonempty = table.nonempty()  # [R, W]
+    passes = table.size.shape[1] // world
     holds = nonempty > 0
     if causal:  # the document's tokens up to the end of the rank's last chunk
         reach = table.through_last_chunk()
@@ -138,8 +137,7 @@ def zigzag_exchange(table: ZigzagRuns, rank: int, causal: bool) -> ZigzagExchang
 
     # Received: every source's chunks of the documents this rank holds, up to its last one:
     # the chunk sizes summed by this rank's last pass of the document (-1: holds none).
-    by_last = torch.zeros(passes + 1, passes, world, dtype=torch.int64)
-    by_last.index_add_(0, nonempty[:, rank], sizes)
+    by_last = table.pass_sums(nonempty[:, rank], passes + 1)
     if causal:
         q_first, mine_first = _orders(world, passes, rank)
         p = torch.arange(passes)
@@ -151,7 +149,7 @@ def zigzag_exchange(table: ZigzagRuns, rank: int, causal: bool) -> ZigzagExchang
     # Sent: this rank's tokens of each document inside every rank's interval of it, a prefix
     # of them (its chunks ascend with the passes): its chunks of passes before that rank's
     # last, and of that pass if its chunk comes first.
-    own_sizes = sizes[:, :, rank].double()  # [R, K]: exact (counts far below 2^53)
+    own_sizes = table.own_sizes(rank).double()  # [R, K]: exact (counts far below 2^53)
     if causal:
         send_counts = torch.zeros(world, dtype=torch.float64)
         for t in range(passes):

@@ -30,8 +30,9 @@ from cpshard.planning.coverage import Coverage
 @dataclass(frozen=True)
 class ZigzagRuns:
     """The chunk table of a ``per_document_head_tail`` layout of ``world`` ranks over ``rows``
-    rows of ``padded`` positions: every run's row, start, end and whether it is a document
-    (``[R]``), each chunk's first position and size (``[R, C]``), the chunk ``owned[r, t]`` of
+    rows of ``padded`` positions: every run's row, start, end, whether it is a document and
+    its extras counter (``[R]``), each chunk's first position and size (``[R, C]``), the chunk
+    ``owned[r, t]`` of
     rank ``r`` in pass ``t`` (``[W, C / W]``), the positions of every rank before each run of
     its row (:meth:`before_run`, ``[R, W]``) and every rank's positions ``[W, B, L]`` (the
     layout's)."""
@@ -43,6 +44,7 @@ class ZigzagRuns:
     run_start: torch.Tensor
     run_end: torch.Tensor
     is_doc: torch.Tensor
+    counter: torch.Tensor
     first: torch.Tensor
     size: torch.Tensor
     owned: torch.Tensor
@@ -71,8 +73,8 @@ class ZigzagRuns:
             if idx.shape != mine.shape or not torch.equal(idx, mine):
                 return None
         return cls(
-            world, padded, rows, table.row, table.start, table.end, table.ids != 0, table.first,
-            table.size, owned_chunks(world, chunks), idx,
+            world, padded, rows, table.row, table.start, table.end, table.ids != 0,
+            table.counter, table.first, table.size, owned_chunks(world, chunks), idx,
         )  # fmt: skip
 
     @property
@@ -119,21 +121,62 @@ class ZigzagRuns:
         """``[D]``: the table's document runs (not padding)."""
         return self._cached("docs", lambda: torch.nonzero(self.is_doc).flatten())
 
-    def rank_sizes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every rank's chunk of every pass of the runs, ``[R, K, W]`` (pass ``t``'s chunk of
-        rank ``r``: chunk ``t W + r`` on even passes, ``t W + W - 1 - r`` on odd ones; 0 for
-        padding runs), and how many of a rank's chunks of each run are non-empty ``[R, W]``
-        (its first ones: the chunks of a run differ by at most a token, the extras dealt pass
-        by pass). Made once."""
+    def _deal(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per run (zeros for padding runs): the tokens ``q`` of every chunk before the extras,
+        the extras ``m`` and the counter ``c``: the ``e``-th extra widens the chunk of pass
+        ``e // W`` of rank ``(c + e) mod W``, so every rank gets ``m // W`` extras and those in
+        the cyclic interval ``[c, c + m mod W)`` one more."""
 
-        def make() -> tuple[torch.Tensor, torch.Tensor]:
-            runs, chunks = self.size.shape
-            by_pass = self.size.view(runs, chunks // self.world, self.world)
-            sizes = by_pass * self.is_doc[:, None, None]
-            sizes[:, 1::2] = sizes[:, 1::2].flip(2)
-            return sizes, (sizes > 0).sum(1)
+        def make() -> tuple[torch.Tensor, ...]:
+            n = (self.run_end - self.run_start) * self.is_doc
+            return n // self.size.shape[1], n % self.size.shape[1], self.counter
 
-        return self._cached("rank sizes", make)
+        return self._cached("deal", make)
+
+    def nonempty(self) -> torch.Tensor:
+        """``[R, W]``: how many of every rank's chunks of each run are non-empty (all ``K``
+        once every chunk has a token, else its extras; 0 for padding runs), in closed form.
+        They are its first ones: the chunks of a run differ by at most a token, the extras
+        dealt pass by pass."""
+
+        def make() -> torch.Tensor:
+            q, m, c = self._deal()
+            count = (m // self.world)[:, None] + _in_cyclic(c, m % self.world, self.world)
+            return count.masked_fill_((q > 0)[:, None], self.size.shape[1] // self.world)
+
+        return self._cached("nonempty", make)
+
+    def own_sizes(self, rank: int) -> torch.Tensor:
+        """``[R, K]``: rank ``rank``'s chunk of every pass of each run (0 for padding runs)."""
+        q, m, c = self._deal()
+        world, passes = self.world, self.size.shape[1] // self.world
+        first_extra = rank - c + world * (c > rank)  # (rank - c) mod W
+        extra = torch.arange(passes) * world + first_extra[:, None] < m[:, None]
+        return q[:, None] + extra
+
+    def rank_sizes(self, runs: torch.Tensor) -> torch.Tensor:
+        """``[R', K, W]``: every rank's chunk of every pass of the runs ``runs`` (pass ``t``'s
+        chunk of rank ``r``: chunk ``t W + r`` on even passes, ``t W + W - 1 - r`` on odd ones;
+        0 for padding runs)."""
+        world, passes = self.world, self.size.shape[1] // self.world
+        q, m, c = (v[runs] for v in self._deal())
+        extras = (m[:, None] - torch.arange(passes) * world).clamp_(0, world)  # [R', K]
+        cover = _in_cyclic(c[:, None].expand_as(extras).reshape(-1), extras.reshape(-1), world)
+        return cover.view(-1, passes, world) + q[:, None, None]
+
+    def pass_sums(self, by: torch.Tensor, groups: int) -> torch.Tensor:
+        """``[groups, K, W]``: every rank's chunk of every pass summed over the runs of each
+        group ``by`` (``[R]``, in ``[0, groups)``): the tokens every chunk has before the extras,
+        plus how many runs of the group deal the rank an extra in the pass (each pass's extras
+        go to a cyclic interval of ranks from the counter)."""
+        world, passes = self.world, self.size.shape[1] // self.world
+        q, m, c = self._deal()
+        base = torch.zeros(groups, dtype=torch.int64).index_add_(0, by, q)
+        extras = (m[:, None] - torch.arange(passes) * world).clamp_(0, world)  # [R, K]
+        key = (by[:, None] * passes + torch.arange(passes)).reshape(-1)
+        cover = _cyclic_cover(c.repeat_interleave(passes), extras.reshape(-1), world, key,
+                              groups * passes)  # fmt: skip
+        return cover.view(groups, passes, world) + base[:, None, None]
 
     def last_chunks(self) -> torch.Tensor:
         """``[R, W]``: the index of every rank's last non-empty chunk of each document run (-1:
@@ -141,7 +184,7 @@ class ZigzagRuns:
 
         def make() -> torch.Tensor:
             world = self.world
-            p = self.rank_sizes()[1] - 1
+            p = self.nonempty() - 1
             ranks = torch.arange(world)
             # p W + r on even passes, p W + W - 1 - r on odd ones; -1 - r (clamped) for p = -1
             chunk = (p & 1).mul_(world - 1 - 2 * ranks).add_(ranks).add_(p * world)
@@ -173,8 +216,12 @@ class ZigzagRuns:
         return maximal_runs(cols)[1:]  # chunks of one document that meet: one run
 
     def tokens(self) -> torch.Tensor:
-        """``[W]``: every rank's document tokens."""
-        return self.rank_sizes()[0].sum((0, 1))
+        """``[W]``: every rank's document tokens: ``K q + m // W`` of every document, plus one
+        per document whose last, partial pass of extras deals it one."""
+        q, m, c = self._deal()
+        world, passes = self.world, self.size.shape[1] // self.world
+        every = int((q * passes + m // world).sum())
+        return _cyclic_cover(c, m % world, world)[0] + every
 
     def intervals(self, causal: bool, window: int) -> tuple[torch.Tensor, ...]:
         """Every rank's key intervals with a window, one per chunk from its first query's
@@ -285,3 +332,31 @@ class ZigzagPrefix:
         count = torch.zeros(t.rows * span, dtype=torch.int64)
         count.index_fill_(0, mine.reshape(-1), 1)
         return torch.cumsum(count, 0)[row * span + position] - row * t.local_len
+
+
+def _in_cyclic(start: torch.Tensor, count: torch.Tensor, world: int) -> torch.Tensor:
+    """``[N, W]`` bool: whether rank ``r`` lies in the cyclic interval ``[start, start + count)``
+    (mod ``W``; ``0 <= start < W``, ``0 <= count <= W``) of each of the ``N`` rows."""
+    ranks = torch.arange(world)
+    end = (start + count)[:, None]
+    inside = (ranks >= start[:, None]) & (ranks < end)
+    return inside.logical_or_(ranks < end - world)
+
+
+def _cyclic_cover(
+    start: torch.Tensor, count: torch.Tensor, world: int, group: torch.Tensor | None = None,
+    groups: int = 1,
+) -> torch.Tensor:  # fmt: skip
+    """``[groups, W]``: how many of the cyclic intervals ``[start, start + count)`` (mod ``W``;
+    ``0 <= start < W``, ``0 <= count <= W``) of each group (``group``, default all one) hold
+    every rank: a difference array per group, O(N + groups x W)."""
+    span = world + 1
+    base = torch.zeros_like(start) if group is None else group * span
+    end = start + count
+    wrapped = (end - world).clamp_(min=0)  # the part past W, from rank 0
+    diff = torch.zeros(groups * span, dtype=torch.int64)
+    ones = torch.ones_like(start)
+    diff.index_add_(0, base + start, ones).index_add_(0, base + end.clamp(max=world), -ones)
+    has = (wrapped > 0).long()
+    diff.index_add_(0, base, has).index_add_(0, base + wrapped, -has)
+    return torch.cumsum(diff.view(groups, span), 1)[:, :world]
