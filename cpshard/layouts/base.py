@@ -17,10 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-__all__ = ["Device", "LayoutStrategy"]
+__all__ = ["Device", "LayoutStrategy", "PlannedPartition"]
 
 Device = torch.device | str | None
 
@@ -31,11 +32,25 @@ InverseFormula = Callable[[int, int, "int | None", Device], torch.Tensor]
 # (doc_ids [B, P], world, num_chunks, tolerance) -> every row's pieces (start, length, rank),
 # tiling the row in position order, P / W positions per rank and row
 Planner = Callable[[torch.Tensor, int, "int | None", float], list[tuple[torch.Tensor, ...]]]
-# (doc_ids [B, P], world, num_chunks, tolerance) -> [W, B, P / W]: every rank's positions,
-# and what the planner knew (kept on the record for the step's planners; None: nothing)
-IndicesPlanner = Callable[
-    [torch.Tensor, int, "int | None", float], tuple[torch.Tensor, object | None]
-]
+# (doc_ids [B, P], world, num_chunks, tolerance) -> the table every rank's positions are
+# listed from (a PlannedPartition: the record checks it and keeps it for the step's planners)
+TablePlanner = Callable[[torch.Tensor, int, "int | None", float], "PlannedPartition"]
+
+
+class PlannedPartition(Protocol):
+    """What a planner that lists every rank's positions rank by rank planned them from (e.g.
+    ``per_document_head_tail``'s chunk table): far smaller than the positions, so the record
+    checks it instead of them and the ranks' consensus compares it."""
+
+    def check(self, world: int, padded: int) -> None:
+        """Raise ``ValueError`` unless it partitions every padded row of ``padded`` positions
+        into ``world`` equal shards."""
+
+    def indices(self) -> torch.Tensor:
+        """``[W, B, P / W]``: every rank's positions, ascending."""
+
+    def key(self) -> torch.Tensor:
+        """An int64 vector equal on two ranks iff their partitions are."""
 
 
 def per_rank_unit(world: int, num_chunks: int | None) -> int:
@@ -58,11 +73,11 @@ class LayoutStrategy:
             tiling the row in position order) of padded document ids ``[B, P]`` (0 =
             padding); ``tolerance`` is the allowed excess of the most loaded
             rank's cost over the mean, for planners that balance cost.
-        plan_indices: planned only, optional: every rank's positions ``[W, B, P / W]`` of the
-            same ids, for a planner that lists them rank by rank without sorting its pieces,
-            and what it planned them from (:func:`~cpshard.layouts.make_layout` records the
-            indices, checked as a partition, instead of the pieces, and keeps the second as
-            the record's :attr:`~cpshard.layouts.ShardLayout.planned_from`).
+        plan_table: planned only, optional: a :class:`PlannedPartition` of the same ids, for a
+            planner that lists every rank's positions rank by rank from a table of its own
+            without sorting its pieces (:func:`~cpshard.layouts.make_layout` records the table
+            as the record's :attr:`~cpshard.layouts.ShardLayout.planned_from` instead of the
+            pieces).
         default_num_chunks: the chunk count used when none is given, for a layout
             parameterised by a chunk count ``C``; None for a layout that takes none.
         pad_unit: ``(world, num_chunks) -> multiple`` the padded length must be (before a
@@ -80,7 +95,7 @@ class LayoutStrategy:
     local_indices: IndicesFormula | None = None
     rank_major_inverse: InverseFormula | None = None
     plan_pieces: Planner | None = None
-    plan_indices: IndicesPlanner | None = None
+    plan_table: TablePlanner | None = None
     default_num_chunks: Callable[[int], int] | None = None
     pad_unit: Callable[[int, int | None], int] = per_rank_unit
     moves_whole_chunks: bool = False
@@ -93,8 +108,8 @@ class LayoutStrategy:
             raise TypeError(
                 f"layout strategy {self.name!r}: give both closed-form formulas or a planner"
             )
-        if self.plan_indices is not None and self.plan_pieces is None:
-            raise TypeError(f"layout strategy {self.name!r}: plan_indices needs plan_pieces")
+        if self.plan_table is not None and self.plan_pieces is None:
+            raise TypeError(f"layout strategy {self.name!r}: plan_table needs plan_pieces")
 
     @property
     def closed_form(self) -> bool:

@@ -45,12 +45,8 @@ def make_layout(
         )
     ids = doc_ids.detach().to("cpu", torch.int64)
     ids = torch.cat([ids, ids.new_zeros(ids.shape[0], padded - seq_len)], dim=1)
-    if strategy.plan_indices is not None:
-        idx, planned_from = strategy.plan_indices(ids, world, chunks, tolerance)
-        record = ShardLayout(
-            name, world, seq_len, padded, local_token_global_indices=idx, num_chunks=chunks
-        )
-        record.__dict__["planned_from"] = planned_from  # the cached property, made here
-        return record
+    if strategy.plan_table is not None:
+        table = strategy.plan_table(ids, world, chunks, tolerance)
+        return ShardLayout(name, world, seq_len, padded, num_chunks=chunks, planned_from=table)
     pieces = tuple(strategy.plan_pieces(ids, world, chunks, tolerance))
     return ShardLayout(name, world, seq_len, padded, num_chunks=chunks, owner_pieces=pieces)

@@ -29,7 +29,7 @@ from cpshard.validation import is_int
 
 __all__ = [
     "PER_DOCUMENT_HEAD_TAIL",
-    "per_document_head_tail_indices",
+    "per_document_head_tail_table",
     "per_document_head_tail_pieces",
     "plan_per_document_head_tail",
 ]
@@ -53,14 +53,13 @@ def _checked_chunks(doc_ids: torch.Tensor, world: int, num_chunks: int | None) -
     return chunks
 
 
-def per_document_head_tail_indices(
+def per_document_head_tail_table(
     doc_ids: torch.Tensor, world: int, num_chunks: int | None = None
-) -> tuple[torch.Tensor, ZigzagTable]:
-    """``[W, B, P / W]``: every rank's positions under ``per_document_head_tail`` (module doc),
-    listed rank by rank from the runs' chunk table (no sort over the pieces), and the table."""
+) -> ZigzagTable:
+    """The runs' chunk table under ``per_document_head_tail`` (module doc), from which every
+    rank's positions are listed rank by rank (no sort over the pieces)."""
     chunks = _checked_chunks(doc_ids, world, num_chunks)
-    table = zigzag_table(doc_ids.detach().to("cpu", torch.int64), world, chunks)
-    return table.indices(), table
+    return zigzag_table(doc_ids.detach().to("cpu", torch.int64), world, chunks)
 
 
 def per_document_head_tail_pieces(
@@ -76,7 +75,7 @@ PER_DOCUMENT_HEAD_TAIL = LayoutStrategy(
     plan_pieces=lambda doc_ids, world, chunks, tolerance: per_document_head_tail_pieces(
         doc_ids, world, chunks
     ),
-    plan_indices=lambda doc_ids, world, chunks, tolerance: per_document_head_tail_indices(
+    plan_table=lambda doc_ids, world, chunks, tolerance: per_document_head_tail_table(
         doc_ids, world, chunks
     ),
     default_num_chunks=default_num_chunks,

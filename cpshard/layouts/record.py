@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cpshard.layouts.base import LayoutStrategy
+from cpshard.layouts.base import LayoutStrategy, PlannedPartition
 from cpshard.layouts.closed_form import check_closed_form
 from cpshard.layouts.owners import RowPieces, rank_major_pieces
 from cpshard.ranges import ragged_arange
@@ -44,6 +44,11 @@ class ShardLayout:
             per batch row, ``(start, length, rank)`` int64 vectors tiling the row in position
             order. The record checks them (no pass over the positions), makes the ``[W, B,
             L]`` indices from them, and keeps them for planners that work on pieces.
+        planned_from: instead of either, the table a built-in planner lists every rank's
+            positions from (a :class:`~cpshard.layouts.base.PlannedPartition`, e.g.
+            ``per_document_head_tail``'s chunk table): the record checks the table, makes the
+            ``[W, B, L]`` indices from it and keeps it for the step's planners (which check it
+            against their documents) and the ranks' consensus.
     """
 
     name: str
@@ -55,6 +60,7 @@ class ShardLayout:
     position_map: torch.Tensor | None = None
     num_chunks: int | None = None
     owner_pieces: tuple[RowPieces, ...] | None = None
+    planned_from: PlannedPartition | None = None
 
     def __post_init__(self) -> None:
         what = "cpshard.ShardLayout"
@@ -84,6 +90,9 @@ class ShardLayout:
             raise ValueError(
                 f"{what}: original_seq_len = {original} exceeds padded_seq_len = {padded}"
             )
+        if self.planned_from is not None:
+            self._take_table(what, world, padded)
+            return
         if self.owner_pieces is not None:
             self._take_pieces(what, world, padded)
             return
@@ -100,6 +109,18 @@ class ShardLayout:
             raise TypeError(
                 f"{what}: local_token_global_indices must be a tensor, a tuple of tensors or None"
             )
+
+    def _take_table(self, what: str, world: int, padded: int) -> None:
+        if self.local_token_global_indices is not None or self.owner_pieces is not None:
+            raise ValueError(
+                f"{what}: give planned_from alone, not with local_token_global_indices or "
+                "owner_pieces"
+            )
+        try:
+            self.planned_from.check(world, padded)
+        except ValueError as err:
+            raise ValueError(f"{what}: planned_from: {err}") from None
+        object.__setattr__(self, "local_token_global_indices", self.planned_from.indices())
 
     def _take_pieces(self, what: str, world: int, padded: int) -> None:
         pieces = self.owner_pieces
@@ -197,13 +218,13 @@ class ShardLayout:
             return None
         return rank_major_pieces(self.owner_pieces, self.world_size, self.padded_seq_len)
 
-    @functools.cached_property
-    def planned_from(self) -> object | None:
-        """What a built-in planner that lists every rank's positions directly planned them from
-        (e.g. ``per_document_head_tail``'s chunk table, with the padded ids it was made for),
-        kept for the step's planners, which check it against their documents; None for a
-        record made any other way."""
-        return None
+    def partition_key(self) -> Indices | None:
+        """What names the partition in the ranks' consensus: the key of the table it was
+        listed from (far smaller than the positions), else its positions (None: closed
+        form)."""
+        if self.planned_from is not None:
+            return self.planned_from.key()
+        return self.local_token_global_indices
 
     @property
     def strategy(self) -> LayoutStrategy | None:

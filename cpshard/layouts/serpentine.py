@@ -136,6 +136,51 @@ class ZigzagTable:
     first: torch.Tensor
     size: torch.Tensor
 
+    def check(self, world: int, padded: int) -> None:
+        """Raise ``ValueError`` unless the table partitions its rows into ``world`` equal
+        shards of ``padded`` positions: runs tiling every row, chunks tiling every run (none
+        negative), ``P / W`` tokens of every row per rank. O(runs x chunks), no pass over the
+        positions."""
+        if (self.world, self.padded) != (world, padded) or self.chunks % world:
+            raise ValueError(
+                f"the chunk table was made for {self.world} ranks, {self.padded} positions and "
+                f"{self.chunks} chunks; the layout has {world} ranks and {padded} positions"
+            )
+        row, start, end = self.row, self.start, self.end
+        if padded and self.rows:
+            first_of_row = torch.ones_like(row, dtype=torch.bool)
+            first_of_row[1:] = row[1:] != row[:-1]
+            last_of_row = torch.roll(first_of_row, -1)
+            previous_end = torch.roll(end, 1)
+            tiled = (
+                row.numel() > 0 and bool((torch.diff(row) >= 0).all())
+                and torch.equal(row[first_of_row], torch.arange(self.rows))
+                and bool((start == torch.where(first_of_row, 0, previous_end)).all())
+                and bool((end[last_of_row] == padded).all()) and bool((end > start).all())
+            )  # fmt: skip
+        else:
+            tiled = row.numel() == 0
+        if not tiled:
+            raise ValueError("the chunk table's runs do not tile every padded row")
+        size, first = self.size, self.first
+        if self.size.numel() and not (
+            bool((size >= 0).all()) and torch.equal(size.sum(1), end - start)
+            and torch.equal(first[:, 0], start)
+            and torch.equal(torch.diff(first, dim=1), size[:, :-1])
+        ):  # fmt: skip
+            raise ValueError("the chunk table's chunks do not tile its runs")
+        per_run = torch.zeros(row.numel(), world, dtype=torch.int64)
+        per_run.index_add_(1, chunk_ranks(world, self.chunks), size)
+        per_row = torch.zeros(self.rows, world, dtype=torch.int64).index_add_(0, row, per_run)
+        if not bool((per_row == padded // world).all()):
+            raise ValueError(f"the chunk table does not give every rank {padded // world} tokens of every row")
+
+    def key(self) -> torch.Tensor:
+        """The table's runs and sizes (int64): equal for two tables iff their partitions are
+        (the chunks follow from the runs)."""
+        sizes = torch.tensor([self.rows, self.padded, self.world, self.chunks])
+        return torch.cat([sizes, self.row, self.start, self.end, self.ids])
+
     def indices(self) -> torch.Tensor:
         """``[W, B, P / W]``: every rank's positions, listed rank by rank (its chunks of every
         run in row and position order: no sort; every rank holds ``P / W`` of every row)."""

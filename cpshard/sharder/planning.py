@@ -108,7 +108,7 @@ class BatchPlanner:
             "batch size": [plan.rows if plan else 0],
             "sequence length": [plan.seq_len if plan else 0],
             "padded length": [plan.layout.padded_seq_len if plan else 0],
-            "partition": digest(plan.layout.local_token_global_indices if plan else None),
+            "partition": digest(plan.layout.partition_key() if plan else None),
             "document ids": digest(plan.documents if plan else None),
             # the masks read the row's token types like the documents (cpshard.batch.token_types)
             "token types": token_types_field(plan.token_types if plan else {}),

@@ -527,6 +527,49 @@ def test_shard_layout_fields_and_validation():
         lay.indices(2)
 
 
+def test_a_record_listed_from_a_chunk_table_checks_the_table() -> None:
+    """A record made from ``per_document_head_tail``'s chunk table checks the table (not the
+    positions it lists): runs that do not tile a row, chunks that do not tile a run or
+    unequal shards raise naming ``planned_from``; its consensus key is the table's runs, equal
+    for equal partitions and different otherwise."""
+    from dataclasses import replace
+
+    from cpshard.layouts.serpentine import zigzag_table
+
+    doc = torch.tensor([[1, 1, 1, 1, 1, 2, 2, 2], [3, 3, 0, 0, 4, 4, 4, 4]])
+    table = zigzag_table(doc, 2, 4)
+    lay = ShardLayout("per_document_head_tail", 2, 8, 8, num_chunks=4, planned_from=table)
+    assert torch.equal(lay.local_token_global_indices, table.indices())
+    want = make_layout("per_document_head_tail", 2, 8, doc_ids=doc, num_chunks=4)
+    assert torch.equal(lay.local_token_global_indices, want.local_token_global_indices)
+    assert torch.equal(lay.partition_key(), want.partition_key())
+    other = make_layout("per_document_head_tail", 2, 8, doc_ids=doc.flip(1), num_chunks=4)
+    assert not torch.equal(lay.partition_key(), other.partition_key())
+
+    size, first = table.size.clone(), table.first.clone()
+    size[0, :2] = size[0, :2].flip(0)  # same run total, chunks that no longer meet
+    moved = first.clone()
+    moved[1, 1] += 1
+    uneven = size.clone()
+    uneven[0] = torch.tensor([2, 2, 1, 0])  # ranks 0, 1, 1, 0: 2 + 0 and 2 + 1 tokens
+    uneven_first = torch.cumsum(uneven, 1) - uneven + table.start[:, None]
+    end = table.end.clone()
+    end[0] -= 1
+    bad = [
+        (replace(table, size=size), "chunks do not tile"),
+        (replace(table, first=moved), "chunks do not tile"),
+        (replace(table, size=uneven, first=uneven_first), "every rank 4 tokens"),
+        (replace(table, end=end), "runs do not tile"),
+        (replace(table, world=4), "made for 4 ranks"),
+    ]
+    for broken, match in bad:
+        with pytest.raises(ValueError, match=f"planned_from: .*{match}"):
+            ShardLayout("per_document_head_tail", 2, 8, 8, num_chunks=4, planned_from=broken)
+    with pytest.raises(ValueError, match="planned_from alone"):
+        ShardLayout("per_document_head_tail", 2, 8, 8, num_chunks=4, planned_from=table,
+                    local_token_global_indices=table.indices())  # fmt: skip
+
+
 # ------------------------------------------------------------------- properties (hypothesis)
 
 
