@@ -13,8 +13,8 @@ import torch
 from cpshard.layouts.base import LayoutStrategy, PlannedPartition
 from cpshard.layouts.closed_form import check_closed_form
 from cpshard.layouts.owners import RowPieces, rank_major_pieces
-from cpshard.ranges import ragged_arange
 from cpshard.layouts.registry import is_closed_form, lookup
+from cpshard.ranges import ragged_arange
 from cpshard.validation import check_int
 
 __all__ = ["Indices", "ShardLayout"]

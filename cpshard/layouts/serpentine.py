@@ -173,7 +173,9 @@ class ZigzagTable:
         per_run.index_add_(1, chunk_ranks(world, self.chunks), size)
         per_row = torch.zeros(self.rows, world, dtype=torch.int64).index_add_(0, row, per_run)
         if not bool((per_row == padded // world).all()):
-            raise ValueError(f"the chunk table does not give every rank {padded // world} tokens of every row")
+            raise ValueError(
+                f"the chunk table does not give every rank {padded // world} tokens of every row"
+            )
 
     def key(self) -> torch.Tensor:
         """The table's runs and sizes (int64): equal for two tables iff their partitions are

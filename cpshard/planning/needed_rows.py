@@ -303,7 +303,9 @@ def _interval_exchange(
     )  # fmt: skip
 
 
-def _served(runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def _served(
+    runs: LayoutRuns, row: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor
+) -> torch.Tensor:
     """``[W]``: every rank's document tokens counted once per interval ``[lo, hi)`` (of batch
     rows ``row``; intervals of document positions) that holds them."""
     if runs.closed is not None:

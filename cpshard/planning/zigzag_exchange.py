@@ -1,15 +1,15 @@
-"""The needed-rows exchange of the ``per_document_head_tail`` layout without a window, in closed
-form from its chunk table (:mod:`~cpshard.planning.zigzag_runs`).
+"""The needed-rows exchange of the ``per_document_head_tail`` layout without a window, from its
+runs' deal (:mod:`~cpshard.planning.zigzag_runs`).
 
 A rank needs every document it holds a token of from the document's start to the end of its
 last chunk (causal) or to the document's end. A rank's chunks of a document are one per pass,
 its non-empty ones its first (a run's chunks differ by at most one token, the extras dealt pass
 by pass), so its last chunk is in pass ``p = non-empty - 1`` and rank ``q``'s chunk of pass
 ``t`` lies below it when ``t < p``, or ``t == p`` and ``q``'s chunk comes first in the pass
-(``q <= r`` on even passes, ``q >= r`` on odd ones). What every rank needs, and what this rank
-sends to and receives from each, are then sums over the table's ``[documents, passes, ranks]``
-chunk sizes: a few whole-tensor passes over the table, never a list of every rank's key
-intervals. The row tables this rank moves are made only when first read.
+(``q <= r`` on even passes, ``q >= r`` on odd ones). The counts every rank needs, serves and is
+sent are sums over the runs in closed form (:mod:`~cpshard.planning.zigzag_counts`, O(runs +
+W)); what this rank receives, the chunk sizes summed by where its intervals end. The row tables
+it moves are made from the chunk table only when first read.
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ from typing import Protocol
 
 import torch
 
+from cpshard.planning.zigzag_counts import (
+    ZigzagDeal,
+    needed_without_window,
+    reach_of,
+    sent_by,
+    served_without_window,
+)
 from cpshard.planning.zigzag_runs import ZigzagRuns
 from cpshard.ranges import ragged_arange
 
@@ -36,7 +43,8 @@ def _orders(world: int, passes: int, rank: int) -> tuple[torch.Tensor, torch.Ten
     rank's, and whether this rank's comes before (or is) rank ``q``'s."""
     ranks = torch.arange(world)
     even = (torch.arange(passes) % 2 == 0)[:, None]
-    return torch.where(even, ranks <= rank, ranks >= rank), torch.where(even, ranks >= rank, ranks <= rank)
+    before, after = ranks <= rank, ranks >= rank
+    return torch.where(even, before, after), torch.where(even, after, before)
 
 
 @dataclass(frozen=True)
@@ -75,13 +83,13 @@ class ZigzagRowTables:
         of this rank's interval (its chunks up to this rank's last one), by source, then
         document, at their buffer rows."""
         t, rank = self.table, self.rank
-        nonempty = t.nonempty()
-        held = nonempty[:, rank] > 0
+        nonempty = ZigzagDeal.of(t).nonempty(rank)
+        held = nonempty > 0
         d = torch.nonzero(held).flatten()
         mine = t.rank_sizes(d)  # [R', K, W]
         world, passes = t.world, mine.shape[1]
         if self.causal:
-            p = (nonempty[held, rank] - 1)[:, None, None]
+            p = (nonempty[held] - 1)[:, None, None]
             k = torch.arange(passes)[None, :, None]
             mine = mine * ((k < p) | ((k == p) & _orders(world, passes, rank)[0][None]))
         count = mine.sum(1).T.reshape(-1)  # [W * R']: by source, then document
@@ -120,48 +128,30 @@ class ZigzagExchange:
 
 
 def zigzag_exchange(table: ZigzagRuns, rank: int, causal: bool) -> ZigzagExchange:
-    """Rank ``rank``'s :class:`ZigzagExchange` of every rank's intervals without a window:
-    column sums of the chunk sizes, grouped by where the intervals end (no per-(document,
-    rank) table but the reach of each)."""
+    """Rank ``rank``'s :class:`ZigzagExchange` of every rank's intervals without a window, in
+    closed form from each run's deal (:mod:`~cpshard.planning.zigzag_counts`): O(runs + W)."""
     world = table.world
-    nonempty = table.nonempty()  # [R, W]
-    passes = table.size.shape[1] // world
-    holds = nonempty > 0
-    if causal:  # the document's tokens up to the end of the rank's last chunk
-        reach = table.through_last_chunk()
-    else:
-        reach = (table.run_end - table.run_start)[:, None] * holds
+    deal = ZigzagDeal.of(table)
+    passes = deal.passes
     own = table.tokens()
-    received = reach.sum(0) - own
-    sent = table.served_without_window(causal) - own
+    received = needed_without_window(deal, causal) - own
+    sent = served_without_window(table, deal, causal) - own
 
     # Received: every source's chunks of the documents this rank holds, up to its last one:
     # the chunk sizes summed by this rank's last pass of the document (-1: holds none).
-    by_last = table.pass_sums(nonempty[:, rank], passes + 1)
+    by_last = table.pass_sums(deal.nonempty(rank), passes + 1)
     if causal:
-        q_first, mine_first = _orders(world, passes, rank)
+        q_first = _orders(world, passes, rank)[0]
         p = torch.arange(passes)
-        below = (p[None, :] < p[:, None])[:, :, None] | ((p[None, :] == p[:, None])[:, :, None] & q_first)
+        before = (p[None, :] < p[:, None])[:, :, None]
+        below = before | ((p[None, :] == p[:, None])[:, :, None] & q_first)
         recv_counts = (by_last[1:] * below).sum((0, 1))
     else:
         recv_counts = by_last[1:].sum((0, 1))
 
-    # Sent: this rank's tokens of each document inside every rank's interval of it, a prefix
-    # of them (its chunks ascend with the passes): its chunks of passes before that rank's
-    # last, and of that pass if its chunk comes first.
-    own_sizes = table.own_sizes(rank).double()  # [R, K]: exact (counts far below 2^53)
-    if causal:
-        send_counts = torch.zeros(world, dtype=torch.float64)
-        for t in range(passes):
-            later = own_sizes[:, t] @ (nonempty > t + 1).double()
-            last = own_sizes[:, t] @ (nonempty == t + 1).double()
-            send_counts += later + last * mine_first[t]
-    else:
-        send_counts = own_sizes.sum(1) @ holds.double()
-
-    held = holds[:, rank]
+    reach = reach_of(deal, rank, causal)
+    held = reach > 0
     row, start = table.run_row[held], table.run_start[held]
-    mine = (row, start, start + reach[held, rank])
-    return ZigzagExchange(
-        table, rank, causal, received, sent, recv_counts, send_counts.round().long(), mine
-    )
+    mine = (row, start, start + reach[held])
+    send_counts = sent_by(deal, rank, causal)
+    return ZigzagExchange(table, rank, causal, received, sent, recv_counts, send_counts, mine)

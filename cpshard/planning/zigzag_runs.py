@@ -15,8 +15,8 @@ positions.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,6 +25,7 @@ from cpshard.batch.runs import DENSE_LOOKUPS, maximal_runs
 from cpshard.layouts import ShardLayout
 from cpshard.layouts.serpentine import ZigzagTable, chunk_ranks, owned_chunks, zigzag_table
 from cpshard.planning.coverage import Coverage
+from cpshard.planning.cyclic import cyclic_cover, in_cyclic
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class ZigzagRuns:
         """``[D]``: the table's document runs (not padding)."""
         return self._cached("docs", lambda: torch.nonzero(self.is_doc).flatten())
 
-    def _deal(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def deal(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per run (zeros for padding runs): the tokens ``q`` of every chunk before the extras,
         the extras ``m`` and the counter ``c``: the ``e``-th extra widens the chunk of pass
         ``e // W`` of rank ``(c + e) mod W``, so every rank gets ``m // W`` extras and those in
@@ -140,15 +141,15 @@ class ZigzagRuns:
         dealt pass by pass."""
 
         def make() -> torch.Tensor:
-            q, m, c = self._deal()
-            count = (m // self.world)[:, None] + _in_cyclic(c, m % self.world, self.world)
+            q, m, c = self.deal()
+            count = (m // self.world)[:, None] + in_cyclic(c, m % self.world, self.world)
             return count.masked_fill_((q > 0)[:, None], self.size.shape[1] // self.world)
 
         return self._cached("nonempty", make)
 
     def own_sizes(self, rank: int) -> torch.Tensor:
         """``[R, K]``: rank ``rank``'s chunk of every pass of each run (0 for padding runs)."""
-        q, m, c = self._deal()
+        q, m, c = self.deal()
         world, passes = self.world, self.size.shape[1] // self.world
         first_extra = rank - c + world * (c > rank)  # (rank - c) mod W
         extra = torch.arange(passes) * world + first_extra[:, None] < m[:, None]
@@ -159,9 +160,9 @@ class ZigzagRuns:
         chunk of rank ``r``: chunk ``t W + r`` on even passes, ``t W + W - 1 - r`` on odd ones;
         0 for padding runs)."""
         world, passes = self.world, self.size.shape[1] // self.world
-        q, m, c = (v[runs] for v in self._deal())
+        q, m, c = (v[runs] for v in self.deal())
         extras = (m[:, None] - torch.arange(passes) * world).clamp_(0, world)  # [R', K]
-        cover = _in_cyclic(c[:, None].expand_as(extras).reshape(-1), extras.reshape(-1), world)
+        cover = in_cyclic(c[:, None].expand_as(extras).reshape(-1), extras.reshape(-1), world)
         return cover.view(-1, passes, world) + q[:, None, None]
 
     def pass_sums(self, by: torch.Tensor, groups: int) -> torch.Tensor:
@@ -170,35 +171,13 @@ class ZigzagRuns:
         plus how many runs of the group deal the rank an extra in the pass (each pass's extras
         go to a cyclic interval of ranks from the counter)."""
         world, passes = self.world, self.size.shape[1] // self.world
-        q, m, c = self._deal()
+        q, m, c = self.deal()
         base = torch.zeros(groups, dtype=torch.int64).index_add_(0, by, q)
         extras = (m[:, None] - torch.arange(passes) * world).clamp_(0, world)  # [R, K]
         key = (by[:, None] * passes + torch.arange(passes)).reshape(-1)
-        cover = _cyclic_cover(c.repeat_interleave(passes), extras.reshape(-1), world, key,
-                              groups * passes)  # fmt: skip
+        cover = cyclic_cover(c.repeat_interleave(passes), extras.reshape(-1), world, group=key,
+                             groups=groups * passes)  # fmt: skip
         return cover.view(groups, passes, world) + base[:, None, None]
-
-    def last_chunks(self) -> torch.Tensor:
-        """``[R, W]``: the index of every rank's last non-empty chunk of each document run (-1:
-        none, and for padding runs)."""
-
-        def make() -> torch.Tensor:
-            world = self.world
-            p = self.nonempty() - 1
-            ranks = torch.arange(world)
-            # p W + r on even passes, p W + W - 1 - r on odd ones; -1 - r (clamped) for p = -1
-            chunk = (p & 1).mul_(world - 1 - 2 * ranks).add_(ranks).add_(p * world)
-            return chunk.clamp_(min=-1)
-
-        return self._cached("last chunks", make)
-
-    def through_last_chunk(self) -> torch.Tensor:
-        """``[R, W]``: the tokens of each document run up to the end of every rank's last chunk
-        of it (0: it holds none)."""
-        size, last = self.size, self.last_chunks()
-        running = torch.cumsum(size.view(-1), 0).view_as(size)  # one flat pass: cheaper
-        through = running.gather(1, last.clamp(min=0)) - (running[:, :1] - size[:, :1])
-        return through.mul_(last >= 0)
 
     def rank_runs(self, rank: int, documents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rank ``rank``'s runs (row, local index, length, document start, first position,
@@ -218,10 +197,10 @@ class ZigzagRuns:
     def tokens(self) -> torch.Tensor:
         """``[W]``: every rank's document tokens: ``K q + m // W`` of every document, plus one
         per document whose last, partial pass of extras deals it one."""
-        q, m, c = self._deal()
+        q, m, c = self.deal()
         world, passes = self.world, self.size.shape[1] // self.world
         every = int((q * passes + m // world).sum())
-        return _cyclic_cover(c, m % world, world)[0] + every
+        return cyclic_cover(c, m % world, world)[0] + every
 
     def intervals(self, causal: bool, window: int) -> tuple[torch.Tensor, ...]:
         """Every rank's key intervals with a window, one per chunk from its first query's
@@ -260,22 +239,6 @@ class ZigzagRuns:
         return torch.zeros(self.world, dtype=torch.int64).index_add_(
             0, owner.view(-1), held.reshape(-1)
         )
-
-    def served_without_window(self, causal: bool) -> torch.Tensor:
-        """``[W]``: every rank's document tokens counted once per rank that needs them without a
-        window: rank ``r'`` needs a document from its start to the end of its last chunk
-        (causal) or to the document's end, so chunk ``j`` is served once to every rank whose
-        last chunk is ``j`` or later (causal) or that holds a token of the document."""
-        size, last = self.size, self.last_chunks()
-        if causal:  # needers[:, j]: ranks whose last chunk is j or later
-            ends = torch.zeros(size.shape[0], size.shape[1] + 1, dtype=torch.int64)
-            ends.scatter_add_(1, last + 1, torch.ones_like(last))  # column 0: holds none
-            below = torch.cumsum(ends.view(-1), 0).view_as(ends)  # one flat pass: cheaper
-            # the run's holders less those whose last chunk is below j (padding runs: none)
-            needers = below[:, :-1].neg_().add_(below[:, -1:])
-            return self._by_rank(needers.mul_(size).sum(0))
-        needers = (last >= 0).sum(1, keepdim=True)
-        return self._by_rank((size * needers).sum(0))
 
     def _by_rank(self, per_chunk: torch.Tensor) -> torch.Tensor:
         """``[W]``: per-chunk sums ``[C]`` (over the runs) summed by the chunks' owners."""
@@ -333,30 +296,3 @@ class ZigzagPrefix:
         count.index_fill_(0, mine.reshape(-1), 1)
         return torch.cumsum(count, 0)[row * span + position] - row * t.local_len
 
-
-def _in_cyclic(start: torch.Tensor, count: torch.Tensor, world: int) -> torch.Tensor:
-    """``[N, W]`` bool: whether rank ``r`` lies in the cyclic interval ``[start, start + count)``
-    (mod ``W``; ``0 <= start < W``, ``0 <= count <= W``) of each of the ``N`` rows."""
-    ranks = torch.arange(world)
-    end = (start + count)[:, None]
-    inside = (ranks >= start[:, None]) & (ranks < end)
-    return inside.logical_or_(ranks < end - world)
-
-
-def _cyclic_cover(
-    start: torch.Tensor, count: torch.Tensor, world: int, group: torch.Tensor | None = None,
-    groups: int = 1,
-) -> torch.Tensor:  # fmt: skip
-    """``[groups, W]``: how many of the cyclic intervals ``[start, start + count)`` (mod ``W``;
-    ``0 <= start < W``, ``0 <= count <= W``) of each group (``group``, default all one) hold
-    every rank: a difference array per group, O(N + groups x W)."""
-    span = world + 1
-    base = torch.zeros_like(start) if group is None else group * span
-    end = start + count
-    wrapped = (end - world).clamp_(min=0)  # the part past W, from rank 0
-    diff = torch.zeros(groups * span, dtype=torch.int64)
-    ones = torch.ones_like(start)
-    diff.index_add_(0, base + start, ones).index_add_(0, base + end.clamp(max=world), -ones)
-    has = (wrapped > 0).long()
-    diff.index_add_(0, base, has).index_add_(0, base + wrapped, -has)
-    return torch.cumsum(diff.view(groups, span), 1)[:, :world]

@@ -581,3 +581,43 @@ def test_mask_plans_merge_ranges_that_do_not_ascend() -> None:
     for world in (2, 3):
         for layout_name in LAYOUTS:
             _check_mask_plans(world, layout_name, doc, random.Random(0), masks)
+
+
+def test_cyclic_interval_counts_equal_a_rank_by_rank_count() -> None:
+    """The counts over cyclic intervals of ranks the per-document zig-zag's closed forms sum
+    (membership, ranks below a rank, weighted covers by group, lines on the intervals' ranks,
+    ranks on one side) against a rank-by-rank count, wrapping and empty intervals included."""
+    from cpshard.planning.cyclic import (
+        below_counts, count_below, cyclic_cover, cyclic_ramps, in_cyclic,
+    )  # fmt: skip
+
+    rng = random.Random(5)
+    for _ in range(40):
+        world = rng.randint(1, 9)
+        n = rng.randint(0, 12)
+        start = torch.tensor([rng.randrange(world) for _ in range(n)], dtype=torch.int64)
+        count = torch.tensor([rng.randint(0, world) for _ in range(n)], dtype=torch.int64)
+        weight = torch.randint(-3, 5, (n,))
+        group = torch.randint(0, 3, (n,))
+        base, slope, wrap_base = (torch.randint(-5, 6, (n,)) for _ in range(3))
+        member = torch.zeros(n, world, dtype=torch.bool)
+        wrapped = torch.zeros(n, world, dtype=torch.bool)
+        for i in range(n):
+            for k in range(int(count[i])):
+                r = (int(start[i]) + k) % world
+                member[i, r] = True
+                wrapped[i, r] = r < int(start[i])
+        assert torch.equal(in_cyclic(start, count, world), member)
+        for rank in range(world + 1):
+            below = member[:, :rank].sum(1)
+            assert torch.equal(count_below(start, count, world, rank), below)
+        cover = torch.zeros(3, world, dtype=torch.int64)
+        for i in range(n):
+            cover[int(group[i])] += weight[i] * member[i]
+        assert torch.equal(cyclic_cover(start, count, world, weight, group, 3), cover)
+        line = torch.where(wrapped, wrap_base[:, None], base[:, None]) + slope[:, None] * torch.arange(world)
+        assert torch.equal(cyclic_ramps(start, count, world, base, slope, wrap_base),
+                           (line * member).sum(0))  # fmt: skip
+        total = member.sum(0)
+        assert torch.equal(below_counts(total, True), torch.cumsum(total, 0))
+        assert torch.equal(below_counts(total, False), total.flip(0).cumsum(0).flip(0))
