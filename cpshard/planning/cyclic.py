@@ -34,7 +34,7 @@ def cyclic_cover(
     count)`` (mod ``W``; ``0 <= start < W``, ``0 <= count <= W``) of each group (``group``,
     default all one) that hold each rank."""
     (lo, hi), (lo2, hi2) = _segments(start, count, world)
-    w = torch.ones_like(start) if weight is None else weight
+    w = torch.ones_like(start) if weight is None else weight.long()
     return _sums(torch.cat([lo, lo2]), torch.cat([hi, hi2]), torch.cat([w, w]), None, world,
                  None if group is None else group.repeat(2), groups)  # fmt: skip
 

@@ -24,8 +24,10 @@ import torch
 
 from cpshard.masks import INF, MaskDescription
 from cpshard.planning.coverage import Coverage
+from cpshard.planning.row_tables import ClosedExchange, received_rows
 from cpshard.planning.runs import LayoutRuns, mask_runs
-from cpshard.planning.zigzag_exchange import ZigzagExchange, ZigzagRowTables, zigzag_exchange
+from cpshard.planning.stripe_exchange import StripeRowTables, stripe_exchange
+from cpshard.planning.zigzag_exchange import ZigzagRowTables, zigzag_exchange
 from cpshard.planning.zigzag_runs import ZigzagRuns
 from cpshard.ranges import ragged_arange
 
@@ -51,10 +53,8 @@ class _TableRecipe:
         return ragged_arange(self.send_first, self.send_count)
 
     def recv_rows(self) -> torch.Tensor:
-        slot = ragged_arange(self.first, self.count)
-        cols = (self.source, self.row, self.base)
-        src, row, base = (torch.repeat_interleave(t, self.count) for t in cols)
-        return row * self.width + base + self.runs.position(src, row, slot)
+        cols = (self.first, self.count, self.source, self.row, self.base)
+        return received_rows(*cols, self.width, self.runs.position)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class NeededRowsPlan:
     received: tuple[int, ...]
     sent: tuple[int, ...]
     reach: int
-    recipe: _TableRecipe | ZigzagRowTables = field(repr=False, compare=False)
+    recipe: _TableRecipe | ZigzagRowTables | StripeRowTables = field(repr=False, compare=False)
     causal: torch.Tensor | None = None
     rules: torch.Tensor | None = None
     _made: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
@@ -149,9 +149,14 @@ def plan_needed_rows(
     b, padded = runs.rows, runs.padded
     if (mask is None) == (causal is None) or (mask is not None and window is not None):
         raise ValueError("plan_needed_rows takes causal (and a window) or a mask description")
-    exchange: _IntervalExchange | ZigzagExchange
-    if causal is not None and window is None and isinstance(runs.closed, ZigzagRuns):
-        exchange, reach = zigzag_exchange(runs.closed, rank, causal), runs.reach(causal)
+    exchange: _IntervalExchange | ClosedExchange
+    if causal is not None and window is None and runs.closed is not None:
+        closed = runs.closed
+        if isinstance(closed, ZigzagRuns):
+            exchange = zigzag_exchange(closed, rank, causal)
+        else:
+            exchange = stripe_exchange(closed, rank, causal)
+        reach = runs.reach(causal)
     else:
         if causal is not None:
             intervals, reach = runs.intervals(causal, window), runs.reach(causal)
@@ -225,7 +230,7 @@ def _buffer_rows(runs: LayoutRuns, mine: tuple[torch.Tensor, ...]) -> _BufferRow
 
 
 def _plan(
-    exchange: _IntervalExchange | ZigzagExchange, rows: _BufferRows, spans: torch.Tensor,
+    exchange: _IntervalExchange | ClosedExchange, rows: _BufferRows, spans: torch.Tensor,
     reach: int, causal: torch.Tensor | None = None, rules: torch.Tensor | None = None,
 ) -> NeededRowsPlan:  # fmt: skip
     """The :class:`NeededRowsPlan` of an exchange into the buffer ``rows`` with the given spans

@@ -4,9 +4,10 @@ what the needed-rows planner asks of every rank's runs (their merged key interva
 counts, the intervals' coverage of them) follows per (rank, document) and per residue mod ``W``:
 O(W x documents + P / W) per rank instead of a pass over every rank's ``P`` one-token runs.
 
-The forms hold where a rank's runs of one document reach one interval: causal or bidirectional
-without a window, and causal windows of at least ``W`` keys (consecutive runs of a rank are
-``W`` apart, so their windows chain). Anything else is planned from the runs themselves.
+The intervals hold where a rank's runs of one document reach one interval with a window: causal
+windows of at least ``W`` keys (consecutive runs of a rank are ``W`` apart, so their windows
+chain). Without a window the exchange has a closed form of its own, O(documents + W)
+(:mod:`~cpshard.planning.stripe_exchange`); anything else is planned from the runs themselves.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from cpshard.planning.positions import every_rank_before
 
 
-def _below(x: torch.Tensor, rank: torch.Tensor | int, world: int) -> torch.Tensor:
+def below_on_rank(x: torch.Tensor, rank: torch.Tensor | int, world: int) -> torch.Tensor:
     """Positions ``p < x`` with ``p % world == rank`` (``x >= 0``)."""
     return torch.div(x + world - 1 - rank, world, rounding_mode="floor")
 
@@ -47,8 +48,8 @@ class StripeRuns:
     doc_end: torch.Tensor
 
     def serves(self, causal: bool, window: int | None) -> bool:
-        """Whether every rank's runs of one document reach one key interval."""
-        return window is None or (causal and window >= self.world)
+        """Whether every rank's runs of one document reach one key interval of a window."""
+        return causal and window is not None and window >= self.world
 
     def rank_runs(self, rank: int, documents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rank ``rank``'s runs (row, local index, length, document start, first position,
@@ -66,17 +67,18 @@ class StripeRuns:
         """``[W]``: every rank's document tokens."""
         return _per_residue(self.world, self.doc_start, self.doc_end)
 
-    def intervals(self, causal: bool, window: int | None) -> tuple[torch.Tensor, ...]:
-        """Every rank's key intervals, one per (rank, document it holds a token of): rank,
-        row, start, end, ordered by rank, row and start (adjacent ones not yet merged)."""
+    def intervals(self, causal: bool, window: int) -> tuple[torch.Tensor, ...]:
+        """Every rank's causal key intervals with a window of at least ``W`` keys, one per
+        (rank, document it holds a token of): rank, row, start, end, ordered by rank, row and
+        start (adjacent ones not yet merged)."""
         world = self.world
         rank = torch.arange(world)[:, None]
         start, end = self.doc_start[None], self.doc_end[None]
         first = start + (rank - start) % world  # the rank's first position at or after start
         last = end - 1 - (end - 1 - rank) % world  # its last position before end
         held = first < end
-        hi = last + 1 if causal else end.expand_as(first)
-        lo = start.expand_as(first) if window is None else torch.maximum(start, first - window + 1)
+        hi = last + 1
+        lo = torch.maximum(start, first - window + 1)
         rank = rank.expand_as(first)
         row = self.doc_row[None].expand_as(first)
         return tuple(t[held] for t in (rank, row, lo, hi))
@@ -103,7 +105,7 @@ class StripePrefix:
 
     def before(self, rank: torch.Tensor, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Positions of ``rank`` that are ``< position`` (elementwise)."""
-        return _below(position, rank, self.world)
+        return below_on_rank(position, rank, self.world)
 
     def every_before(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """``[W, N]``: :meth:`before` for every rank at each position."""
@@ -111,5 +113,5 @@ class StripePrefix:
 
     def before_on(self, rank: int, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """:meth:`before` for one ``rank``."""
-        return _below(position, rank, self.world)
+        return below_on_rank(position, rank, self.world)
 

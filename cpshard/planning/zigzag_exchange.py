@@ -15,10 +15,10 @@ it moves are made from the chunk table only when first read.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from cpshard.planning.row_tables import ClosedExchange, received_rows
 from cpshard.planning.zigzag_counts import (
     ZigzagDeal,
     needed_without_window,
@@ -28,14 +28,6 @@ from cpshard.planning.zigzag_counts import (
 )
 from cpshard.planning.zigzag_runs import ZigzagRuns
 from cpshard.ranges import ragged_arange
-
-
-class BufferRows(Protocol):
-    """Where a rank's needed positions sit in its key buffer."""
-
-    width: int
-
-    def buffer_row(self, row: torch.Tensor, position: torch.Tensor) -> torch.Tensor: ...
 
 
 def _orders(world: int, passes: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,7 +41,7 @@ def _orders(world: int, passes: int, rank: int) -> tuple[torch.Tensor, torch.Ten
 
 @dataclass(frozen=True)
 class ZigzagRowTables:
-    """This rank's row tables of a :class:`ZigzagExchange` into a key buffer of ``width`` rows
+    """This rank's row tables of its exchange into a key buffer of ``width`` rows
     per batch row (``base``: each held document's first buffer row less its start), made from
     the chunk table when read."""
 
@@ -94,41 +86,13 @@ class ZigzagRowTables:
             mine = mine * ((k < p) | ((k == p) & _orders(world, passes, rank)[0][None]))
         count = mine.sum(1).T.reshape(-1)  # [W * R']: by source, then document
         first = t.before_run()[d].T.reshape(-1)  # every source's local index at the start
-        slot = ragged_arange(first, count)
-        src = torch.arange(world).repeat_interleave(d.numel())
-        src, row, base = (
-            torch.repeat_interleave(v, count)
-            for v in (src, t.run_row[d].repeat(world), self.base.repeat(world))
-        )
-        return row * self.width + base + t.position(src, row, slot)
+        source = torch.arange(world).repeat_interleave(d.numel())
+        row, base = t.run_row[d].repeat(world), self.base.repeat(world)
+        return received_rows(first, count, source, row, base, self.width, t.position)
 
 
-@dataclass(frozen=True)
-class ZigzagExchange:
-    """Rank ``rank``'s needed-rows exchange (module doc): rows every rank receives from and
-    sends to the others (``received``, ``sent``, ``[W]``), what this rank receives from and
-    sends to each (``recv_counts``, ``send_counts``, its own included) and its key intervals
-    ``mine`` (row, start, end: one per document it holds, in row and position order; adjacent
-    ones not merged)."""
-
-    table: ZigzagRuns
-    rank: int
-    causal: bool
-    received: torch.Tensor
-    sent: torch.Tensor
-    recv_counts: torch.Tensor
-    send_counts: torch.Tensor
-    mine: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-    def tables(self, rows: BufferRows) -> ZigzagRowTables:
-        """The row tables of this exchange into the key buffer ``rows``."""
-        _, start, _ = self.mine
-        base = rows.buffer_row(self.mine[0], start) - start
-        return ZigzagRowTables(self.table, self.rank, self.causal, rows.width, base)
-
-
-def zigzag_exchange(table: ZigzagRuns, rank: int, causal: bool) -> ZigzagExchange:
-    """Rank ``rank``'s :class:`ZigzagExchange` of every rank's intervals without a window, in
+def zigzag_exchange(table: ZigzagRuns, rank: int, causal: bool) -> ClosedExchange:
+    """Rank ``rank``'s :class:`~cpshard.planning.row_tables.ClosedExchange` without a window, in
     closed form from each run's deal (:mod:`~cpshard.planning.zigzag_counts`): O(runs + W)."""
     world = table.world
     deal = ZigzagDeal.of(table)
@@ -154,4 +118,6 @@ def zigzag_exchange(table: ZigzagRuns, rank: int, causal: bool) -> ZigzagExchang
     row, start = table.run_row[held], table.run_start[held]
     mine = (row, start, start + reach[held])
     send_counts = sent_by(deal, rank, causal)
-    return ZigzagExchange(table, rank, causal, received, sent, recv_counts, send_counts, mine)
+    return ClosedExchange(
+        ZigzagRowTables, table, rank, causal, received, sent, recv_counts, send_counts, mine
+    )

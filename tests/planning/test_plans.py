@@ -621,3 +621,24 @@ def test_cyclic_interval_counts_equal_a_rank_by_rank_count() -> None:
         total = member.sum(0)
         assert torch.equal(below_counts(total, True), torch.cumsum(total, 0))
         assert torch.equal(below_counts(total, False), total.flip(0).cumsum(0).flip(0))
+
+
+def test_stripe_closed_form_exchange_equals_the_runs() -> None:
+    """The stripe layout's exchange without a window (counted in closed form per document,
+    row tables made from the documents) equals the one planned from every rank's runs, for
+    every rank, causal and bidirectional, short and full documents, several rows."""
+    from cpshard.planning.runs import LayoutRuns
+
+    for world, _, doc, _ in _cases(41, 50, (2, 3, 4, 5, 8, 16, 32), 200):
+        layout = make_layout("stripe", world, doc.shape[1])
+        padded = _padded(layout, doc)
+        closed = layout_runs(layout, padded)
+        assert closed.closed is not None
+        plain = LayoutRuns(world, padded.shape[0], padded.shape[1], layout, padded)
+        for causal in (True, False):
+            for rank in range(world):
+                got, want = (plan_needed_rows(rank, r, causal) for r in (closed, plain))
+                for name in ("spans", "send_rows", "recv_rows"):
+                    assert torch.equal(getattr(got, name), getattr(want, name)), (name, rank)
+                for name in ("buffer_len", "send_counts", "recv_counts", "received", "sent"):
+                    assert getattr(got, name) == getattr(want, name), (name, world, rank)
