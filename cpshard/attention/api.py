@@ -393,8 +393,7 @@ def attend(
         return head_parallel_attention(
             plan, chosen.causal, query, key, value, scale, window, softcap, sinks, chosen.mask
         )
-    kv = torch.cat([key, value], dim=-1)
-    out, _ = cp_attention_op(query, kv, chosen.key, d_k, scale, window, softcap, sinks)
+    out, _ = cp_attention_op(query, key, value, chosen.key, scale, window, softcap, sinks)
     return out
 
 

@@ -43,6 +43,12 @@ class KVExchange(Protocol):
         return (alike on every rank: the cost model's figure)."""
         ...
 
+    @property
+    def keeps_local(self) -> bool:
+        """True when the key buffer is this rank's own K/V as they are (nothing exchanged: a
+        group of one), so the attention takes K and V apart, unjoined."""
+        ...
+
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         """This rank's K/V ``[B, H, L, D]`` -> the key buffer ``[B, H, key_len, D]`` (``key``:
         the step state's registry key, which the exchange's custom op takes)."""

@@ -73,6 +73,10 @@ class HaloExchange:
         )
         return max(moved, default=0) * self.batch_size
 
+    @property
+    def keeps_local(self) -> bool:
+        return self.group.world == 1
+
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return kv_halo(kv, key) if self.group.world > 1 else kv
 

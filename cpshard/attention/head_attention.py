@@ -1,8 +1,9 @@
 """Head-parallel CP attention: the sequence -> head all-to-all of q, k and v (one transfer), the
 inner state's per-document attention of the rank's heads over the gathered tokens, and the
 head -> sequence all-to-all of the output; the backward is the same three in reverse (the verbs'
-and the attention op's own backward). K and V travel apart and are joined on the heads side, so
-the caller's full-head K/V are never concatenated and their gradients come back contiguous."""
+and the attention op's own backward). K and V travel and are attended apart (the inner state of
+one rank exchanges nothing: the op takes them unjoined), so neither side ever holds them
+concatenated, nor their gradients."""
 
 from __future__ import annotations
 
@@ -39,28 +40,24 @@ def head_parallel_attention(
     ``[B, Hq, L, d_v]``. With ``mask``, the inner state plans the same description over the
     gathered tokens (the inner plan's documents are the step's)."""
     group = plan.used().group
-    d_k = k.shape[3]
     split = split_heads(q.shape[1], k.shape[1], group.world)
     start, count = split.q[group.rank]
     inner = plan.inner.variant(causal, mask)
     if sinks is not None:
         sinks = sinks[start : start + count]
     if group.world == 1:
-        kv = torch.cat([k, v], dim=-1)
-        out, _ = cp_attention_op(q, kv, inner.key, d_k, scale, window, softcap, sinks)
+        out, _ = cp_attention_op(q, k, v, inner.key, scale, window, softcap, sinks)
         return out
     flat, order = split.flat(), plan.order_on(q.device)
     key = _key(q, k, v, flat)
     kv_ranges = flat[2 * group.world :]
     q_h, k_h, v_h = seq_to_heads([q, k, v], group.name, flat + kv_ranges, order, key)
-    kv_h = torch.cat([k_h, v_h], dim=-1)
-    del k_h, v_h  # only the joined copy lives on (the attention op saves it for the backward)
     if count:
-        out_h, _ = cp_attention_op(q_h, kv_h, inner.key, d_k, scale, window, softcap, sinks)
+        out_h, _ = cp_attention_op(q_h, k_h, v_h, inner.key, scale, window, softcap, sinks)
     else:  # no heads here (nor on the ranks of the inner group): nothing to attend, but the
         # backward's all-to-alls the other ranks wait for must run here too
         shape = (*q_h.shape[:3], v.shape[3])
-        out_h = q_h.new_zeros(shape) + 0 * (q_h.sum() + kv_h.sum())
+        out_h = q_h.new_zeros(shape) + 0 * (q_h.sum() + k_h.sum() + v_h.sum())
     q_ranges = flat[: 2 * group.world]
     (out,) = heads_to_seq([out_h], group.name, q_ranges, order, key)
     return out

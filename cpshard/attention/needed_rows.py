@@ -110,6 +110,10 @@ class NeededRowsExchange:
         if "needed_rows" in seen_views:
             self.tables_on(device)
 
+    @property
+    def keeps_local(self) -> bool:
+        return False  # the buffer holds the needed rows in global order, even of one rank
+
     def extend(self, kv: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         return kv_needed_rows(kv, key)
 

@@ -1,14 +1,17 @@
 """CP attention as ``torch.library`` custom ops, so that ``torch.compile`` traces a call as one
 opaque node (and its backward as another) and never sees the step's spans.
 
-* ``cpshard::cp_attention(q, kv, key, d_k, scale, window, softcap, sinks)`` -> ``(out, lse)``:
+* ``cpshard::cp_attention(q, k, v, key, scale, window, softcap, sinks)`` -> ``(out, lse)``:
   the step's K/V exchange (:mod:`cpshard.attention.exchange`) builds the key buffer from this
-  rank's K and V (concatenated on the last dim) and the spans attend it
-  (:mod:`cpshard.attention.engine`). It saves only this rank's own K/V: the backward
-  (``cpshard::cp_attention_backward``, from the saved output and log-sum-exp) runs the exchange
-  again and sends the buffer's gradients back to their owners (an all-padding rank joins too).
-  A model's layers thus keep their own K/V for backward, not the exchanged buffer (up to W
-  times larger for long documents or ``stripe``), for one more exchange per layer.
+  rank's K and V (joined on the last dim for the one transfer) and the spans attend it
+  (:mod:`cpshard.attention.engine`). It saves only this rank's own K and V (the caller's
+  tensors: no copy): the backward (``cpshard::cp_attention_backward``, from the saved output and
+  log-sum-exp) runs the exchange again and sends the buffer's gradients back to their owners
+  (an all-padding rank joins too). A model's layers thus keep their own K/V for backward, not
+  the exchanged buffer (up to W times larger for long documents or ``stripe``), for one more
+  exchange per layer. Where the step exchanges nothing (a group of one, as head-parallel
+  attention's inner state on its gathered tokens), K and V go to the kernels as they are and
+  their gradients come back apart: nothing is joined either way.
 
 The attention variants of today's models, each exact forward and backward:
 
@@ -34,17 +37,21 @@ import torch
 import torch.nn.functional as F
 
 from cpshard.attention import engine
-from cpshard.attention.kernels import T, Tensors, lse_dtype
+from cpshard.attention.kernels import T, lse_dtype
 from cpshard.attention.state import AttentionState, state_for
-
-
-def _split(kv: torch.Tensor, d_k: int) -> Tensors:
-    return kv[..., :d_k], kv[..., d_k:]
 
 
 def _widen(t: torch.Tensor, d: int) -> torch.Tensor:
     """``t`` with zeros appended on the last dim up to ``d``."""
     return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
+
+
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` laid out as ``ref`` (as ``torch.empty_like(ref)``, what the op's fake returns):
+    itself when it already is, else a copy."""
+    if t.stride() == torch.empty_like(ref, device="meta").stride():  # the layout, no memory
+        return t
+    return torch.empty_like(ref).copy_(t)
 
 
 def _gate(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -53,31 +60,35 @@ def _gate(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
 
 
 def _keys(
-    key: torch.Tensor, window: int | None, kv: torch.Tensor, d_k: int, scale: float | None
+    key: torch.Tensor, window: int | None, k: torch.Tensor, v: torch.Tensor, scale: float | None
 ) -> tuple[AttentionState, torch.Tensor, torch.Tensor, int, float]:
-    """The call's state (the window's), its key buffer from ``kv`` split into K and V, the head
-    dim both sides are padded to, and the scale (q/k's head dim by default)."""
+    """The call's state (the window's), its key buffer's K and V (this rank's own where the
+    step exchanges nothing, else the exchange's buffer of both joined, as views), the head dim
+    both sides are padded to, and the scale (q/k's head dim by default)."""
     state = state_for(key).windowed(window)
-    k, v = _split(state.extend(kv), d_k)
+    d_k = k.shape[-1]
+    if not state.exchange.keeps_local:
+        kv = state.extend(torch.cat([k, v], dim=-1))
+        k, v = kv[..., :d_k], kv[..., d_k:]
     return state, k, v, max(d_k, v.shape[-1]), d_k**-0.5 if scale is None else scale
 
 
 @torch.library.custom_op("cpshard::cp_attention", mutates_args=())
 def cp_attention_op(
     q: torch.Tensor,
-    kv: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     key: torch.Tensor,
-    d_k: int,
     scale: float | None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-document causal attention of q ``[B, Hq, L, d_k]`` over the key buffer the step's
-    exchange builds from this rank's ``kv`` ``[B, Hkv, L, d_k + d_v]``: the output
-    ``[B, Hq, L, d_v]`` (zeros on pad rows) and the log-sum-exp of its logits ``[B, Hq, L]``
-    (-inf on pad rows; without the sinks)."""
-    state, k, v, d, scale = _keys(key, window, kv, d_k, scale)
+    exchange builds from this rank's k ``[B, Hkv, L, d_k]`` and v ``[B, Hkv, L, d_v]``: the
+    output ``[B, Hq, L, d_v]`` (zeros on pad rows) and the log-sum-exp of its logits ``[B, Hq,
+    L]`` (-inf on pad rows; without the sinks)."""
+    state, k, v, d, scale = _keys(key, window, k, v, scale)
     d_v = v.shape[-1]
     q, k, v = (_widen(t, d) for t in (q, k, v))
     out, lse = engine.implementation(state, q, d, softcap).forward(q, k, v, scale)
@@ -90,15 +101,15 @@ def cp_attention_op(
 @cp_attention_op.register_fake
 def _cp_attention_op_fake(
     q: T,
-    kv: T,
+    k: T,
+    v: T,
     key: T,
-    d_k: int,
     scale: float | None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: T | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    out = q.new_empty(*q.shape[:3], kv.shape[3] - d_k)
+    out = q.new_empty(*q.shape[:3], v.shape[3])
     return out, q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
 
 
@@ -106,28 +117,28 @@ def _cp_attention_op_fake(
 def cp_attention_backward_op(
     grad: torch.Tensor,
     q: torch.Tensor,
-    kv: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
     key: torch.Tensor,
-    d_k: int,
     scale: float | None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of q, of this rank's ``kv`` and of the sinks (empty without): the exchange
-    again, the spans' backward over the buffer, and the buffer's gradients returned to their
-    owners (zeros where no query attends: an all-padding rank still joins both exchanges its
-    peers wait for).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of q, of this rank's ``k`` and ``v`` (laid out as they are) and of the sinks
+    (empty without): the exchange again, the spans' backward over the buffer, and the buffer's
+    gradients returned to their owners (zeros where no query attends: an all-padding rank still
+    joins both exchanges its peers wait for).
 
     With sinks, ``out`` is the gated output ``O * g`` (``g = sigmoid(lse - sink)``): the kernels'
     backward given ``grad * g`` and the gated output is the exact backward of the gated
     attention (its softmax is the kernels' scaled by ``g``), and the sink's gradient is
     ``-sum((1 - g) * <grad, out>)``."""
-    state, k, v, d, scale = _keys(key, window, kv, d_k, scale)
-    d_v = v.shape[-1]
-    grad = grad.contiguous()
+    d_k, d_v, length = k.shape[-1], v.shape[-1], k.shape[2]
+    key_in, value_in = k, v
+    state, k, v, d, scale = _keys(key, window, k, v, scale)
     dsinks = q.new_zeros(0)
     if sinks is not None:
         gate = _gate(lse, sinks)
@@ -137,42 +148,49 @@ def cp_attention_backward_op(
     q_, k, v, grad, out = (_widen(t, d) for t in (q, k, v, grad, out))
     impl = engine.implementation(state, q_, d, softcap)  # module attribute: checks route it
     dq, dk, dv = impl.backward(grad, q_, k, v, out, lse, scale)
+    dq = _like(dq[..., :d_k], q)
+    if state.exchange.keeps_local:  # the kernels' gradients are this rank's own
+        return dq, _like(dk[..., :d_k], key_in), _like(dv[..., :d_v], value_in), dsinks
     dkv = torch.cat([dk[..., :d_k], dv[..., :d_v]], dim=-1)
-    del dk, dv  # freed before dq is made contiguous (a kernel may return it strided)
-    return dq[..., :d_k].contiguous(), state.restore(dkv, kv.shape[2]), dsinks
+    del dk, dv
+    dkv = state.restore(dkv, length)
+    return dq, _like(dkv[..., :d_k], key_in), _like(dkv[..., d_k:], value_in), dsinks
 
 
 @cp_attention_backward_op.register_fake
 def _cp_attention_backward_op_fake(
     grad: T,
     q: T,
-    kv: T,
+    k: T,
+    v: T,
     out: T,
     lse: T,
     key: T,
-    d_k: int,
     scale: float | None,
     window: int | None = None,
     softcap: float | None = None,
     sinks: T | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     dsinks = q.new_empty(0) if sinks is None else torch.empty_like(sinks)
-    return torch.empty_like(q), torch.empty_like(kv), dsinks
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
 
 
 def _keep_attention(ctx, inputs, output) -> None:
-    q, kv, key, ctx.d_k, ctx.scale, ctx.window, ctx.softcap, sinks = inputs
+    q, k, v, key, ctx.scale, ctx.window, ctx.softcap, sinks = inputs
     ctx.has_sinks = sinks is not None
-    ctx.save_for_backward(q, kv, key, *output, sinks)
+    ctx.save_for_backward(q, k, v, key, *output, sinks)
+    ctx.set_materialize_grads(False)  # no zeros made for the log-sum-exp's gradient
 
 
 def _cp_attention_op_grad(ctx, grad: torch.Tensor, grad_lse: torch.Tensor | None):
-    q, kv, key, out, lse, sinks = ctx.saved_tensors
-    dq, dkv, dsinks = cp_attention_backward_op(
-        grad, q, kv, out, lse, key, ctx.d_k, ctx.scale, ctx.window, ctx.softcap,
+    q, k, v, key, out, lse, sinks = ctx.saved_tensors
+    if grad is None:  # only the log-sum-exp was used: nothing flows back through the output
+        grad = torch.zeros_like(out)
+    dq, dk, dv, dsinks = cp_attention_backward_op(
+        grad, q, k, v, out, lse, key, ctx.scale, ctx.window, ctx.softcap,
         sinks if ctx.has_sinks else None,
     )  # fmt: skip
-    return dq, dkv, None, None, None, None, None, dsinks if ctx.has_sinks else None
+    return dq, dk, dv, None, None, None, None, dsinks if ctx.has_sinks else None
 
 
 cp_attention_op.register_autograd(_cp_attention_op_grad, setup_context=_keep_attention)

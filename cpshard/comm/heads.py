@@ -256,6 +256,13 @@ def _unpack_heads(
         out[:, s : s + n] += block
 
 
+def _token_major(x: torch.Tensor, b: int, heads: int, tokens: int, d: int) -> torch.Tensor:
+    """An uninitialised ``[b, heads, tokens, d]`` laid out token-major (``[b, tokens, heads, d]``
+    in memory): the layout the CPU flash kernels work in, so that neither their inputs nor the
+    gradients they return into this layout are copied to another."""
+    return x.new_empty(b, tokens, heads, d).transpose(1, 2)
+
+
 @torch.library.custom_op("cpshard::seq_to_heads", mutates_args=())
 def seq_to_heads(
     parts: list[torch.Tensor],
@@ -273,7 +280,8 @@ def seq_to_heads(
     widths = [x.shape[3] for x in parts]
     head_bytes = [b * length * d * x.element_size() for x, d in zip(parts, widths)]
     outs = [
-        x.new_empty(b, part[me][1], world * length, d) for x, part, d in zip(parts, ranges, widths)
+        _token_major(x, b, part[me][1], world * length, d)
+        for x, part, d in zip(parts, ranges, widths)
     ]
     sources = _token_sources(order, length)
     for lo, counts in _rounds(ranges, head_bytes):
@@ -299,7 +307,7 @@ def _seq_to_heads_fake(
     group = group_from_name(group_name)
     ranges = head_ranges(heads, len(parts), group.world)
     return [
-        x.new_empty(x.shape[0], part[group.rank][1], group.world * x.shape[2], x.shape[3])
+        _token_major(x, x.shape[0], part[group.rank][1], group.world * x.shape[2], x.shape[3])
         for x, part in zip(parts, ranges)
     ]
 

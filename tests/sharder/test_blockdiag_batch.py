@@ -449,11 +449,14 @@ def test_opcheck_attention_ops() -> None:
         key = active_state().key
     g = torch.Generator().manual_seed(5)
     q = torch.randn(2, 4, 30, D, dtype=torch.float64, generator=g, requires_grad=True)
-    kv = torch.randn(2, 2, 30, 2 * D, dtype=torch.float64, generator=g, requires_grad=True)
-    torch.library.opcheck(blockdiag_attention, (q, kv, key, D, None))
-    out, lse = (t.detach() for t in blockdiag_attention(q, kv, key, D, 0.5))
+    k, v = (
+        torch.randn(2, 2, 30, D, dtype=torch.float64, generator=g, requires_grad=True)
+        for _ in range(2)
+    )
+    torch.library.opcheck(blockdiag_attention, (q, k, v, key, None))
+    out, lse = (t.detach() for t in blockdiag_attention(q, k, v, key, 0.5))
     grad = torch.randn(out.shape, dtype=torch.float64, generator=g)
-    args = (grad, q.detach(), kv.detach(), out, lse, key, D, 0.5)
+    args = (grad, q.detach(), k.detach(), v.detach(), out, lse, key, 0.5)
     torch.library.opcheck(blockdiag_attention_backward, args)
 
 
