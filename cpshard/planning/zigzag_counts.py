@@ -65,7 +65,7 @@ class ZigzagDeal:
         """``[R]``: how many of ``rank``'s chunks of each run are non-empty."""
         return torch.where(self.full, self.passes, self.M + self.in_j(rank))
 
-    def _short(self) -> tuple[torch.Tensor, ...]:
+    def short(self) -> tuple[torch.Tensor, ...]:
         """The short runs' ``M``, ``c``, ``j`` (padding runs among them: they hold nothing)."""
         s = ~self.full
         return self.M[s], self.c[s], self.j[s]
@@ -112,7 +112,7 @@ def needed_without_window(deal: ZigzagDeal, causal: bool) -> torch.Tensor:
     extras = below_counts(cyclic_cover(c[f], tail, w)[0], ascending=last % 2 == 0)
     full = start + q[f].sum() * (pos + 1) + extras
     # short runs, ranks in J: the complete passes and J's ranks up to theirs in pass M
-    M, c, j = deal._short()
+    M, c, j = deal.short()
     even = M % 2 == 0
     in_last = cyclic_cover(c, j, w, weight=M * w)[0] + _ranks_on_one_side(c, j, w, even)
     # ranks outside J (M >= 1): every pass before M - 1 and theirs in it: (M - 1) W + pos + 1
@@ -139,7 +139,7 @@ def served_without_window(table: ZigzagRuns, deal: ZigzagDeal, causal: bool) -> 
     # short runs: passes before M - 1 are needed by all; in pass M - 1, rank q's chunk by J and
     # by the ranks outside J whose chunk comes at or after it; in pass M (q in J), by J's
     # ranks whose chunk comes at or after it
-    M, c, j = deal._short()
+    M, c, j = deal.short()
     some = M >= 1
     odd = (M - 1) % 2 == 1  # pass M - 1 runs backwards
     complete = ((M - 1).clamp(min=0) * w).sum() + (j * some).sum()
@@ -169,9 +169,8 @@ def sent_by(deal: ZigzagDeal, rank: int, causal: bool) -> torch.Tensor:
     full = ((own - last_size) * f).sum() + (last_size * f).sum() * first(last)
     # short runs: to a rank in J, its first M chunks and its pass M one if it comes first; to
     # one outside J (M >= 1), its first M - 1 and its pass M - 1 one if it comes first
-    s = ~f
-    M, c, j = deal.M[s], deal.c[s], deal.j[s]
-    mine = mine[s].long()
+    M, c, j = deal.short()
+    mine = mine[~f].long()
     even = M % 2 == 0
     lo = torch.where(even, rank, 0)  # the ranks r' its pass-M chunk comes before
     hi = torch.where(even, w, rank + 1)
