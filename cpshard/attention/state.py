@@ -155,8 +155,8 @@ class AttentionState:
     _windows: dict[int, AttentionState] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    # id(description) -> its state (which holds the description: the id is not reused)
-    _masks: dict[int, AttentionState] = field(
+    # id(description) -> the description (held: its id is not reused) and its state
+    _masks: dict[int, tuple[MaskDescription, AttentionState]] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
     # Per-step plans other consumers derive from this state (planned once, on first use).
@@ -308,13 +308,19 @@ class AttentionState:
         """The step's state executing the mask description ``mask`` (of the step's batch: its
         rows and documents, over the padded length or the unpadded one), planned on its first
         use from the step's runs and kept for the step: a layer type that passes the same
-        description object reuses it. Raises ``ValueError`` (starting ``mask:``) for a
-        description of another batch or one CP attention cannot execute."""
+        description object reuses it, and a new object equal to one the step planned (a model's
+        mask translated again by a recomputed forward) is matched once, by content. Raises
+        ``ValueError`` (starting ``mask:``) for a description of another batch or one CP
+        attention cannot execute."""
         if self.plan_mask is None:
             raise ValueError("cpshard CP attention: a mask description needs the step's state")
-        state = self._masks.get(id(mask))
+        known = self._masks.get(id(mask))
+        if known is not None:
+            return known[1]
+        state = next((s for d, s in self._masks.values() if d.same_as(mask)), None)
         if state is None:
-            state = self._masks[id(mask)] = self.plan_mask(mask)
+            state = self.plan_mask(mask)
+        self._masks[id(mask)] = (mask, state)
         return state
 
     def variant(self, causal: bool, mask: MaskDescription | None = None) -> AttentionState:

@@ -51,6 +51,13 @@ class MaskDescription:
     def segments(self) -> int:
         return int(self.start.numel())
 
+    def same_as(self, other: MaskDescription) -> bool:
+        """Whether ``other`` describes the same mask, segment by segment (O(segments))."""
+        return (self.rows, self.length) == (other.rows, other.length) and all(
+            torch.equal(getattr(self, name), getattr(other, name))
+            for name in ("row", "start", "end", "doc_start", "doc_end", "lo", "back", "hi", "ahead")
+        )
+
     def first_key(self, q: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
         """The first key query ``q`` of segment ``at`` sees."""
         return torch.maximum(self.lo[at], q - self.back[at])

@@ -181,6 +181,8 @@ def _cases(
             )
             state = active_state().masked(mask)
             assert active_state().masked(mask) is state  # planned once per step
+            # an equal description made again (a recomputed forward's) reuses the plan
+            assert active_state().masked(describe(name, doc)) is state
             reached = [] if strategy != "needed_rows" else _reached(state, sharder, mask)
         results.append(cp_case_result(sharder, out, w, (q, k, v), reached))
     return results

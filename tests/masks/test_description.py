@@ -292,3 +292,17 @@ def test_every_ranks_runs_of_every_layout_see_their_dense_rows() -> None:
                     seen = (keys >= first[:, None]) & (keys < end[:, None])
                     assert torch.equal(seen, dense[qrow, q]), (name, world)
                     assert int(q.numel()) == int((padded != 0).sum())
+
+
+def test_same_as_compares_every_segment_and_rule() -> None:
+    """Two descriptions are the same mask iff their sizes, segments and rules all are (what
+    lets a step reuse the plan of an equal description made again)."""
+    doc = torch.tensor([[1, 1, 1, 2, 2, 0, 3, 3]])
+    causal = MaskDescription.within_documents(doc, ahead=0)
+    assert causal.same_as(MaskDescription.within_documents(doc, ahead=0))
+    assert not causal.same_as(MaskDescription.within_documents(doc))  # bidirectional
+    assert not causal.same_as(MaskDescription.within_documents(doc, back=1, ahead=0))  # window
+    other = torch.tensor([[1, 1, 2, 2, 2, 0, 3, 3]])  # same shape, other documents
+    assert not causal.same_as(MaskDescription.within_documents(other, ahead=0))
+    longer = torch.cat([doc, doc.new_zeros(1, 2)], 1)  # same segments, another length
+    assert not causal.same_as(MaskDescription.within_documents(longer, ahead=0))
