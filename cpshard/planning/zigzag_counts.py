@@ -1,15 +1,11 @@
 """What every rank needs, serves and is sent in the ``per_document_head_tail`` layout's exchange
-without a window, in closed form from each run's deal: O(runs + W) per step, no table of
+without a window, in closed form from each run's deal
+(:class:`~cpshard.planning.zigzag_deal.ZigzagDeal`): O(runs + W) per step, no table of
 (document, rank) pairs.
 
-A run of ``n = q C + m`` tokens has ``K = C / W`` passes of chunks, each ``q`` tokens plus its
-extra: the ``e``-th extra widens the pass-``e // W`` chunk of rank ``(c + e) mod W``. So every
-rank gets ``M = m // W`` extras, in passes ``0 .. M - 1``, and the ranks of the cyclic interval
-``J = [c, c + m mod W)`` one more, in pass ``M``. A *full* run (``q > 0``) gives every rank a
-token in every pass: rank ``r``'s last chunk is its pass ``K - 1`` chunk. A *short* run
-(``q = 0``) gives rank ``r`` its last token in pass ``M`` if ``r`` is in ``J``, else in pass
-``M - 1`` (none if ``M = 0``). Inside a pass, chunks run by rank on even passes and backwards
-on odd ones (``pos(r) = r`` or ``W - 1 - r``).
+A *full* run gives every rank a token in every pass: rank ``r``'s last chunk is its pass ``K -
+1`` chunk. A *short* run gives rank ``r`` its last token in pass ``M`` if ``r`` is in ``J``,
+else in pass ``M - 1`` (none if ``M = 0``).
 
 A rank needs a run it holds from its start to the end of its last chunk (causal) or to its end;
 every count below sums, over the runs, a constant, a line in ``r`` or how many ranks of a
@@ -18,57 +14,10 @@ cyclic interval lie on one side of ``r`` (:mod:`~cpshard.planning.cyclic`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from cpshard.planning.cyclic import below_counts, count_below, cyclic_cover, cyclic_ramps
-from cpshard.planning.zigzag_runs import ZigzagRuns
-
-
-@dataclass(frozen=True)
-class ZigzagDeal:
-    """Every run's deal (module doc; zeros for padding runs): ``q``, ``m``, the counter ``c``,
-    ``M`` and ``J``'s length ``j``, ``full``; ``world`` and ``passes``."""
-
-    world: int
-    passes: int
-    q: torch.Tensor
-    m: torch.Tensor
-    c: torch.Tensor
-    M: torch.Tensor
-    j: torch.Tensor
-    full: torch.Tensor
-
-    @classmethod
-    def of(cls, table: ZigzagRuns) -> ZigzagDeal:
-        q, m, c = table.deal()
-        world = table.world
-        passes = table.size.shape[1] // world
-        return cls(world, passes, q, m, c, m // world, m % world, q > 0)
-
-    @property
-    def length(self) -> torch.Tensor:
-        return self.q * self.passes * self.world + self.m
-
-    def pos(self, parity: torch.Tensor | int, rank: torch.Tensor | int) -> torch.Tensor:
-        """Where rank ``rank``'s chunk sits in a pass of that parity (elementwise)."""
-        rank = torch.as_tensor(rank)
-        return torch.where(torch.as_tensor(parity) % 2 == 0, rank, self.world - 1 - rank)
-
-    def in_j(self, rank: int) -> torch.Tensor:
-        """``[R]`` bool: whether ``rank`` is in each run's ``J``."""
-        c, j, w = self.c, self.j, self.world
-        return count_below(c, j, w, rank + 1) > count_below(c, j, w, rank)
-
-    def nonempty(self, rank: int) -> torch.Tensor:
-        """``[R]``: how many of ``rank``'s chunks of each run are non-empty."""
-        return torch.where(self.full, self.passes, self.M + self.in_j(rank))
-
-    def short(self) -> tuple[torch.Tensor, ...]:
-        """The short runs' ``M``, ``c``, ``j`` (padding runs among them: they hold nothing)."""
-        s = ~self.full
-        return self.M[s], self.c[s], self.j[s]
+from cpshard.planning.zigzag_deal import ZigzagDeal
 
 
 def reach_of(deal: ZigzagDeal, rank: int, causal: bool) -> torch.Tensor:
@@ -124,7 +73,7 @@ def needed_without_window(deal: ZigzagDeal, causal: bool) -> torch.Tensor:
     return full + in_last + outside
 
 
-def served_without_window(table: ZigzagRuns, deal: ZigzagDeal, causal: bool) -> torch.Tensor:
+def served_without_window(deal: ZigzagDeal, causal: bool) -> torch.Tensor:
     """``[W]``: every rank's tokens counted once per rank that needs them, over the runs."""
     w, last = deal.world, deal.passes - 1
     ranks = torch.arange(w)
@@ -134,7 +83,7 @@ def served_without_window(table: ZigzagRuns, deal: ZigzagDeal, causal: bool) -> 
         return (holders * tokens).sum() + cyclic_cover(deal.c, deal.j, w, weight=holders)[0]
     # full runs: every rank needs every chunk of the earlier passes; of the last pass, the
     # chunks at or before its own
-    sums = table.pass_sums(deal.full.long(), 2)[1]  # [K, W]
+    sums = deal.pass_sums(deal.full.long(), 2)[1]  # [K, W]
     full = sums[:-1].sum(0) * w + sums[-1] * (w - deal.pos(last, ranks))
     # short runs: passes before M - 1 are needed by all; in pass M - 1, rank q's chunk by J and
     # by the ranks outside J whose chunk comes at or after it; in pass M (q in J), by J's

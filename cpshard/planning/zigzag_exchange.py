@@ -20,7 +20,6 @@ import torch
 
 from cpshard.planning.row_tables import ClosedExchange, received_rows
 from cpshard.planning.zigzag_counts import (
-    ZigzagDeal,
     needed_without_window,
     reach_of,
     sent_by,
@@ -56,9 +55,10 @@ class ZigzagRowTables:
         (its tokens in ``r'``'s interval: its chunks ascend with the passes), by ``r'``, then
         document."""
         t, rank = self.table, self.rank
-        nonempty, world = t.nonempty(), t.world
+        deal, world = t.deal(), t.world
+        nonempty = deal.every_nonempty()
         holds = nonempty > 0
-        own = t.own_sizes(rank)  # [R, K]
+        own = deal.own_sizes(rank)  # [R, K]
         if self.causal:
             at = (nonempty - 1).clamp_(min=0)
             mine_first = _orders(world, own.shape[1], rank)[1]
@@ -75,10 +75,10 @@ class ZigzagRowTables:
         of this rank's interval (its chunks up to this rank's last one), by source, then
         document, at their buffer rows."""
         t, rank = self.table, self.rank
-        nonempty = ZigzagDeal.of(t).nonempty(rank)
+        nonempty = t.deal().nonempty(rank)
         held = nonempty > 0
         d = torch.nonzero(held).flatten()
-        mine = t.rank_sizes(d)  # [R', K, W]
+        mine = t.deal().rank_sizes(d)  # [R', K, W]
         world, passes = t.world, mine.shape[1]
         if self.causal:
             p = (nonempty[held] - 1)[:, None, None]
@@ -95,15 +95,15 @@ def zigzag_exchange(table: ZigzagRuns, rank: int, causal: bool) -> ClosedExchang
     """Rank ``rank``'s :class:`~cpshard.planning.row_tables.ClosedExchange` without a window, in
     closed form from each run's deal (:mod:`~cpshard.planning.zigzag_counts`): O(runs + W)."""
     world = table.world
-    deal = ZigzagDeal.of(table)
+    deal = table.deal()
     passes = deal.passes
-    own = table.tokens()
+    own = deal.tokens()
     received = needed_without_window(deal, causal) - own
-    sent = served_without_window(table, deal, causal) - own
+    sent = served_without_window(deal, causal) - own
 
     # Received: every source's chunks of the documents this rank holds, up to its last one:
     # the chunk sizes summed by this rank's last pass of the document (-1: holds none).
-    by_last = table.pass_sums(deal.nonempty(rank), passes + 1)
+    by_last = deal.pass_sums(deal.nonempty(rank), passes + 1)
     if causal:
         q_first = _orders(world, passes, rank)[0]
         p = torch.arange(passes)

@@ -25,7 +25,7 @@ from cpshard.batch.runs import DENSE_LOOKUPS, maximal_runs
 from cpshard.layouts import ShardLayout
 from cpshard.layouts.serpentine import ZigzagTable, chunk_ranks, owned_chunks, zigzag_table
 from cpshard.planning.coverage import Coverage
-from cpshard.planning.cyclic import cyclic_cover, in_cyclic
+from cpshard.planning.zigzag_deal import ZigzagDeal
 
 
 @dataclass(frozen=True)
@@ -122,62 +122,15 @@ class ZigzagRuns:
         """``[D]``: the table's document runs (not padding)."""
         return self._cached("docs", lambda: torch.nonzero(self.is_doc).flatten())
 
-    def deal(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per run (zeros for padding runs): the tokens ``q`` of every chunk before the extras,
-        the extras ``m`` and the counter ``c``: the ``e``-th extra widens the chunk of pass
-        ``e // W`` of rank ``(c + e) mod W``, so every rank gets ``m // W`` extras and those in
-        the cyclic interval ``[c, c + m mod W)`` one more."""
+    def deal(self) -> ZigzagDeal:
+        """Every run's deal in closed form (:class:`~cpshard.planning.zigzag_deal.ZigzagDeal`;
+        padding runs deal nothing), made once."""
 
-        def make() -> tuple[torch.Tensor, ...]:
-            n = (self.run_end - self.run_start) * self.is_doc
-            return n // self.size.shape[1], n % self.size.shape[1], self.counter
+        def make() -> ZigzagDeal:
+            length = (self.run_end - self.run_start) * self.is_doc
+            return ZigzagDeal.of(length, self.counter, self.world, self.size.shape[1])
 
         return self._cached("deal", make)
-
-    def nonempty(self) -> torch.Tensor:
-        """``[R, W]``: how many of every rank's chunks of each run are non-empty (all ``K``
-        once every chunk has a token, else its extras; 0 for padding runs), in closed form.
-        They are its first ones: the chunks of a run differ by at most a token, the extras
-        dealt pass by pass."""
-
-        def make() -> torch.Tensor:
-            q, m, c = self.deal()
-            count = (m // self.world)[:, None] + in_cyclic(c, m % self.world, self.world)
-            return count.masked_fill_((q > 0)[:, None], self.size.shape[1] // self.world)
-
-        return self._cached("nonempty", make)
-
-    def own_sizes(self, rank: int) -> torch.Tensor:
-        """``[R, K]``: rank ``rank``'s chunk of every pass of each run (0 for padding runs)."""
-        q, m, c = self.deal()
-        world, passes = self.world, self.size.shape[1] // self.world
-        first_extra = rank - c + world * (c > rank)  # (rank - c) mod W
-        extra = torch.arange(passes) * world + first_extra[:, None] < m[:, None]
-        return q[:, None] + extra
-
-    def rank_sizes(self, runs: torch.Tensor) -> torch.Tensor:
-        """``[R', K, W]``: every rank's chunk of every pass of the runs ``runs`` (pass ``t``'s
-        chunk of rank ``r``: chunk ``t W + r`` on even passes, ``t W + W - 1 - r`` on odd ones;
-        0 for padding runs)."""
-        world, passes = self.world, self.size.shape[1] // self.world
-        q, m, c = (v[runs] for v in self.deal())
-        extras = (m[:, None] - torch.arange(passes) * world).clamp_(0, world)  # [R', K]
-        cover = in_cyclic(c[:, None].expand_as(extras).reshape(-1), extras.reshape(-1), world)
-        return cover.view(-1, passes, world) + q[:, None, None]
-
-    def pass_sums(self, by: torch.Tensor, groups: int) -> torch.Tensor:
-        """``[groups, K, W]``: every rank's chunk of every pass summed over the runs of each
-        group ``by`` (``[R]``, in ``[0, groups)``): the tokens every chunk has before the extras,
-        plus how many runs of the group deal the rank an extra in the pass (each pass's extras
-        go to a cyclic interval of ranks from the counter)."""
-        world, passes = self.world, self.size.shape[1] // self.world
-        q, m, c = self.deal()
-        base = torch.zeros(groups, dtype=torch.int64).index_add_(0, by, q)
-        extras = (m[:, None] - torch.arange(passes) * world).clamp_(0, world)  # [R, K]
-        key = (by[:, None] * passes + torch.arange(passes)).reshape(-1)
-        cover = cyclic_cover(c.repeat_interleave(passes), extras.reshape(-1), world, group=key,
-                             groups=groups * passes)  # fmt: skip
-        return cover.view(groups, passes, world) + base[:, None, None]
 
     def rank_runs(self, rank: int, documents: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rank ``rank``'s runs (row, local index, length, document start, first position,
@@ -195,12 +148,8 @@ class ZigzagRuns:
         return maximal_runs(cols)[1:]  # chunks of one document that meet: one run
 
     def tokens(self) -> torch.Tensor:
-        """``[W]``: every rank's document tokens: ``K q + m // W`` of every document, plus one
-        per document whose last, partial pass of extras deals it one."""
-        q, m, c = self.deal()
-        world, passes = self.world, self.size.shape[1] // self.world
-        every = int((q * passes + m // world).sum())
-        return cyclic_cover(c, m % world, world)[0] + every
+        """``[W]``: every rank's document tokens."""
+        return self.deal().tokens()
 
     def intervals(self, causal: bool, window: int) -> tuple[torch.Tensor, ...]:
         """Every rank's key intervals with a window, one per chunk from its first query's
