@@ -103,8 +103,10 @@ PYBIND11_MODULE(_C, module) {
   module.doc() = "cpshard native core: operators are registered under torch.ops.cpshard";
 #ifdef CPSHARD_WITH_CUDA
   module.attr("cuda_kernels") = true;
+  module.attr("cuda_archs") = CPSHARD_CUDA_ARCHS;
 #else
   module.attr("cuda_kernels") = false;
+  module.attr("cuda_archs") = "";
 #endif
 #ifdef CPSHARD_WITH_NCCL
   module.attr("nccl") = true;

@@ -20,7 +20,7 @@ The package, in call order (each module imports only those after it):
   exchanges (the multi-hop halo of contiguous shards, the needed-rows all-to-all-v of any
   layout), behind the protocol of :mod:`~cpshard.attention.exchange`;
 * :mod:`~cpshard.attention.activation`: entering a step's attention (its state installed, and
-  :mod:`~cpshard.attention.mixers`: models whose token mixers it does not shard refused);
+  :mod:`cpshard.guard`: models whose token mixers it does not shard refused);
 * :mod:`~cpshard.attention.state`: the step's state (and its windows' and mask descriptions'
   states), its registry;
 * :mod:`~cpshard.attention.packing`, :mod:`~cpshard.attention.blocks`,

@@ -1,13 +1,13 @@
-"""Entering a step's CP attention: its state installed for a block, and the check that refuses
-models whose token mixers CP attention does not shard (:mod:`cpshard.attention.mixers`)."""
+"""Entering a step's CP attention: its state installed for a block, and the guard that refuses
+models whose token mixers CP attention does not shard (:mod:`cpshard.guard`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cpshard.attention.mixers import guard_models
-from cpshard.attention.state import AttentionState, current
+from cpshard.guard.models import guard_models
+from cpshard.attention.state import AttentionState, active_state, current
 
 
 @contextmanager
@@ -21,6 +21,6 @@ def activated(state: AttentionState) -> Iterator[None]:
             f"entered inside an active {outer.layout!r} one; shards of one layout cannot be "
             "attended with the other's state"
         )
-    guard_models()
+    guard_models(active_state)
     with current.scope(state):
         yield

@@ -11,7 +11,7 @@ The single-process benchmarks have commands of their own: ``cpshard kernels`` (c
 kernels next to a plain ``copy_``) and ``cpshard nccl-world1`` (the native NCCL communicator next
 to torch.distributed's at world size 1).
 
-Modules, one concept each: :mod:`~cpshard.bench.cli` (arguments, the ``cpshard`` commands),
+Modules, one concept each: :mod:`~cpshard.bench.cli` (arguments, ``cpshard bench``),
 :mod:`~cpshard.bench.config` (the validated settings), :mod:`~cpshard.bench.launch` (spawn /
 torchrun, process group), :mod:`~cpshard.bench.runtime` (what a rank's benchmarks share),
 :mod:`~cpshard.bench.suite` (the order of a run), :mod:`~cpshard.bench.timing` and

@@ -5,4 +5,4 @@ import sys
 from cpshard.bench.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main(["bench", *sys.argv[1:]]))
+    sys.exit(main(sys.argv[1:], prog="python -m cpshard.bench"))

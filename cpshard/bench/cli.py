@@ -1,16 +1,12 @@
-"""The ``cpshard`` console script: ``cpshard bench [options]`` (also ``python -m cpshard.bench``),
-the model check ``cpshard parity``, and the single-process benchmarks ``cpshard kernels`` /
-``cpshard nccl-world1`` (also
-``python -m cpshard.bench.kernels`` / ``python -m cpshard.bench.nccl_world1``), each with its own
-options."""
+"""``cpshard bench [options]`` (also ``python -m cpshard.bench``): its arguments, checked into a
+:class:`~cpshard.bench.config.BenchConfig`, and the launch. The ``cpshard`` command's other
+tools have modules of their own (:mod:`cpshard.cli` dispatches)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
-import sys
 from collections.abc import Sequence
 
 from cpshard.bench.config import (
@@ -38,19 +34,6 @@ Without a launcher it spawns --world local ranks (gloo on CPU; NCCL with one GPU
 enough GPUs are visible). Under torchrun it uses the launcher's ranks:
   torchrun --nproc-per-node 8 -m cpshard.bench --ops ragged,sequence
 """
-
-
-# command -> (module whose main(argv, prog) runs it, one-line help)
-SINGLE_PROCESS = {
-    "kernels": ("cpshard.bench.kernels", "throughput of cpshard's kernels next to copy_"),
-    "nccl-world1": (
-        "cpshard.bench.nccl_world1",
-        "native NCCL communicator vs torch.distributed at world size 1 (GPU)",
-    ),
-    "parity": ("cpshard.parity.cli", "check a model's CP training step against one process"),
-    "plan": ("cpshard.simulation.cli", "simulate every rank's step planning in one process"),
-}
-COMMANDS = ("bench", *SINGLE_PROCESS)
 
 
 def _positive_int(text: str, what: str, low: int = 1) -> int:
@@ -106,12 +89,9 @@ def _seconds(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="cpshard", description="cpshard command-line tools.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    bench = sub.add_parser(
-        "bench",
-        help="benchmark the sequence transport",
+def build_parser(prog: str = "cpshard bench") -> argparse.ArgumentParser:
+    bench = argparse.ArgumentParser(
+        prog=prog,
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -191,10 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="process-group timeout in seconds (default: 600)",
     )
-    for name, (_, what) in SINGLE_PROCESS.items():
-        sub.add_parser(name, help=f"{what} (options: cpshard {name} --help)", add_help=False)
-    parser.bench = bench  # the subcommand's parser, for its error messages
-    return parser
+    return bench
 
 
 def _check_output(parser: argparse.ArgumentParser, path: str | None, flag: str) -> None:
@@ -205,11 +182,10 @@ def _check_output(parser: argparse.ArgumentParser, path: str | None, flag: str) 
         parser.error(f"{flag}: folder {folder} does not exist")
 
 
-def parse_config(argv: Sequence[str]) -> BenchConfig:
+def parse_config(argv: Sequence[str], prog: str = "cpshard bench") -> BenchConfig:
     """``argv`` after ``bench`` as a :class:`BenchConfig`; exits with status 2 on bad values."""
-    parser = build_parser()
-    args = parser.parse_args(["bench", *argv])
-    bench_parser = parser.bench
+    bench_parser = build_parser(prog)
+    args = bench_parser.parse_args(list(argv))
     _check_output(bench_parser, args.json_path, "--json")
     _check_output(bench_parser, args.plot_path, "--plot")
     if args.plot_path is not None and importlib.util.find_spec("matplotlib") is None:
@@ -217,27 +193,15 @@ def parse_config(argv: Sequence[str]) -> BenchConfig:
             "--plot needs matplotlib, which is not installed (pip install 'cpshard[bench]'); "
             "--json writes the same figures"
         )
-    fields = {k: v for k, v in vars(args).items() if k != "command"}
+    fields = dict(vars(args))
     if fields["ops"] is None:
         fields["ops"] = FULL_OPS if args.full else DEFAULT_OPS
     return BenchConfig(**fields)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``cpshard`` console script; returns the exit status."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if not argv or argv[0] not in COMMANDS:
-        if argv and argv[0] in ("-h", "--help"):
-            parser.print_help()
-            return 0
-        parser.print_usage(sys.stderr)
-        print(f"cpshard: error: expected a command: {', '.join(COMMANDS)}", file=sys.stderr)
-        return 2
-    if argv[0] in SINGLE_PROCESS:
-        module = importlib.import_module(SINGLE_PROCESS[argv[0]][0])
-        return module.main(argv[1:], prog=f"cpshard {argv[0]}")
-    cfg = parse_config(argv[1:])
+def main(argv: Sequence[str], prog: str = "cpshard bench") -> int:
+    """``cpshard bench ARGV``: run the benchmark; returns the exit status."""
+    cfg = parse_config(argv, prog)
     from cpshard.bench.launch import launch
 
     return launch(cfg)

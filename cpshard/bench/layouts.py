@@ -32,6 +32,7 @@ from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
 from cpshard.comm.torch_compat import all_gather_single
 from cpshard.layouts import DATA_DEPENDENT_LAYOUTS
+from cpshard.layouts.owners import owner_ranks
 
 BALANCED_GOAL = 1.05  # max/mean the balanced layout must reach where the packing allows it
 
@@ -96,11 +97,6 @@ def random_row(rng: random.Random, seq_len: int, mean: float, pad_max: int = 0) 
         ids += [doc] * max(1, int(rng.expovariate(1.0 / mean)))
         doc += 1
     return ids[: seq_len - pad] + [0] * pad
-
-
-def owner_ranks(lay: ShardLayout) -> torch.Tensor:
-    """``[P]`` or ``[B, P]``: the rank that holds each position (from the rank-major inverse)."""
-    return lay.rank_major_inverse() // max(1, lay.padded_seq_len // lay.world_size)
 
 
 def max_over_mean(doc_ids: torch.Tensor, lay: ShardLayout) -> float:

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.bench.report import human_bytes
+from cpshard.byte_units import human_bytes
 from cpshard.bench.timing import time_calls
 from cpshard.comm import Group, Transport, resolve_group, transport_for
 

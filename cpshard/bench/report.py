@@ -92,15 +92,6 @@ def mib(b: float | None) -> str:
     return "-" if b is None else f"{b / 2**20:.1f}"
 
 
-def human_bytes(n: float) -> str:
-    """``n`` bytes in B, KiB or MiB: ``512 B``, ``4.0 KiB``, ``64.0 MiB``."""
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def _ratio(a: float | None, b: float | None) -> str:
     return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cpshard.bench.cases import run_case
 from cpshard.bench.config import GATHER_OPS, SECTION_OPS
-from cpshard.bench.report import human_bytes
+from cpshard.byte_units import human_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.sections import section
 from cpshard.bench.strategies import run_strategies

@@ -1,12 +1,12 @@
 """The functions transformers' hybrid layers mix tokens with, swapped for dispatchers on the
 active CP step.
 
-transformers' Gated DeltaNet and Mamba2 layers call module-level functions of their modeling
-module for what mixes tokens along the sequence (the short causal convolution, the recurrence).
-:func:`install_dispatchers` puts a dispatcher in each one's place — outside a CP attention
+transformers' hybrid layers call module-level functions of their modeling module for what
+mixes tokens along the sequence (the short causal convolution, the recurrence).
+:mod:`cpshard.integrations.hooks` puts a dispatcher in each one's place — outside a CP attention
 context the original function, inside one cpshard's per-document version over the step's shards
 (:mod:`cpshard.mixers`) — and marks the layer's class ``cpshard_sequence_mixer`` so that the
-check refusing token mixers CP does not shard lets it run. The dispatchers the families share
+guard refusing token mixers CP does not shard lets it run. The dispatchers the families share
 are here: the convolution's (:func:`causal_conv`), the padding mask's (:func:`unmasked`), a
 fused kernel's (:func:`unfused`) and the refusal of token-by-token decoding
 (:func:`decoding_refused`).
@@ -15,17 +15,16 @@ fused kernel's (:func:`unfused`) and the refusal of token-by-token decoding
 from __future__ import annotations
 
 import functools
-import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.tokens import check_recompute_found
+from cpshard.integrations.hooks import Hook, Make
 from cpshard.mixers import cp_causal_conv1d, recurrence_runs
 
-Make = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> dispatcher
 
 
 def mixing_state(what: str) -> AttentionState | None:
@@ -38,29 +37,6 @@ def mixing_state(what: str) -> AttentionState | None:
     if state is None:
         check_recompute_found(what, "hybrid layer (linear attention / state-space scan)")
     return state
-
-
-def install_dispatchers(
-    modules: Mapping[str, str], makers: Mapping[str, Make], what: str
-) -> None:
-    """For each modeling module (``{module name: layer class name}``) transformers has, replace
-    each function ``makers`` names by ``make(original)`` and mark the layer class (idempotent;
-    modules this transformers lacks are skipped). Raises ``ImportError`` (naming ``what``) when
-    a module lacks one of the functions."""
-    for name, cls_name in modules.items():
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        for attr, make in makers.items():
-            fn = getattr(module, attr, None)
-            if fn is None:
-                raise ImportError(f"{what}: {name} has no {attr}; this transformers is unsupported")
-            if not hasattr(fn, "cpshard_original"):
-                dispatcher = make(fn)
-                dispatcher.cpshard_original = fn  # type: ignore[attr-defined]
-                setattr(module, attr, dispatcher)
-        getattr(module, cls_name).cpshard_sequence_mixer = True
 
 
 def causal_conv(what: str) -> Make:
@@ -82,6 +58,8 @@ def causal_conv(what: str) -> Make:
             if state is None:
                 return original(hidden_states, weight, bias, activation=activation, **kwargs)
             recurrence_runs(state, what)
+            if hidden_states.shape[-1] != state.local_len:  # a cache's states prepended
+                raise cache_refused(state, what, "convolution")
             x = hidden_states.transpose(1, 2).to(weight.dtype)  # [B, L, C]
             y = cp_causal_conv1d(x, weight, bias, state, activation)
             return y.transpose(1, 2).to(hidden_states.dtype)
@@ -150,3 +128,20 @@ def unfused(what: str) -> Make:
         return fused_or_none
 
     return make
+
+
+# The leading parameters the shared dispatchers pass on to transformers' functions.
+CONV_PARAMS = ("hidden_states", "weight", "bias", "activation")
+MASK_PARAMS = ("hidden_states", "attention_mask")
+
+
+def conv_hook(what: str) -> Hook:
+    return Hook(causal_conv(what), CONV_PARAMS)
+
+
+def mask_hook(what: str) -> Hook:
+    return Hook(unmasked(what), MASK_PARAMS)
+
+
+def decoding_hook(what: str, layer: str) -> Hook:
+    return Hook(decoding_refused(what, layer))

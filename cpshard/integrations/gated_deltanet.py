@@ -3,7 +3,7 @@ with no change to the model.
 
 Those layers call two functions of their modeling module: ``causal_conv1d_fn`` (the short
 convolution in front of the recurrence) and ``torch_chunk_gated_delta_rule`` (the recurrence).
-:func:`install` puts a dispatcher in their place (:mod:`cpshard.integrations.dispatch`): outside
+:data:`FAMILY` puts a dispatcher in their place (:mod:`cpshard.integrations.dispatch`): outside
 a CP attention context it is the original function; inside one it is cpshard's per-document
 convolution and gated delta rule over the step's shards (:mod:`cpshard.mixers`), states carried
 across ranks. A cached (generation) call under CP is refused: CP shards training steps.
@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from cpshard.integrations.dispatch import causal_conv, install_dispatchers, mixing_state
+from cpshard.integrations.dispatch import conv_hook, mixing_state
+from cpshard.integrations.hooks import Family, Hook
 from cpshard.mixers import cp_gated_delta_rule, recurrence_runs
 
 _WHAT = "cpshard.integrations.transformers (Gated DeltaNet)"
@@ -65,11 +66,16 @@ def _rule(original: Callable[..., Any]) -> Callable[..., Any]:
     return torch_chunk_gated_delta_rule
 
 
-def install() -> None:
-    """Put the dispatchers into every Gated DeltaNet modeling module transformers has and mark
-    its layer class (idempotent; modules this transformers lacks are skipped)."""
-    install_dispatchers(
-        MODULES,
-        {"causal_conv1d_fn": causal_conv(_WHAT), "torch_chunk_gated_delta_rule": _rule},
-        _WHAT,
-    )
+_RULE_PARAMS = (
+    "query", "key", "value", "g", "beta", "chunk_size", "initial_state", "output_final_state",
+    "use_qk_l2norm_in_kernel",
+)  # fmt: skip
+
+FAMILY = Family(
+    "Gated DeltaNet",
+    MODULES,
+    functions={
+        "causal_conv1d_fn": conv_hook(_WHAT),
+        "torch_chunk_gated_delta_rule": Hook(_rule, _RULE_PARAMS),
+    },
+)

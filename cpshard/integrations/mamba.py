@@ -3,7 +3,7 @@ Mamba v1's selective scan) under CP, with no change to the model.
 
 The layer projects its input, convolves it causally, makes the scan's step, ``B`` and ``C``
 from it, runs the selective scan and gates it, all in its own forward except for the functions
-of its modeling module it calls for the token mixing. :func:`install` puts dispatchers in their
+of its modeling module it calls for the token mixing. :data:`FAMILY` puts dispatchers in their
 place (:mod:`cpshard.integrations.dispatch`); outside a CP attention context each is the
 original function, inside one:
 
@@ -12,8 +12,8 @@ original function, inside one:
 * ``mamba_selective_scan``: the step made as the original makes it (bias, softplus), then
   :func:`cpshard.mixers.cp_selective_scan`, states carried across ranks, then the ``D`` term
   and the gate as the original applies them;
-* ``mamba_inner_fn`` (a fused kernel, when one is installed): None, so the layer takes the path
-  above;
+* ``mamba_inner_fn`` (a fused kernel, when one is installed; releases whose layer has no fused
+  path have no such function): None, so the layer takes the path above;
 * ``apply_mask_to_padding_states``: the hidden states unmasked (the step's documents say which
   tokens are padding);
 * ``causal_conv1d_update`` and ``mamba_selective_state_update`` (token-by-token decoding), and
@@ -31,13 +31,13 @@ import torch.nn.functional as F
 
 from cpshard.integrations.dispatch import (
     cache_refused,
-    causal_conv,
-    decoding_refused,
-    install_dispatchers,
+    conv_hook,
+    decoding_hook,
+    mask_hook,
     mixing_state,
     unfused,
-    unmasked,
 )
+from cpshard.integrations.hooks import Family, Hook
 from cpshard.mixers import cp_selective_scan, recurrence_runs
 
 _WHAT = "cpshard.integrations.transformers (Mamba)"
@@ -87,18 +87,20 @@ def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
     return mamba_selective_scan
 
 
-def install() -> None:
-    """Put the dispatchers into every Mamba modeling module transformers has and mark its layer
-    class (idempotent; modules this transformers lacks are skipped)."""
-    install_dispatchers(
-        MODULES,
-        {
-            "apply_mask_to_padding_states": unmasked(_WHAT),
-            "causal_conv1d_fn": causal_conv(_WHAT),
-            "mamba_inner_fn": unfused(_WHAT),
-            "mamba_selective_scan": _scan,
-            "causal_conv1d_update": decoding_refused(_WHAT, "Mamba"),
-            "mamba_selective_state_update": decoding_refused(_WHAT, "Mamba"),
-        },
-        _WHAT,
-    )
+_SCAN_PARAMS = (
+    "hidden_states", "dt", "A", "B", "C", "D", "z", "delta_bias", "delta_softplus",
+    "return_last_state",
+)  # fmt: skip
+
+FAMILY = Family(
+    "Mamba",
+    MODULES,
+    functions={
+        "apply_mask_to_padding_states": mask_hook(_WHAT),
+        "causal_conv1d_fn": conv_hook(_WHAT),
+        "mamba_selective_scan": Hook(_scan, _SCAN_PARAMS),
+        "causal_conv1d_update": decoding_hook(_WHAT, "Mamba"),
+        "mamba_selective_state_update": decoding_hook(_WHAT, "Mamba"),
+    },
+    fused={"mamba_inner_fn": unfused(_WHAT)},
+)

@@ -3,7 +3,7 @@ GraniteMoeHybrid, Zamba2 and Falcon-H1 hybrids) under CP, with no change to the 
 
 The layer projects its input, convolves the x, B and C channels causally, runs the state-space
 recurrence (SSD) and a gated norm, all in its own forward, except for the functions of its
-modeling module it calls for the token mixing. :func:`install` puts dispatchers in their place
+modeling module it calls for the token mixing. :data:`FAMILY` puts dispatchers in their place
 (:mod:`cpshard.integrations.dispatch`); outside a CP attention context each is the original
 function, inside one:
 
@@ -30,13 +30,13 @@ import torch.nn.functional as F
 
 from cpshard.integrations.dispatch import (
     cache_refused,
-    causal_conv,
-    decoding_refused,
-    install_dispatchers,
+    conv_hook,
+    decoding_hook,
+    mask_hook,
     mixing_state,
     unfused,
-    unmasked,
 )
+from cpshard.integrations.hooks import Family, Hook
 from cpshard.mixers import cp_ssd, recurrence_runs
 
 _WHAT = "cpshard.integrations.transformers (Mamba2)"
@@ -88,18 +88,20 @@ def _scan(original: Callable[..., Any]) -> Callable[..., Any]:
     return mamba2_chunk_scan
 
 
-def install() -> None:
-    """Put the dispatchers into every Mamba2 modeling module transformers has and mark its layer
-    class (idempotent; modules this transformers lacks are skipped)."""
-    install_dispatchers(
-        MODULES,
-        {
-            "apply_mask_to_padding_states": unmasked(_WHAT),
-            "causal_conv1d_fn": causal_conv(_WHAT),
-            "mamba2_split_conv1d_scan_combined": unfused(_WHAT),
-            "mamba2_chunk_scan": _scan,
-            "causal_conv1d_update": decoding_refused(_WHAT, "Mamba2"),
-            "mamba2_selective_state_update": decoding_refused(_WHAT, "Mamba2"),
-        },
-        _WHAT,
-    )
+_SCAN_PARAMS = (
+    "hidden_states", "dt", "A", "B", "C", "chunk_size", "D", "dt_bias", "initial_states",
+    "dt_softplus", "dt_limit", "return_final_states",
+)  # fmt: skip
+
+FAMILY = Family(
+    "Mamba2",
+    MODULES,
+    functions={
+        "apply_mask_to_padding_states": mask_hook(_WHAT),
+        "causal_conv1d_fn": conv_hook(_WHAT),
+        "mamba2_chunk_scan": Hook(_scan, _SCAN_PARAMS),
+        "causal_conv1d_update": decoding_hook(_WHAT, "Mamba2"),
+        "mamba2_selective_state_update": decoding_hook(_WHAT, "Mamba2"),
+    },
+    fused={"mamba2_split_conv1d_scan_combined": unfused(_WHAT)},
+)

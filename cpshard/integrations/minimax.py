@@ -3,7 +3,7 @@ softmax-attention layers) under CP, with no change to the model.
 
 Unlike the other hybrid layers, MiniMax's lightning attention computes its recurrence inline in
 its ``forward`` (block by block, with the decay tables it keeps as buffers), calling no function
-of its modeling module that a dispatcher could replace. :func:`install` therefore puts a
+of its modeling module that a dispatcher could replace. :data:`FAMILY` therefore puts a
 dispatcher in place of the layer class's ``forward``: outside a CP attention context it is the
 original method; inside one it runs the layer's own projections, activation, output norm and
 gate around :func:`cpshard.mixers.cp_lightning_attention` (each document from a zero state, its
@@ -15,7 +15,6 @@ document); a cached (generation) call is refused, CP shards training steps.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from cpshard.integrations.dispatch import cache_refused, mixing_state
+from cpshard.integrations.hooks import Family, Hook
 from cpshard.mixers import cp_lightning_attention, recurrence_runs
 
 _WHAT = "cpshard.integrations.transformers (lightning attention)"
@@ -60,18 +60,10 @@ def _forward(original: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
-def install() -> None:
-    """Put the dispatcher in place of the lightning attention's ``forward`` in every modeling
-    module transformers has that holds it, and mark the class (idempotent; modules this
-    transformers lacks are skipped)."""
-    for name, cls_name in MODULES.items():
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        cls = getattr(module, cls_name)
-        if not hasattr(cls.forward, "cpshard_original"):
-            dispatcher = _forward(cls.forward)
-            dispatcher.cpshard_original = cls.forward  # type: ignore[attr-defined]
-            cls.forward = dispatcher
-        cls.cpshard_sequence_mixer = True
+FAMILY = Family(
+    "lightning attention",
+    MODULES,
+    methods={
+        "forward": Hook(_forward, ("self", "hidden_states", "position_embeddings", "attention_mask"))
+    },
+)

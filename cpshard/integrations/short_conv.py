@@ -3,7 +3,7 @@ convolution over the sequence, with no recurrence) under CP, with no change to t
 
 The layer projects its input into two gates and a value, convolves the gated value causally and
 gates the result, all in its own forward except for the functions of its modeling module it calls
-for the token mixing. :func:`install` puts dispatchers in their place
+for the token mixing. :data:`FAMILY` puts dispatchers in their place
 (:mod:`cpshard.integrations.dispatch`); outside a CP attention context each is the original
 function, inside one:
 
@@ -16,12 +16,8 @@ function, inside one:
 
 from __future__ import annotations
 
-from cpshard.integrations.dispatch import (
-    causal_conv,
-    decoding_refused,
-    install_dispatchers,
-    unmasked,
-)
+from cpshard.integrations.dispatch import conv_hook, decoding_hook, mask_hook
+from cpshard.integrations.hooks import Family
 
 _WHAT = "cpshard.integrations.transformers (short convolution)"
 # modeling module -> the short-convolution layer class in it
@@ -32,15 +28,12 @@ MODULES = {
 }
 
 
-def install() -> None:
-    """Put the dispatchers into every short-convolution modeling module transformers has and
-    mark its layer class (idempotent; modules this transformers lacks are skipped)."""
-    install_dispatchers(
-        MODULES,
-        {
-            "apply_mask_to_padding_states": unmasked(_WHAT),
-            "causal_conv1d_fn": causal_conv(_WHAT),
-            "causal_conv1d_update": decoding_refused(_WHAT, "short convolution"),
-        },
-        _WHAT,
-    )
+FAMILY = Family(
+    "short convolution",
+    MODULES,
+    functions={
+        "apply_mask_to_padding_states": mask_hook(_WHAT),
+        "causal_conv1d_fn": conv_hook(_WHAT),
+        "causal_conv1d_update": decoding_hook(_WHAT, "short convolution"),
+    },
+)

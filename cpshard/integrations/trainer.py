@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpshard.attention.mixers import unsharded_mixer
+from cpshard.guard.models import unsharded_mixer
 from cpshard.comm import Group, resolve_group
 from cpshard.comm.reduce import all_reduce_sum_
 from cpshard.consensus import agree

@@ -27,7 +27,17 @@ from cpshard.attention.plain import plain_attention
 from cpshard.attention.state import active_state, current
 from cpshard.attention.tokens import check_outside, check_recompute_found, state_for_tokens
 from cpshard.batch.token_types import step_token_types
-from cpshard.integrations import gated_deltanet, mamba, mamba2, minimax, short_conv, token_types
+from cpshard.integrations import (
+    gated_deltanet,
+    hooks,
+    llama4,
+    mamba,
+    mamba2,
+    minimax,
+    refused_layers,
+    short_conv,
+    token_types,
+)
 from cpshard.integrations.masks import DescribedMask, step_mask
 from cpshard.integrations.token_types import register_vlm
 from cpshard.vision import maybe_distribute_visual
@@ -48,6 +58,15 @@ _UNSUPPORTED = ("position_bias",)
 # The ones it implements, which transformers' "sdpa" does not: outside CP cpshard's plain
 # attention serves a call that passes one.
 _EAGER_ONLY = ("softcap", "s_aux")
+# The hooked families, in the order register() installs them.
+FAMILIES = (
+    gated_deltanet.FAMILY,  # Qwen3.5 / Qwen3-Next linear attention
+    mamba.FAMILY,  # the Mamba (v1) layers of Mamba, Falcon-Mamba and Jamba
+    mamba2.FAMILY,  # the Mamba2 layers of Mamba2 and its hybrids
+    short_conv.FAMILY,  # LFM2's short convolutions
+    minimax.FAMILY,  # MiniMax's lightning attention
+    llama4.FAMILY,  # Llama 4's attention temperature on document positions
+)
 
 
 # ------------------------------------------------------------------ the active CP step
@@ -122,6 +141,7 @@ def cpshard_attention(
         mask, attention_mask = attention_mask.for_layer(causal, window), None
         if mask is not None:  # it states the causality and window: the layer's must not narrow it
             causal, window = None, None
+    query = llama4.scaled_queries(module, query, position_ids, f"{_WHAT}: rank {_cp_rank()}")
     out = cp_attention(
         query,
         key,
@@ -194,12 +214,18 @@ def _cpshard_mask(*args: Any, **kwargs: Any) -> torch.Tensor | DescribedMask | N
 
 def register() -> None:
     """Register the attention implementation ``"cpshard"`` (and its mask builder) with
-    transformers, so that ``model.set_attn_implementation("cpshard")`` selects it, and make the
-    Gated DeltaNet layers of its hybrid models (:mod:`cpshard.integrations.gated_deltanet`), its
-    Mamba layers (:mod:`cpshard.integrations.mamba`, :mod:`cpshard.integrations.mamba2`), its
-    short convolutions (:mod:`cpshard.integrations.short_conv`) and MiniMax's lightning attention
-    (:mod:`cpshard.integrations.minimax`) shard-aware under CP; every VLM whose attention
-    implementation becomes ``"cpshard"`` is registered (:func:`register_vlm`). Idempotent."""
+    transformers, so that ``model.set_attn_implementation("cpshard")`` selects it, and install
+    cpshard's hooks family by family (:mod:`cpshard.integrations.hooks`): the Gated DeltaNet
+    layers of its hybrid models (:mod:`cpshard.integrations.gated_deltanet`), its Mamba layers
+    (:mod:`cpshard.integrations.mamba`, :mod:`cpshard.integrations.mamba2`), its short
+    convolutions (:mod:`cpshard.integrations.short_conv`), MiniMax's lightning attention
+    (:mod:`cpshard.integrations.minimax`) and Llama 4's attention temperature
+    (:mod:`cpshard.integrations.llama4`). A family whose modeling module does not match this
+    transformers is left alone and its models are refused under CP, saying why; every other
+    family works. Layers cpshard cannot shard (sparse-attention indexers, attention written in
+    the model's own code) are refused under CP with the reason
+    (:mod:`cpshard.integrations.refused_layers`); every VLM whose attention implementation
+    becomes ``"cpshard"`` is registered (:func:`register_vlm`). Idempotent."""
     try:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
@@ -209,11 +235,9 @@ def register() -> None:
         ) from exc
     AttentionInterface.register(ATTN_IMPLEMENTATION, cpshard_attention)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _cpshard_mask)
-    gated_deltanet.install()  # Qwen3.5 / Qwen3-Next linear attention under CP
-    mamba.install()  # the Mamba (v1) layers of Mamba, Falcon-Mamba and Jamba under CP
-    mamba2.install()  # the Mamba2 layers of Mamba2 and its hybrids under CP
-    short_conv.install()  # LFM2's short convolutions under CP
-    minimax.install()  # MiniMax's lightning attention under CP
+    for family in FAMILIES:
+        hooks.install(family)
+    refused_layers.refuse()
     token_types.install(ATTN_IMPLEMENTATION)  # VLMs selected for CP: their masks' token types
 
 

@@ -8,11 +8,15 @@ per-rank positions a :class:`~cpshard.layouts.ShardLayout` carries.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from cpshard.ranges import ragged_arange
 from cpshard.validation import is_int
+
+if TYPE_CHECKING:
+    from cpshard.layouts.record import ShardLayout
 
 __all__ = [
     "Piece",
@@ -20,6 +24,7 @@ __all__ = [
     "check_doc_ids",
     "flat_pieces",
     "owner_of_pieces",
+    "owner_ranks",
     "owner_row",
     "owner_to_indices",
     "pieces_to_indices",
@@ -142,3 +147,9 @@ def _rank_major(
     row, start, length, rank = (t[order] for t in (row, start, length, rank))
     q = torch.cumsum(length, 0).sub_(length).sub_((rank * rows + row) * per_rank)
     return rank, row, start, length, q  # every (rank, row) holds per_rank: q restarts each
+
+
+def owner_ranks(lay: ShardLayout) -> torch.Tensor:
+    """``[P]`` or ``[B, P]``: the rank that holds each position of ``lay`` (from its rank-major
+    inverse)."""
+    return lay.rank_major_inverse() // max(1, lay.padded_seq_len // lay.world_size)

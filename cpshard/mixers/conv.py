@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpshard.attention.reach import note_cpshard_mixing
+from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.attention.state import AttentionState
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from cpshard.attention.reach import note_cpshard_mixing
+from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.comm import Group
 from cpshard.mixers.carry import carry_states
 from cpshard.mixers.chunks import ChunkTable, from_chunks, run_table, to_chunks

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.mixers import auditing
+from cpshard.guard.models import auditing
 
 
 @dataclass
@@ -66,7 +66,7 @@ def _aligned(t: Any, batch: int, tokens: int) -> bool:
 @contextmanager
 def recording(model: torch.nn.Module, batch: int, tokens: int) -> Iterator[Record]:
     """Record every submodule call of ``model`` whose tensors are ``[batch, tokens, ...]`` (not
-    the calls of cpshard's check of a model's first CP forward, :mod:`cpshard.attention.mixers`,
+    the calls of cpshard's check of a model's first CP forward, :mod:`cpshard.guard.models`,
     which re-runs it)."""
     record = Record()
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from cpshard.attention.state import STRATEGIES
-from cpshard.bench.report import human_bytes
+from cpshard.byte_units import human_bytes
 from cpshard.cli_args import mesh_shape
 from cpshard.layouts import LAYOUTS
 from cpshard.simulation.documents import document_ids, document_lengths

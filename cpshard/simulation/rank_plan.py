@@ -18,7 +18,7 @@ from cpshard.attention.needed_rows import NeededRowsExchange
 from cpshard.attention.head_split import split_heads
 from cpshard.attention.state import AttentionState, HeadParallel, active_state
 from cpshard.attention.strategy import chosen_strategy, strategy_bytes
-from cpshard.bench.layouts import owner_ranks
+from cpshard.layouts.owners import owner_ranks
 from cpshard.layouts import ShardLayout
 from cpshard.planning.head_parallel import head_parallel_kinds
 from cpshard.sharder import ContextParallelSharder

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from cpshard.bench.cases import halo_windows, ragged_counts
-from cpshard.bench.cli import main, parse_config
+from cpshard.bench.cli import parse_config
+from cpshard.cli import main
 from cpshard.bench.config import DEFAULT_OPS, FULL_OPS, BenchConfig
 
 

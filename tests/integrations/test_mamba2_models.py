@@ -37,6 +37,8 @@ from tests.integrations.harness import (
 
 pytest.importorskip("transformers")
 
+from cpshard.integrations import mamba2  # noqa: E402
+
 MODELS = {
     "mamba2": "transformers.models.mamba2.modeling_mamba2",
     "nemotron_h": "transformers.models.nemotron_h.modeling_nemotron_h",

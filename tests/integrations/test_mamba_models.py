@@ -33,6 +33,8 @@ from tests.integrations.harness import (
 
 pytest.importorskip("transformers")
 
+from cpshard.integrations import mamba  # noqa: E402
+
 MODELS = {
     "mamba": "transformers.models.mamba.modeling_mamba",
     "jamba": "transformers.models.jamba.modeling_jamba",
@@ -128,4 +130,4 @@ def test_outside_cp_the_layers_run_transformers_code(family: str) -> None:
     """With cpshard's dispatchers installed, a model outside CP gives exactly what it gives with
     transformers' own functions, in training (the fused-kernel entry taken first) and with a
     padding mask."""
-    check_outside_cp_runs_transformers_code(_model(family), MODELS[family], 6)
+    check_outside_cp_runs_transformers_code(_model(family), MODELS[family], mamba.FAMILY)

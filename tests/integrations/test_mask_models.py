@@ -67,7 +67,8 @@ def _gemma_norm(self, x: torch.Tensor) -> torch.Tensor:
 
 def _llama4_norm(self, x: torch.Tensor) -> torch.Tensor:
     """Llama 4's RMS norm in float64 (transformers' computes in float32)."""
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+    eps = self.eps if hasattr(self, "eps") else self.variance_epsilon  # renamed in 5.25
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def _model(family: str) -> torch.nn.Module:

@@ -14,7 +14,10 @@ FSDP2 in one CP run):
   norms 6e-9, parameters 3e-7 after four AdamW steps; a CP error is orders of magnitude more);
 * every step's logged loss and the evaluation loss: relative 1e-6, since the trainers log the
   loss in float32 (transformers' causal-LM loss casts the logits to float32);
-* the logged token counts exactly;
+* the logged token counts exactly (each must be logged by both);
+* that CP ran: each training forward of a CP run saw its batch split ``cp`` ways (the plain
+  run's batch length over ``cp``, up to the layout's padding), and that FSDP2 applied: its
+  run's parameters are DTensors (the DDP runs' are not);
 * a checkpoint saved under CP loads as a plain model with the trained parameters;
 * ``CPTrainer`` on a model loaded sharded by FSDP2 over all four ranks equals the same reference.
 
@@ -44,8 +47,8 @@ import tiny_training  # noqa: E402
 
 PARAM_TOL = {"trainer": 1e-9, "sft": 1e-6}
 LOSS_TOL = 1e-6
-# per-step entries that must be equal, not close: what is counted
-COUNTS = ("num_input_tokens_seen", "num_tokens")
+# per-step entries each trainer logs that must be there and be equal, not close: what is counted
+COUNTS = {"trainer": ("num_input_tokens_seen",), "sft": ("num_input_tokens_seen", "num_tokens")}
 
 
 def _launched(rank: int, world: int) -> None:
@@ -77,18 +80,41 @@ def _fsdp2_model(rank: int, world: int, out: str) -> torch.nn.Module:
     )
 
 
+def _count_training_tokens(model: torch.nn.Module) -> list[int]:
+    """The tokens of each training forward of ``model`` (its ``input_ids``' last dim), filled as
+    it trains (not the calls of cpshard's own check of a model's first CP forward)."""
+    from cpshard.guard.models import auditing
+
+    seen: list[int] = []
+
+    def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if module.training and not auditing():
+            seen.append(int(kwargs["input_ids"].shape[-1]))
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
+
+
 def _runs(rank: int, world: int, runs: list[tuple[str, int | None]], out: str) -> dict:
-    """Each ``(kind, cp_size)`` of ``runs`` trained on this rank; rank 0's results."""
+    """Each ``(kind, cp_size)`` of ``runs`` trained on this rank; rank 0's results, with the
+    tokens of each of its training forwards and whether every parameter is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
     results = {}
     for kind, cp in runs:
         _launched(rank, world)
         folder = os.path.join(out, f"{kind}-{cp}")
         if kind == FSDP2:
             model = _fsdp2_model(rank, world, out)
-            results[kind, cp] = tiny_training.train("trainer", cp, folder, model=model)
-            continue
-        save = folder + "-model" if cp is not None else None
-        results[kind, cp] = tiny_training.train(kind, cp, folder, save_to=save)
+            save, trainer_kind = None, "trainer"
+        else:
+            model = tiny_training.tiny_llama()
+            save, trainer_kind = (folder + "-model" if cp is not None else None), kind
+        tokens = _count_training_tokens(model)
+        result = tiny_training.train(trainer_kind, cp, folder, save_to=save, model=model)
+        result["tokens"] = tokens
+        result["dtensors"] = all(isinstance(p, DTensor) for p in model.parameters())
+        results[kind, cp] = result
     return results if rank == 0 else {}
 
 
@@ -100,16 +126,23 @@ def _steps(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in log if "grad_norm" in e]
 
 
-def check_same_training(cp: dict[str, Any], plain: dict[str, Any], param_tol: float) -> None:
-    """The CP run's parameters, gradient norms, losses, counts and evaluation loss equal the
-    plain run's."""
+def check_same_training(
+    cp: dict[str, Any], plain: dict[str, Any], param_tol: float, kind: str, cp_size: int
+) -> None:
+    """The CP run sharded every training batch over its ``cp_size`` ranks (each forward saw the
+    plain run's batch split ``cp_size`` ways, padded at most to a multiple of ``2 * cp_size``),
+    and its parameters, gradient norms, losses, counts and evaluation loss equal the plain
+    run's."""
+    assert len(cp["tokens"]) == len(plain["tokens"]) == 8  # 4 steps x 2 accumulated batches
+    for i, (shard, whole) in enumerate(zip(cp["tokens"], plain["tokens"], strict=True)):
+        assert whole <= shard * cp_size < whole + 2 * cp_size, (i, shard, whole, cp_size)
     cp_steps, plain_steps = _steps(cp["log"]), _steps(plain["log"])
     assert len(cp_steps) == len(plain_steps) == 4
     for i, (a, b) in enumerate(zip(cp_steps, plain_steps, strict=True)):
         assert abs(a["grad_norm"] - b["grad_norm"]) <= param_tol * abs(b["grad_norm"]), (i, a, b)
         assert abs(a["loss"] - b["loss"]) <= LOSS_TOL * abs(b["loss"]), (i, a, b)
-        for key in COUNTS:
-            assert a.get(key) == b.get(key), (i, key, a, b)
+        for key in COUNTS[kind]:
+            assert key in a and key in b and a[key] == b[key], (i, key, a, b)
     assert any(s["grad_norm"] > tiny_training.CLIP for s in plain_steps), "no step was clipped"
     assert abs(cp["eval_loss"] - plain["eval_loss"]) <= LOSS_TOL * abs(plain["eval_loss"])
     assert cp["params"].keys() == plain["params"].keys()
@@ -139,13 +172,18 @@ def trained(pools, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("kind", tiny_training.KINDS)
 @pytest.mark.parametrize("dp, cp", [(2, 2), (1, 4)])
 def test_cp_trains_and_evaluates_like_the_plain_trainer(trained, kind, dp, cp):
-    check_same_training(trained[kind, dp, cp], trained[kind, dp, None], PARAM_TOL[kind])
+    check_same_training(trained[kind, dp, cp], trained[kind, dp, None], PARAM_TOL[kind], kind, cp)
+    assert not trained[kind, dp, cp]["dtensors"]  # DDP: plain parameters
 
 
 def test_cp_under_fsdp2_trains_like_the_plain_trainer(trained):
-    """FSDP2 over all four ranks (the model loaded sharded) at (dp, cp) = (2, 2) against the
-    plain Trainer at dp = 2 with DDP: FSDP2's averaging over every rank is the reduction."""
-    check_same_training(trained[FSDP2, 2, 2], trained["trainer", 2, None], PARAM_TOL["trainer"])
+    """FSDP2 over all four ranks (the model loaded sharded: every parameter a DTensor) at
+    (dp, cp) = (2, 2) against the plain Trainer at dp = 2 with DDP: FSDP2's averaging over every
+    rank is the reduction."""
+    assert trained[FSDP2, 2, 2]["dtensors"]
+    check_same_training(
+        trained[FSDP2, 2, 2], trained["trainer", 2, None], PARAM_TOL["trainer"], "trainer", 2
+    )
 
 
 @pytest.mark.parametrize("kind", tiny_training.KINDS)

@@ -206,7 +206,7 @@ def test_fsdp_meshes_exact(pools) -> None:
 def _command(*args: str) -> subprocess.CompletedProcess:
     """``cpshard ARGS`` as the installed console script runs it (its entry point, from this
     checkout's package)."""
-    script = "import sys; from cpshard.bench.cli import main; sys.exit(main())"
+    script = "import sys; from cpshard.cli import main; sys.exit(main())"
     return subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
@@ -218,7 +218,7 @@ def _command(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_console_script_is_the_entry_point_run_here() -> None:
-    assert 'cpshard = "cpshard.bench.cli:main"' in (REPO / "pyproject.toml").read_text()
+    assert 'cpshard = "cpshard.cli:main"' in (REPO / "pyproject.toml").read_text()
 
 
 def test_command_exits_1_naming_the_module_that_mixes_without_cpshard() -> None:
@@ -260,7 +260,7 @@ def test_bad_arguments_exit_2_before_any_case_runs(args: list[str], said: str, c
     """Arguments that name nothing runnable are refused as arguments (exit 2, the option
     named), not run as cases that crash or 'differ' (a negative tolerance would call every
     case different and blame a module)."""
-    from cpshard.bench.cli import main
+    from cpshard.cli import main
 
     argv = ["parity", "--model", "LlamaForCausalLM", *args]
     try:

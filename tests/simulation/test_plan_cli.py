@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from cpshard.bench.cli import main
+from cpshard.cli import main
 
 
 def test_plan_writes_every_figure(tmp_path, capsys) -> None:

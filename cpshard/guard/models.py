@@ -10,11 +10,12 @@ what is such a layer; two checks do, the first time a model runs inside a CP con
 
 * **before it runs** (:func:`check_model`): modules whose parameters make them a mixer over the
   sequence — ``nn.Conv1d`` with a kernel longer than one token, ``nn.RNNBase`` (LSTM, GRU, RNN) —
-  raise, naming the module, before anything is computed;
+  raise, naming the module, before anything is computed; so do layers an integration listed
+  as refused in this environment (:mod:`cpshard.guard.refusals`), with the integration's reason;
 * **when its forward returns** (the audit): the forward is run again, eagerly and without
   gradient, recording every module call and which of them reached cpshard's token mixing
-  (:mod:`cpshard.attention.reach`). Every call that did not is probed as it returns
-  (:mod:`cpshard.attention.probe`): re-run with one token changed, a call whose other tokens'
+  (:mod:`cpshard.guard.reach`). Every call that did not is probed as it returns
+  (:mod:`cpshard.guard.probe`): re-run with one token changed, a call whose other tokens'
   outputs change mixes tokens without cpshard. Under the calls that reached cpshard (or the
   model itself when none did) the innermost such call is named, and every rank raises (one
   consensus round over the host channel) instead of returning the step's result.
@@ -31,7 +32,7 @@ forward with side effects outside the model (a cache object passed in, module ho
 calls) sees them again; :func:`auditing` tells such a hook the calls are the audit's. Mixing
 inside a module whose own code also calls cpshard (an attention layer that adds, in the same
 forward, a convolution of its values by ``F.conv1d``) is not separated from the cpshard call.
-The probe's limits are :mod:`cpshard.attention.probe`'s.
+The probe's limits are :mod:`cpshard.guard.probe`'s.
 
 Compiled models. The checks run eagerly, outside any compiled graph, at the call that enters the
 model: ``torch.compile(model)`` calls the global hooks on its wrapper eagerly, and with
@@ -52,17 +53,35 @@ from __future__ import annotations
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from cpshard.attention.probe import mixes_tokens
-from cpshard.attention.reach import Call, current_recording, not_recording, recording
-from cpshard.attention.state import AttentionState, active_state
+from cpshard.comm import Group
 from cpshard.consensus import agree
+from cpshard.guard import refusals
+from cpshard.guard.probe import mixes_tokens
+from cpshard.guard.reach import Call, current_recording, not_recording, recording
 from cpshard.scoped import ScopedValue
 
 _WHAT = "cpshard CP attention"
+
+
+class Step(Protocol):
+    """What the guard reads of the active CP step (the attention package's state)."""
+
+    group: Group
+    batch_size: int
+    local_len: int
+    derived: dict[str, object]
+
+
+def _no_step() -> Step | None:
+    return None
+
+
+# The active step, as the attention package reads it (set by guard_models).
+active_state: Callable[[], Step | None] = _no_step
 
 _walked: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # passed the check before running
 _verified: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # passed the audit too
@@ -71,13 +90,13 @@ _handles: list[torch.utils.hooks.RemovableHandle] = []
 
 # True while an audit re-runs a model (its calls are the audit's, not the user's; one of the
 # documented scopes).
-_auditing: ScopedValue[bool] = ScopedValue(False, "cpshard.attention.mixers.auditing")
+_auditing: ScopedValue[bool] = ScopedValue(False, "cpshard.guard.models.auditing")
 # The step's models whose first forward is running, to audit when it returns: in the step's
 # state, so that a forward that raised leaves nothing behind for the next step.
 _PENDING = "models awaiting their audit"
 
 
-def _pending(state: AttentionState) -> dict[int, tuple[weakref.ref[torch.nn.Module], frozenset[int]]]:
+def _pending(state: Step) -> dict[int, tuple[weakref.ref[torch.nn.Module], frozenset[int]]]:
     """``{id(model): (model, ids of its modules)}`` for the step's models awaiting their audit."""
     return state.derived.setdefault(_PENDING, {})  # type: ignore[return-value]
 
@@ -115,21 +134,26 @@ def mixer_problem(module: torch.nn.Module) -> str | None:
 
 
 def _walk(root: torch.nn.Module) -> tuple[str, str] | None:
-    """``(qualified name, problem)`` of the first sequence-mixing module under ``root``, or None."""
+    """``(qualified name, why)`` of the first module under ``root`` that cannot run under CP
+    (a listed refusal, or a sequence mixer by its parameters), or None."""
     stack = [("", root)]
     while stack:
         path, module = stack.pop()
         if _declared_safe(module):
             continue
+        name = path or type(root).__name__
+        listed = refusals.reason(type(module))
+        if listed is not None:
+            return name, f"its module {name!r} ({type(module).__name__}) cannot run under CP: {listed}"
         problem = mixer_problem(module)
         if problem is not None:
-            return path or type(root).__name__, problem
+            return name, _mixing(name, problem)
         children = list(module.named_children())
         stack.extend((f"{path}.{n}" if path else n, c) for n, c in reversed(children))
     return None
 
 
-def _why(path: str, problem: str) -> str:
+def _mixing(path: str, problem: str) -> str:
     return (
         f"its module {path!r} is {problem}: it would mix the tokens of this rank's shard across "
         "documents and without the other ranks' context, and train wrong. Run such models "
@@ -137,12 +161,12 @@ def _why(path: str, problem: str) -> str:
     )
 
 
-def _detail(root: torch.nn.Module, path: str, problem: str) -> str:
-    return f"{type(root).__name__} runs inside a CP attention context but {_why(path, problem)}"
+def _detail(root: torch.nn.Module, why: str) -> str:
+    return f"{type(root).__name__} runs inside a CP attention context but {why}"
 
 
-def _refusal(state: AttentionState, root: torch.nn.Module, path: str, problem: str) -> str:
-    return f"{_WHAT}: rank {state.group.rank}: {_detail(root, path, problem)}"
+def _refusal(state: Step, root: torch.nn.Module, why: str) -> str:
+    return f"{_WHAT}: rank {state.group.rank}: {_detail(root, why)}"
 
 
 def unsharded_mixer(module: torch.nn.Module) -> str | None:
@@ -151,7 +175,7 @@ def unsharded_mixer(module: torch.nn.Module) -> str | None:
     inside a CP context, for callers that refuse a model before any step (the trainers); what
     only its forward shows is checked when it first runs there."""
     found = _walk(module)
-    return None if found is None else _why(*found)
+    return None if found is None else found[1]
 
 
 def check_model(module: torch.nn.Module) -> None:
@@ -162,7 +186,7 @@ def check_model(module: torch.nn.Module) -> None:
         return
     found = _walk(module)
     if found is not None:
-        raise ValueError(_refusal(state, module, *found))
+        raise ValueError(_refusal(state, module, found[1]))
     _walked.update(module.modules())
 
 
@@ -230,7 +254,7 @@ def audit(module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             f"{type(found.module).__name__}, which mixes tokens along the sequence without "
             "cpshard (its own attention or recurrence code)"
         )
-        detail = _detail(module, _name(module, found.module), problem)
+        detail = _detail(module, _mixing(_name(module, found.module), problem))
     agree(state.group, _WHAT, detail)  # names this rank (or the failed ones) before the detail
     _verified.update(module.modules())
 
@@ -294,12 +318,13 @@ _after_eagerly: Callable[[torch.nn.Module, tuple[Any, ...], dict[str, Any]], Non
 _skip_code: Callable[[types.CodeType], None] | None = None
 
 
-def guard_models() -> None:
+def guard_models(read_state: Callable[[], Step | None]) -> None:
     """Install (once) the global module hooks that check each model the first time it runs
-    inside a CP attention context (a no-op outside one), and keep their code out of dynamo's
-    frame compilation (reapplied at every call, so that nothing resetting dynamo's per-code
-    state in between undoes it)."""
-    global _before_eagerly, _after_eagerly, _skip_code
+    inside a CP attention context (``read_state()``: the active step, None outside one: then
+    they do nothing), and keep their code out of dynamo's frame compilation (reapplied at every
+    call, so that nothing resetting dynamo's per-code state in between undoes it)."""
+    global _before_eagerly, _after_eagerly, _skip_code, active_state
+    active_state = read_state
     if _skip_code is None:
         from torch._dynamo.eval_frame import skip_code
 

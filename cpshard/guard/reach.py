@@ -1,7 +1,7 @@
 """Which module calls of an audited forward reached cpshard's token mixing.
 
 While :func:`recording` is active (the one forward of a model that
-:mod:`cpshard.attention.mixers` audits), every module call becomes a :class:`Call` in a tree,
+:mod:`cpshard.guard.models` audits), every module call becomes a :class:`Call` in a tree,
 and each cpshard function that mixes tokens across the CP group (:func:`cpshard.cp_attention`,
 the mixers of :mod:`cpshard.mixers`) reports itself with :func:`note_cpshard_mixing`: the call
 running then, and every call around it, *reached* cpshard. A call that did not may still mix the
@@ -79,7 +79,7 @@ class Recording:
 
 
 # The recording of the forward being audited (one of the documented scopes), else None.
-_recording: ScopedValue[Recording | None] = ScopedValue(None, "cpshard.attention.reach")
+_recording: ScopedValue[Recording | None] = ScopedValue(None, "cpshard.guard.reach")
 
 
 def note_cpshard_mixing() -> None:

@@ -1,19 +1,20 @@
-"""The refusal of models that mix tokens without cpshard (:mod:`cpshard.attention.mixers`): a
+"""The refusal of models that mix tokens without cpshard (:mod:`cpshard.guard.models`): a
 mixer by its parameters raises before running; a module mixing tokens by its own code, whatever
 its class is called, is found by the audit and named (the innermost one); calls that reached
 cpshard pass; each model is audited once; declared-safe modules are skipped; nothing is checked
 outside a CP attention context; compiled models (``torch.compile(model)``, ``model.compile()``)
 are checked and audited as eager ones, and a compiled step runs a model checked eagerly first.
-And the probe itself (:mod:`cpshard.attention.probe`)."""
+And the probe itself (:mod:`cpshard.guard.probe`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cpshard.attention import activated, mixers, step_state
-from cpshard.attention.probe import mixes_tokens
-from cpshard.attention.reach import note_cpshard_mixing
+from cpshard.attention import activated, step_state
+from cpshard.guard import models as guard
+from cpshard.guard.probe import mixes_tokens
+from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.comm.group import Group
 from cpshard.layouts import make_layout
 
@@ -53,11 +54,11 @@ class _Model(torch.nn.Module):
 
 
 def test_what_is_a_mixer_by_its_parameters() -> None:
-    assert mixers.mixer_problem(torch.nn.Conv1d(4, 4, 3)) is not None
-    assert mixers.mixer_problem(torch.nn.Conv1d(4, 4, 1)) is None  # a per-token projection
-    assert mixers.mixer_problem(torch.nn.Conv3d(3, 4, 2)) is None  # image patches
-    assert mixers.mixer_problem(torch.nn.LSTM(4, 4)) is not None
-    assert mixers.mixer_problem(torch.nn.Linear(4, 4)) is None
+    assert guard.mixer_problem(torch.nn.Conv1d(4, 4, 3)) is not None
+    assert guard.mixer_problem(torch.nn.Conv1d(4, 4, 1)) is None  # a per-token projection
+    assert guard.mixer_problem(torch.nn.Conv3d(3, 4, 2)) is None  # image patches
+    assert guard.mixer_problem(torch.nn.LSTM(4, 4)) is not None
+    assert guard.mixer_problem(torch.nn.Linear(4, 4)) is None
 
 
 def test_a_model_with_a_sequence_convolution_raises_before_running() -> None:
@@ -89,8 +90,8 @@ def test_calls_that_reached_cpshard_pass_and_their_siblings_are_probed() -> None
 
 def test_models_are_audited_once(monkeypatch) -> None:
     audits = []
-    real = mixers.audit
-    monkeypatch.setattr(mixers, "audit", lambda m, a, k: audits.append(m) or real(m, a, k))
+    real = guard.audit
+    monkeypatch.setattr(guard, "audit", lambda m, a, k: audits.append(m) or real(m, a, k))
     model = _Model(None)
     with _context():
         for _ in range(3):
@@ -105,8 +106,8 @@ def test_declared_safe_modules_are_skipped() -> None:
     model = _Model(None)
     model.tower = tower
     with _context():
-        mixers.check_model(model)  # no error: the marked subtree is not the sharded sequence
-        mixers.audit(model, (torch.randn(1, 6, 4),), {})
+        guard.check_model(model)  # no error: the marked subtree is not the sharded sequence
+        guard.audit(model, (torch.randn(1, 6, 4),), {})
         model.tower(torch.randn(1, 6, 4))
 
 
