@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sanitizer job: build cpshard._C with AddressSanitizer + UBSan (CPSHARD_SANITIZE=1, CPU only) in a
 # scratch copy of the repository and run the hypothesis fuzz tests (and tests/ops/test_ops.py when
-# it exists, and the NCCL communicator's bounded waits driven by stand-ins) against that build.
+# it exists, and the NCCL communicator's bounded waits and life driven by stand-ins) against that
+# build.
 # Exits non-zero when the build or a test fails, when the loaded
 # extension is not the sanitized one, or when a sanitizer reports anything.
 #
@@ -77,8 +78,10 @@ sys.exit(0 if info.sanitized else "cpshard.build_info().sanitized is False")
 
 tests=(tests/ops/test_ops_fuzz.py)
 [[ -f "$work/tests/ops/test_ops.py" ]] && tests+=(tests/ops/test_ops.py)
-# The NCCL communicator's bounded waits (threads of their own) driven by stand-ins.
-for t in tests/comm/test_nccl_settle.py tests/comm/test_nccl_within.py; do
+# The NCCL communicator's bounded waits and its life (watchdog, calls, close: threads of their
+# own) driven by stand-ins.
+for t in tests/comm/test_nccl_settle.py tests/comm/test_nccl_within.py \
+  tests/comm/test_nccl_life.py; do
   [[ -f "$work/$t" ]] && tests+=("$t")
 done
 stamp "pytest ${tests[*]} (CPSHARD_FUZZ_EXAMPLES=$CPSHARD_FUZZ_EXAMPLES)"

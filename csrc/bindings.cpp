@@ -169,9 +169,10 @@ PYBIND11_MODULE(_C, module) {
   using cpshard::ScriptedCommunicator;
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   pybind11::class_<ScriptedCommunicator>(module, "_ScriptedCommunicator")
-      .def(pybind11::init<double, int64_t, const std::string&, int64_t>(), release_gil(),
+      .def(pybind11::init<double, int64_t, const std::string&, int64_t, int64_t>(), release_gil(),
            pybind11::arg("timeout_s"), pybind11::arg("publish_ms"),
-           pybind11::arg("child") = "ready", pybind11::arg("poll_ms") = 20)
+           pybind11::arg("child") = "ready", pybind11::arg("poll_ms") = 20,
+           pybind11::arg("abort_ms") = 0)
       .def("enqueue", &ScriptedCommunicator::enqueue, release_gil(), pybind11::arg("finish_ms"))
       .def("enqueue_stuck", &ScriptedCommunicator::enqueue_stuck, release_gil(),
            pybind11::arg("at_most_ms"))

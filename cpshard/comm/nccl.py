@@ -141,7 +141,8 @@ class NcclTransport:
         )
 
     def error(self) -> str:
-        """Why the communicator was aborted, or ``""`` while it is usable."""
+        """Why the communicator was aborted, set only once the abort has happened; ``""`` while
+        it is usable or the abort is still under way."""
         return str(self.comm.error())
 
     def close(self, grace_s: float | None = None) -> None:

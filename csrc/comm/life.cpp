@@ -107,7 +107,12 @@ void CommLife::start(Handle comm) {
 }
 
 CommLife::Call::Call(CommLife& life, const char* what) : life_(life), calls_(life.calls_mu_) {
-  std::lock_guard<std::mutex> lock(life_.mu_);
+  std::unique_lock<std::mutex> lock(life_.mu_);
+  if (life_.aborting_) {
+    // The watchdog waits for the call lock to abort: hand it over and raise once it is done.
+    calls_.unlock();
+    life_.aborted_.wait(lock, [this] { return !life_.aborting_; });
+  }
   TORCH_CHECK(!life_.closed_, what, " (", life_.who_, "): the communicator is closed");
   TORCH_CHECK(life_.error_.empty(), what, " (", life_.who_, "): the communicator was aborted: ",
               life_.error_);
@@ -116,7 +121,14 @@ CommLife::Call::Call(CommLife& life, const char* what) : life_(life), calls_(lif
   life_.entered_ns_.store(now_ns(), std::memory_order_release);
 }
 
-CommLife::Call::~Call() { life_.entered_ns_.store(0, std::memory_order_release); }
+CommLife::Call::~Call() {
+  life_.entered_ns_.store(0, std::memory_order_release);
+  calls_.unlock();
+  // A call the abort released (or one leaving while an abort is under way) returns only once the
+  // reason is published, so its caller finds it in error().
+  std::unique_lock<std::mutex> lock(life_.mu_);
+  life_.aborted_.wait(lock, [this] { return !life_.aborting_; });
+}
 
 void CommLife::Call::enqueued(Marker marker) {
   if (marker == nullptr) return;
@@ -220,7 +232,7 @@ bool CommLife::reap_locked() {
 }
 
 void CommLife::abort_locked(std::unique_lock<std::mutex>& lock, const std::string& reason) {
-  error_ = reason;  // calls raise from now on
+  aborting_ = true;  // calls wait from now on, and raise `reason` once it is published
   const Handle comm = comm_;
   comm_ = nullptr;
   std::fprintf(stderr, "cpshard NCCL (%s): %s; aborting the communicator\n", who_.c_str(),
@@ -235,6 +247,10 @@ void CommLife::abort_locked(std::unique_lock<std::mutex>& lock, const std::strin
   }
   lock.lock();
   release_markers_locked();
+  // Published only now: whoever sees the error may rely on the abort having happened.
+  error_ = reason;
+  aborting_ = false;
+  aborted_.notify_all();
 }
 
 void CommLife::release_markers_locked() {

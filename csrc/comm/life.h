@@ -16,7 +16,11 @@
 //     comes) inside the library for longer than the timeout; every later call raises the reason.
 //     NCCL forbids an abort while another thread is inside a call on the communicator: the
 //     abort waits for the call lock, except for a call stuck past the timeout, which only the
-//     abort releases (torch's watchdog does the same);
+//     abort releases (torch's watchdog does the same). The reason is published only once the
+//     abort has returned: whoever sees it (error(), or a call that raises it) may rely on the
+//     communicator being aborted and its calls released. A call that starts or returns while
+//     the abort is under way waits for it (a call the abort released finds the reason in
+//     error() on return);
 //   * the end: close(grace) lets the queued calls finish for at most `grace`, then destroys a
 //     quiescent communicator or aborts it (an interpreter exit passes a short grace: a rank whose
 //     peer died never waits out the group's timeout there).
@@ -70,7 +74,9 @@ class CommLife {
   void start(Handle comm);
 
   // One call into the library: holds the call lock while alive (an abort waits for it), raises
-  // if the communicator is closed or aborted, and times the host time spent inside.
+  // if the communicator is closed or aborted, and times the host time spent inside. While the
+  // watchdog aborts, a call neither starts nor returns before the abort has: it raises, or
+  // returns, once the reason is published.
   class Call {
    public:
     Call(CommLife& life, const char* what);
@@ -88,7 +94,8 @@ class CommLife {
     Handle handle_ = nullptr;
   };
 
-  // Why the communicator was aborted, or "" while it is usable.
+  // Why the communicator was aborted, once the abort has returned; "" while it is usable or the
+  // abort is still under way.
   std::string error();
   // Whether close() has run.
   bool closed();
@@ -107,9 +114,9 @@ class CommLife {
   // error on it (or on `comm`).
   bool healthy_locked();
   bool healthy_locked_for(Handle comm);
-  // With mu_ held (released inside, held again on return): records `reason`, takes the handle
-  // out of use and aborts it once no call is inside the library (or one has been stuck there
-  // for longer than the timeout).
+  // With mu_ held (released inside, held again on return): takes the handle out of use, aborts
+  // it once no call is inside the library (or one has been stuck there for longer than the
+  // timeout), then publishes `reason` as the error.
   void abort_locked(std::unique_lock<std::mutex>& lock, const std::string& reason);
   // With mu_ held: gives every marker back.
   void release_markers_locked();
@@ -125,7 +132,9 @@ class CommLife {
   std::atomic<int64_t> entered_ns_{0};  // when the call inside entered (steady clock), 0: none
   std::mutex mu_;        // guards everything below
   Handle comm_ = nullptr;
-  std::string error_;
+  std::string error_;  // set only once the abort has returned
+  bool aborting_ = false;  // the watchdog is aborting: calls wait for error_ (on aborted_)
+  std::condition_variable aborted_;
   bool closed_ = false;
   std::deque<std::pair<Marker, Clock::time_point>> pending_;  // calls not known finished
   std::condition_variable wake_;

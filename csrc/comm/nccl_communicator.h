@@ -25,7 +25,8 @@
 // bounds them for its own blocking communicators, by the watchdog of comm/life.h: an
 // asynchronous error, a call unfinished on the device after the process group's timeout, or a
 // host call stuck inside NCCL (a first connect to a peer that never comes) past the timeout
-// aborts the communicator, which releases what waits, and every later call raises the reason.
+// aborts the communicator, which releases what waits, and every later call raises the reason
+// (published only once the abort has returned).
 // Creation runs where a hang is bounded: a unique-id creation and a split from a blocking
 // parent (NCCL takes the split's mode from the parent) on a thread of their own, given up after
 // the timeout (comm/within.h); a split from a non-blocking parent returns at once while NCCL's
@@ -82,7 +83,8 @@ class NcclCommunicator : public torch::CustomClassHolder {
   int64_t rank() const { return rank_; }
   int64_t world() const { return world_; }
   int64_t device() const { return device_; }
-  // Why the communicator was aborted, or "" while it is usable.
+  // Why the communicator was aborted, once the abort has returned; "" while it is usable or the
+  // abort is still under way (CommLife::error).
   std::string error();
   // Ends the communicator: waits for the calls in flight for at most `grace_s` (negative: the
   // process group's timeout; not past an error), then destroys it when they all finished

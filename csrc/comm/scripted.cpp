@@ -56,6 +56,11 @@ void ScriptedLibrary::split_later(Handle parent, Handle* cell, std::chrono::mill
   }).detach();
 }
 
+void ScriptedLibrary::set_abort_delay(std::chrono::milliseconds delay) {
+  std::lock_guard<std::mutex> lock(mu_);
+  abort_delay_ = delay;
+}
+
 CommLibrary::Marker ScriptedLibrary::call(std::chrono::milliseconds after) {
   return new Mark{Clock::now() + after, after.count() < 0};
 }
@@ -78,11 +83,17 @@ CommState ScriptedLibrary::state(Handle comm, std::string* why) {
 }
 
 void ScriptedLibrary::abort(Handle comm) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  const auto delay = abort_delay_;
+  lock.unlock();
+  std::this_thread::sleep_for(delay);
+  lock.lock();
   find_locked(comm).aborted = true;
   g_aborts.fetch_add(1);
   events_.push_back("abort " + std::to_string(id(comm)));
   aborted_.notify_all();
+  lock.unlock();
+  std::this_thread::sleep_for(delay);  // the teardown after the stuck calls are released
 }
 
 std::string ScriptedLibrary::destroy(Handle comm) {
@@ -102,12 +113,15 @@ bool ScriptedLibrary::done(Marker marker) {
 void ScriptedLibrary::release(Marker marker) { delete static_cast<Mark*>(marker); }
 
 ScriptedCommunicator::ScriptedCommunicator(double timeout_s, int64_t publish_ms,
-                                           const std::string& child, int64_t poll_ms)
+                                           const std::string& child, int64_t poll_ms,
+                                           int64_t abort_ms)
     : library_(std::make_shared<ScriptedLibrary>()) {
   constexpr const char* what = "ScriptedCommunicator";
   TORCH_CHECK(child == "ready" || child == "failed", what,
               ": child must be \"ready\" or \"failed\", got \"", child, "\"");
   TORCH_CHECK(poll_ms > 0, what, ": poll_ms must be positive, got ", poll_ms);
+  TORCH_CHECK(abort_ms >= 0, what, ": abort_ms must not be negative, got ", abort_ms);
+  library_->set_abort_delay(std::chrono::milliseconds(abort_ms));
   const std::string who = "rank 0 of 1, scripted";
   const auto timeout = to_milliseconds(timeout_s);
   TORCH_CHECK(timeout.count() > 0, what, ": timeout_s must be positive and finite, got ",

@@ -5,7 +5,8 @@
 // Communicators are numbered handles with a state the script sets; a non-blocking split
 // publishes its child into the caller's cell from a thread of its own after a delay, like NCCL's
 // split thread; a call's marker is done after a set time or never; a call can block inside the
-// library until an abort releases it (a connect to a peer that never comes).
+// library until an abort releases it (a connect to a peer that never comes); an abort can be
+// made slow (NCCL's may take seconds) to widen the window in which it is under way.
 #pragma once
 
 #include <chrono>
@@ -32,6 +33,9 @@ class ScriptedLibrary final : public CommLibrary,
   // makes the child (in state `child`), writes its address into *cell and sets the parent ready
   // (failed with the child when `child` is kFailed). A negative delay: never.
   void split_later(Handle parent, Handle* cell, std::chrono::milliseconds delay, CommState child);
+  // Every later abort takes `delay` before it takes effect (releases the stuck calls, counts as
+  // an event) and `delay` again before it returns.
+  void set_abort_delay(std::chrono::milliseconds delay);
   // A call's marker, done `after` from now (negative: never).
   Marker call(std::chrono::milliseconds after);
   // A host call stuck inside the library on `comm` until it is aborted or `at_most` passed:
@@ -61,6 +65,7 @@ class ScriptedLibrary final : public CommLibrary,
   std::mutex mu_;
   std::condition_variable aborted_;
   std::map<Handle, Comm> comms_;
+  std::chrono::milliseconds abort_delay_{0};
   std::vector<std::string> events_;
 };
 
@@ -68,9 +73,10 @@ class ScriptedCommunicator {
  public:
   // Made like a split child of a non-blocking parent: the child is published `publish_ms` after
   // the split returned (negative: never) in state "ready" or "failed" (`child`), waited for
-  // within `timeout_s`, then started with a watchdog polling every `poll_ms`.
+  // within `timeout_s`, then started with a watchdog polling every `poll_ms`; an abort of it
+  // takes `abort_ms` before it takes effect and again before it returns.
   ScriptedCommunicator(double timeout_s, int64_t publish_ms, const std::string& child,
-                       int64_t poll_ms);
+                       int64_t poll_ms, int64_t abort_ms);
   // One call: enqueued through the communicator's call path, done `finish_ms` later (negative:
   // never).
   void enqueue(int64_t finish_ms);

@@ -1,7 +1,11 @@
 """The native communicator's life (``csrc/comm/life.h``: the wait for a split child, the calls,
 the watchdog, close) on CPU, through ``cpshard._C._ScriptedCommunicator``: the same C++ the NCCL
 communicator runs, over a scripted NCCL. Scripted communicators are numbered: 1 is the parent,
-2 the split child."""
+2 the split child.
+
+The tests wait on the communicator's state and events, never on a fixed sleep; a wall-time upper
+bound only tells "returned at the timeout or grace" from "hung" or "waited for something longer",
+so it sits far above the timeout it bounds (a loaded machine, a sanitized build)."""
 
 from __future__ import annotations
 
@@ -28,14 +32,20 @@ def _eventually(check, within: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _aborted(comm: Scripted) -> str:
+    """Waits until the watchdog has published why it aborted ``comm``, and returns the reason."""
+    _eventually(lambda: comm.error() != "")
+    return str(comm.error())
+
+
 # ---------------------------------------------------------------- the split's wait
 
 
 def test_a_child_published_after_the_split_returned_is_waited_for() -> None:
     start = time.monotonic()
-    comm = Scripted(timeout_s=10.0, publish_ms=300)  # NCCL's thread publishes it 300 ms later
+    comm = Scripted(timeout_s=120.0, publish_ms=300)  # NCCL's thread publishes it 300 ms later
     waited = time.monotonic() - start
-    assert 0.3 <= waited < 5.0, waited
+    assert 0.3 <= waited < 60.0, waited  # at the publication, not at the timeout
     assert comm.child() == 2 and comm.error() == "" and comm.events() == []
     comm.enqueue(finish_ms=0)
     comm.close(grace_s=5.0)
@@ -51,7 +61,7 @@ def test_a_child_never_published_raises_after_the_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(RuntimeError, match="was never published"):
         Scripted(timeout_s=0.3, publish_ms=-1)
-    assert 0.3 <= time.monotonic() - start < 3.0
+    assert 0.3 <= time.monotonic() - start < 30.0  # the timeout, not for ever
 
 
 def test_a_child_published_after_the_timeout_is_aborted_when_it_comes() -> None:
@@ -59,11 +69,12 @@ def test_a_child_published_after_the_timeout_is_aborted_when_it_comes() -> None:
     alive then) and the late child is aborted when it appears, not leaked."""
     before = _C._scripted_aborts()
     start = time.monotonic()
+    # "never published": the wait gave up before the publication (a child it saw would have been
+    # aborted right there, raising "never became ready")
     with pytest.raises(RuntimeError, match="was never published"):
-        Scripted(timeout_s=0.2, publish_ms=700)
-    assert time.monotonic() - start < 0.6  # gave up at the timeout, before the publication
-    _eventually(lambda: _C._scripted_aborts() == before + 1)
-    assert time.monotonic() - start >= 0.7
+        Scripted(timeout_s=0.2, publish_ms=2000)
+    _eventually(lambda: _C._scripted_aborts() == before + 1, within=30.0)
+    assert time.monotonic() - start >= 2.0  # aborted when it came
 
 
 # ---------------------------------------------------------------- the watchdog
@@ -72,9 +83,8 @@ def test_a_child_published_after_the_timeout_is_aborted_when_it_comes() -> None:
 def test_a_call_unfinished_after_the_timeout_aborts_the_communicator() -> None:
     comm = Scripted(timeout_s=0.3, publish_ms=0)
     comm.enqueue(finish_ms=-1)  # a peer that died: the call never finishes
-    _eventually(lambda: comm.error() != "")
-    assert "has not finished within the process group's timeout of 300 ms" in comm.error()
-    assert comm.events() == ["abort 2"]
+    assert "has not finished within the process group's timeout of 300 ms" in _aborted(comm)
+    assert comm.events() == ["abort 2"]  # the error is published once the abort has happened
     with pytest.raises(RuntimeError, match="rank 0 of 1.*the communicator was aborted"):
         comm.enqueue(finish_ms=0)
     comm.close(grace_s=1.0)
@@ -85,18 +95,51 @@ def test_an_asynchronous_error_aborts_the_communicator() -> None:
     comm = Scripted(timeout_s=60.0, publish_ms=0)
     comm.enqueue(finish_ms=0)
     comm.fail("remote process exited")
-    _eventually(lambda: comm.error() != "", within=5.0)
-    assert comm.error() == "asynchronous NCCL error: remote process exited"
+    assert _aborted(comm) == "asynchronous NCCL error: remote process exited"
     assert comm.events() == ["abort 2"]
+    comm.close(grace_s=1.0)
+
+
+def test_the_error_is_published_only_once_the_abort_has_happened() -> None:
+    """A slow abort (NCCL's can take seconds): whoever sees the reason, through error() or a call
+    that raises it, sees the abort done; a call made while the abort is under way waits for it."""
+    comm = Scripted(timeout_s=0.2, publish_ms=0, abort_ms=500)
+    comm.enqueue(finish_ms=-1)
+    deadline = time.monotonic() + 30.0
+    while True:
+        assert time.monotonic() < deadline, "the communicator was never aborted"
+        seen = comm.error()
+        if seen:
+            assert comm.events() == ["abort 2"], seen
+            break
+        try:
+            comm.enqueue(finish_ms=0)
+        except RuntimeError as raised:
+            assert "the communicator was aborted" in str(raised)
+            assert comm.events() == ["abort 2"], str(raised)
+            break
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError, match="has not finished within"):
+        comm.enqueue(finish_ms=0)
+    comm.close(grace_s=1.0)
+    assert comm.events() == ["abort 2"]
+
+
+def test_a_stuck_call_released_by_a_slow_abort_returns_with_the_reason_published() -> None:
+    comm = Scripted(timeout_s=0.2, publish_ms=0, abort_ms=300)
+    assert comm.enqueue_stuck(at_most_ms=60_000)
+    assert "inside NCCL for longer" in comm.error() and comm.events() == ["abort 2"]
     comm.close(grace_s=1.0)
 
 
 def test_a_host_call_stuck_inside_nccl_is_released_by_the_watchdogs_abort() -> None:
     comm = Scripted(timeout_s=0.3, publish_ms=0)
     start = time.monotonic()
-    released = comm.enqueue_stuck(at_most_ms=20_000)  # a first connect to a peer that never comes
-    assert released and 0.3 <= time.monotonic() - start < 5.0
+    released = comm.enqueue_stuck(at_most_ms=60_000)  # a first connect to a peer that never comes
+    assert released and 0.3 <= time.monotonic() - start < 30.0  # the abort, not at_most_ms
+    # the released call returns once the reason is published
     assert "inside NCCL for longer than the process group's timeout" in comm.error()
+    assert comm.events() == ["abort 2"]
     comm.close(grace_s=1.0)
 
 
@@ -118,7 +161,7 @@ def test_close_with_queued_work_waits_the_grace_then_aborts() -> None:
     comm.enqueue(finish_ms=-1)
     start = time.monotonic()
     comm.close(grace_s=0.2)
-    assert 0.2 <= time.monotonic() - start < 2.0  # the grace, not the 10-minute timeout
+    assert 0.2 <= time.monotonic() - start < 60.0  # the grace, not the 10-minute timeout
     assert comm.events() == ["abort 2"]
     comm.close(grace_s=0.2)  # idempotent
     with pytest.raises(RuntimeError, match="the communicator is closed"):
@@ -129,8 +172,8 @@ def test_close_waits_for_work_that_finishes_within_the_grace() -> None:
     comm = Scripted(timeout_s=600.0, publish_ms=0)
     comm.enqueue(finish_ms=300)
     start = time.monotonic()
-    comm.close(grace_s=10.0)
-    assert 0.25 <= time.monotonic() - start < 5.0
+    comm.close(grace_s=120.0)
+    assert 0.25 <= time.monotonic() - start < 60.0  # when the work finished, not the grace
     assert comm.events() == ["destroy 2"]
 
 
@@ -160,7 +203,7 @@ def test_interpreter_exit_with_queued_work_returns_within_seconds(tmp_path: Path
     assert done.returncode == 0 and "exiting at" in done.stdout, done.stderr
     assert "aborting the communicator" in done.stderr, done.stderr
     exit_took = ended - float(done.stdout.split("exiting at")[1])
-    assert exit_took < nccl.EXIT_GRACE_S + 7.0, exit_took  # the grace, not ten minutes
+    assert exit_took < nccl.EXIT_GRACE_S + 120.0, exit_took  # the grace, not ten minutes
 
 
 def test_bad_arguments_are_named() -> None:
@@ -170,3 +213,5 @@ def test_bad_arguments_are_named() -> None:
         Scripted(timeout_s=-1.0, publish_ms=0)
     with pytest.raises(RuntimeError, match="poll_ms must be positive"):
         Scripted(timeout_s=1.0, publish_ms=0, poll_ms=0)
+    with pytest.raises(RuntimeError, match="abort_ms must not be negative, got -1"):
+        Scripted(timeout_s=1.0, publish_ms=0, abort_ms=-1)

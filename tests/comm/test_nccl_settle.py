@@ -16,7 +16,7 @@ def test_a_call_that_never_completes_times_out_after_the_timeout() -> None:
     outcome, last, polls = _C._settle_with_states([1], 300)  # a peer that never arrives
     waited = time.monotonic() - start
     assert outcome == "timed_out" and last == 1
-    assert 0.3 <= waited < 3.0, waited  # the group's timeout, not for ever
+    assert 0.3 <= waited < 30.0, waited  # the group's timeout, not for ever
     assert polls > 10  # polled all along, not one blocking wait
 
 
@@ -27,8 +27,9 @@ def test_a_call_that_completes_is_ready_as_soon_as_it_is() -> None:
 
 def test_an_error_while_in_progress_is_reported_not_waited_out() -> None:
     start = time.monotonic()
-    outcome, last, polls = _C._settle_with_states([1, 1, 3], 10_000)  # 3: ncclInternalError
-    assert (outcome, last, polls) == ("failed", 3, 3) and time.monotonic() - start < 1.0
+    outcome, last, polls = _C._settle_with_states([1, 1, 3], 120_000)  # 3: ncclInternalError
+    assert (outcome, last, polls) == ("failed", 3, 3)
+    assert time.monotonic() - start < 60.0  # at the error, not the timeout
 
 
 def test_a_zero_timeout_polls_once() -> None:

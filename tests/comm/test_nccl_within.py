@@ -20,11 +20,11 @@ def test_a_call_that_returns_in_time_gives_its_result() -> None:
 def test_a_call_that_blocks_past_the_timeout_is_given_up_and_released_when_it_returns() -> None:
     value = 1000 + int(time.monotonic_ns() % 1_000_000)  # this test's own mark
     start = time.monotonic()
-    assert _C._run_within(block_ms=1500, timeout_ms=100, value=value) is None
+    assert _C._run_within(block_ms=8000, timeout_ms=100, value=value) is None
     waited = time.monotonic() - start
-    assert 0.09 <= waited < 1.2, waited  # the timeout, not the call
+    assert 0.09 <= waited < 6.0, waited  # the timeout, not the call
     assert value not in _C._late_results()  # still running
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while value not in _C._late_results():  # the late result goes to its release, once
         assert time.monotonic() < deadline, "the late result was never released"
         time.sleep(0.05)
