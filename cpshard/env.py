@@ -8,7 +8,6 @@ failing (a broken build, a machine without transformers or without a GPU)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import platform
 import sys
@@ -74,7 +73,9 @@ def _torch() -> dict[str, Any]:
 
 def _hooks() -> dict[str, Any]:
     """Register the transformers integration here and read what it installed."""
-    if importlib.util.find_spec("transformers") is None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
         return {"error": "transformers is not installed (pip install 'cpshard[transformers]')"}
     try:
         from cpshard.integrations import hooks, refused_layers

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cpshard.guard.models import guard_models
 from cpshard.attention.state import AttentionState, active_state, current
+from cpshard.guard.models import guard_models
 
 
 @contextmanager

@@ -15,12 +15,12 @@ from cpshard.attention.head_attention import head_parallel_attention
 from cpshard.attention.mask_mod import mask_mod_state
 from cpshard.attention.ops import cp_attention_op
 from cpshard.attention.plain import described_attention, mask_mod_attention, plain_attention
-from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.strategy import route
 from cpshard.attention.tokens import check_outside, state_for_tokens, token_problem
 from cpshard.consensus import check_call
 from cpshard.fingerprints import device_code, digest, dtype_code
+from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.masks import MaskDescription, MaskMod
 from cpshard.validation import is_int
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from cpshard.bench.config import (
     BACKENDS,
     DEFAULT_HIDDEN,
-    DEFAULT_SIZES,
     DEFAULT_OPS,
+    DEFAULT_SIZES,
     DEFAULT_WORLD_CPU,
     DTYPES,
     FULL_OPS,

@@ -42,8 +42,8 @@ import torch
 import torch.distributed as dist
 
 import cpshard
-from cpshard.byte_units import human_bytes
 from cpshard.bench.timing import time_calls
+from cpshard.byte_units import human_bytes
 from cpshard.comm import Group, Transport, resolve_group, transport_for
 
 # Every verb at world size 1, as (native transport, out, x) -> None and (process group, out, x)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from cpshard.bench.cases import run_case
 from cpshard.bench.config import GATHER_OPS, SECTION_OPS
-from cpshard.byte_units import human_bytes
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.sections import section
 from cpshard.bench.strategies import run_strategies
+from cpshard.byte_units import human_bytes
 
 PATTERNS = ("uneven", "even")
 

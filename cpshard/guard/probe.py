@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-
 Tokens = tuple[int, int]  # (batch rows, tokens per row): the [B, L] a tensor must begin with
 
 

@@ -26,7 +26,6 @@ from cpshard.integrations.hooks import Hook, Make
 from cpshard.mixers import cp_causal_conv1d, recurrence_runs
 
 
-
 def mixing_state(what: str) -> AttentionState | None:
     """The CP step a hybrid layer's token mixing runs under: the active context's, else None
     (the original function runs). A recompute during a backward called after the step's

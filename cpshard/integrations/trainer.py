@@ -37,11 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpshard.guard.models import unsharded_mixer
 from cpshard.comm import Group, resolve_group
 from cpshard.comm.reduce import all_reduce_sum_
 from cpshard.consensus import agree
 from cpshard.fingerprints import digest
+from cpshard.guard.models import unsharded_mixer
 from cpshard.integrations import transformers as cp_transformers
 from cpshard.sharder import ContextParallelSharder
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.attention.state import AttentionState
+from cpshard.guard.reach import note_cpshard_mixing
 
 
 def _taps(state: AttentionState, kernel: int, device: torch.device) -> torch.Tensor:

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.comm import Group
+from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.mixers.carry import carry_states
 from cpshard.mixers.chunks import ChunkTable, from_chunks, run_table, to_chunks
 from cpshard.mixers.runs import RecurrenceRuns

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.comm import Group
+from cpshard.guard.reach import note_cpshard_mixing
 from cpshard.mixers.carry import carry_states
 from cpshard.mixers.chunks import ChunkTable, from_chunks, run_table, to_chunks
 from cpshard.mixers.runs import RecurrenceRuns

@@ -14,12 +14,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpshard import layouts
 from cpshard.attention import state as states
 from cpshard.attention.halo import HaloExchange
-from cpshard.attention.needed_rows import NeededRowsExchange
 from cpshard.attention.head_split import split_heads
+from cpshard.attention.needed_rows import NeededRowsExchange
 from cpshard.attention.state import AttentionState, HeadParallel, active_state
 from cpshard.attention.strategy import chosen_strategy, strategy_bytes
-from cpshard.layouts.owners import owner_ranks
 from cpshard.layouts import ShardLayout
+from cpshard.layouts.owners import owner_ranks
 from cpshard.planning.head_parallel import head_parallel_kinds
 from cpshard.sharder import ContextParallelSharder
 from cpshard.simulation.fake_rank import simulated_rank

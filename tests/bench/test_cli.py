@@ -9,8 +9,8 @@ import pytest
 
 from cpshard.bench.cases import halo_windows, ragged_counts
 from cpshard.bench.cli import parse_config
-from cpshard.cli import main
 from cpshard.bench.config import DEFAULT_OPS, FULL_OPS, BenchConfig
+from cpshard.cli import main
 
 
 def test_tiny_run_writes_json_and_plot(run_bench, tmp_path):

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from cpshard.attention import activated, step_state
+from cpshard.comm.group import Group
 from cpshard.guard import models as guard
 from cpshard.guard.probe import mixes_tokens
 from cpshard.guard.reach import note_cpshard_mixing
-from cpshard.comm.group import Group
 from cpshard.layouts import make_layout
 
 

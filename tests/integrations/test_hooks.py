@@ -82,7 +82,7 @@ def test_a_family_that_does_not_match_is_refused_and_llama_steps_exactly(pools, 
     import transformers
 
     results = pools(world).run(_mamba_refused_llama_exact, timeout=300)
-    for rank, (said, llama, status) in enumerate(results):
+    for rank, (said, _, status) in enumerate(results):
         assert status == "inactive: it has no mamba_selective_scan", status
         for words in (
             f"rank {rank}", "'backbone.layers.0.mixer' (MambaMixer) cannot run under CP",
@@ -186,6 +186,20 @@ def test_a_sparse_attention_indexer_is_refused_with_its_reason(pool2) -> None:
     if not hasattr(T, "DeepseekV32Config"):
         pytest.skip("this transformers has no DeepSeek-V3.2")
     for rank, said in enumerate(pool2.run(_indexer_refused, timeout=300)):
-        for words in (f"rank {rank}", "(DeepseekV32Indexer) cannot run under CP",
+        for words in (f"rank {rank}", "(DeepseekV32Indexer) cannot run",
                       "sparse-attention indexer", "Train this model without CP"):  # fmt: skip
             assert words in said, (rank, words, said)
+
+
+def test_a_temperature_tuned_layer_the_hook_did_not_reach_is_refused() -> None:
+    """The attention function's own check: a Llama 4 layer scaling its queries by positions it
+    counted itself (its hook inactive) raises rather than attend on them."""
+    from cpshard.integrations import llama4
+
+    layer = torch.nn.Module()
+    layer.attn_temperature_tuning, layer.use_rope = True, False
+    query = torch.randn(1, 2, 3, 4)
+    with pytest.raises(ValueError, match="rank 0: Module scales its queries by attention temperature"):
+        llama4.scaled_queries(layer, query, torch.arange(3)[None], "rank 0")
+    layer.use_rope = True  # a RoPE layer: no temperature, the queries unchanged
+    assert llama4.scaled_queries(layer, query, None, "rank 0") is query

@@ -187,14 +187,15 @@ def test_outside_cp_the_layers_run_transformers_code(family: str) -> None:
     """With cpshard's dispatchers installed, a model outside CP gives exactly what it gives with
     transformers' own functions, in training (the fused-kernel entry taken first) and with a
     padding mask."""
-    check_outside_cp_runs_transformers_code(_model(family), MODULES[family], 6)
+    check_outside_cp_runs_transformers_code(_model(family), MODULES[family], mamba2.FAMILY)
 
 
 def _mask_ignored(rank: int, world: int) -> list[float]:
     """Per model, under CP: the largest logit difference between a call with the full
     sequence's padding mask (transformers trims it to the shard's length) and one without."""
-    import cpshard
     from cp_decoder import packed_batch
+
+    import cpshard
 
     out = []
     for family in MODELS:

@@ -46,7 +46,9 @@ IMAGE, TOKENS = 5, 4  # the image token id; tokens per image (mm_tokens_per_imag
 # 23-26 (Gemma 3): the second crosses the W = 2 contiguous boundary (15), the third W = 2
 # head_tail's (21) and W = 4's (24); the third document has none.
 ROW = [(3, 1, 2), -2, (1, 1, 1), (2, 0, 0), (4, 1, 2), -1]
-TEXT_FAMILIES = ("llama4", "gemma3_bidirectional")
+# llama4_temperature: its layer without RoPE scales queries by their document position (floor
+# scale 2: the scale changes every other token)
+TEXT_FAMILIES = ("llama4", "llama4_temperature", "gemma3_bidirectional")
 ALL_LAYOUTS = [*LAYOUTS, "blockdiag"]  # every sharder layout and the block-diagonal batch
 VLM_FAMILIES = ("gemma3_vlm", "paligemma")
 _SMALL = dict(
@@ -81,11 +83,13 @@ def _model(family: str) -> torch.nn.Module:
 
     cp_transformers.register()
     torch.manual_seed(0)
-    if family == "llama4":  # layer 0 chunked (chunks of 4), layer 1 full without RoPE
+    if family.startswith("llama4"):  # layer 0 chunked (chunks of 4), layer 1 full without RoPE
+        tuned = family == "llama4_temperature"
         config = T.Llama4TextConfig(
             **_SMALL, intermediate_size_mlp=64, attention_chunk_size=4, num_local_experts=2,
             num_experts_per_tok=1, max_position_embeddings=256, no_rope_layers=[1, 0],
-            interleave_moe_layer_step=1, use_qk_norm=False, attn_temperature_tuning=False,
+            interleave_moe_layer_step=1, use_qk_norm=False, attn_temperature_tuning=tuned,
+            floor_scale=2, attn_scale=0.5,
         )  # fmt: skip
         model, norm = T.Llama4ForCausalLM(config), _llama4_norm
     elif family.startswith("gemma3_bidirectional"):
