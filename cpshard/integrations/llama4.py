@@ -70,8 +70,13 @@ def scaled_queries(
     transformers computes it; unchanged for a layer that does not scale. Raises ``ValueError``
     for a tuned layer whose own scaling the hook did not turn off."""
     if getattr(module, _MARK, False):
-        if position_ids is None:
-            raise ValueError(f"{where}: a temperature-tuned layer ran without position_ids")
+        if position_ids is None:  # this transformers does not pass them to its attention
+            raise ValueError(
+                f"{where}: {type(module).__name__} scales its queries by attention temperature "
+                "tuning, which under CP needs each token's document position, and this "
+                "transformers does not pass position_ids to its attention layers: set "
+                "attn_temperature_tuning=False or train this model without CP"
+            )
         p = position_ids.to(query.device).float()
         scales = torch.log1p(torch.floor((p + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
         return (query * scales[:, None, :, None]).to(query.dtype)

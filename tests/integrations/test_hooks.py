@@ -66,7 +66,8 @@ def _mamba_refused_llama_exact(rank: int, world: int) -> tuple[str, dict, str]:
         cp_transformers.register()
         status = next(s for s in hooks.hook_report() if s.module == MAMBA)
         try:
-            step_errors(tiny_model(_mamba_config()), "contiguous")
+            step_errors(tiny_model(_mamba_config(), attention=False), "contiguous",
+                        reference_attention=None)
             said = "no error"
         except ValueError as exc:
             said = str(exc)
@@ -85,14 +86,13 @@ def test_a_family_that_does_not_match_is_refused_and_llama_steps_exactly(pools, 
     for rank, (said, _, status) in enumerate(results):
         assert status == "inactive: it has no mamba_selective_scan", status
         for words in (
-            f"rank {rank}", "'backbone.layers.0.mixer' (MambaMixer) cannot run under CP",
+            f"rank {rank}", "'lm.backbone.layers.0.mixer' (MambaMixer) cannot run under CP",
             "cpshard's Mamba hooks are not installed",
             f"transformers {transformers.__version__}'s {MAMBA} does not match them",
             "(it has no mamba_selective_scan)", "`cpshard env`", "without CP",
         ):  # fmt: skip
             assert words in said, (rank, words, said)
     check_relative_errors([llama for _, llama, _ in results], world)
-    assert next(s for s in hooks.hook_report() if s.module == MAMBA).state in ("active", "absent")
 
 
 def _scan(hidden_states, dt, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -174,7 +174,7 @@ def _indexer_refused(rank: int, world: int) -> str:
         tie_word_embeddings=False,
     )  # fmt: skip
     try:
-        step_errors(tiny_model(config), "contiguous")
+        step_errors(tiny_model(config), "contiguous", reference_attention=None)
     except ValueError as exc:
         return str(exc)
     return "no error"
