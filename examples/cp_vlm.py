@@ -196,6 +196,12 @@ def vlm_documents(batch: dict[str, Any]) -> list[tuple[dict[str, Any], torch.Ten
     ]
 
 
+def _joined(features: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Image features as one tensor: transformers returns them per image (a tuple) or, in older
+    releases, already joined."""
+    return features if isinstance(features, torch.Tensor) else torch.cat(tuple(features))
+
+
 def merged_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     """The decoder's inputs for the FULL sequence, ready to shard: ``inputs_embeds`` with the
     image embeddings scattered in, the image-token mask and one dense ``[B, S, D]`` tensor per
@@ -206,14 +212,14 @@ def merged_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, An
     mask = (batch["input_ids"] == IMAGE).unsqueeze(-1)
     embeds = vlm.get_input_embeddings()(batch["input_ids"])
     merged = {
-        "inputs_embeds": embeds.masked_scatter(mask, torch.cat(features.pooler_output)),
+        "inputs_embeds": embeds.masked_scatter(mask, _joined(features.pooler_output)),
         "visual_pos_masks": mask[..., 0],
         "position_ids": batch["position_ids"],
         "labels": batch["labels"],
         "_packed_seq_ids": batch["_packed_seq_ids"],
     }
     for k, level in enumerate(getattr(features, "deepstack_features", None) or []):
-        merged[f"deepstack_{k}"] = torch.zeros_like(embeds).masked_scatter(mask, torch.cat(level))
+        merged[f"deepstack_{k}"] = torch.zeros_like(embeds).masked_scatter(mask, _joined(level))
     merged.update({k: batch[k] for k in TOKEN_TYPE_KEYS if k in batch})
     return merged
 

@@ -47,9 +47,21 @@ class _Origin:
 _origins: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+_POSITIONS = "the sharded batch's position_ids"
+
+
 def register_tokens(position_ids: torch.Tensor, state: AttentionState) -> None:
-    """Record ``position_ids`` (of a sharded batch) as tokens of ``state``'s step."""
+    """Record ``position_ids`` (of a sharded batch) as tokens of ``state``'s step, and keep them
+    in the step's state (:func:`step_positions`)."""
     _origins[position_ids] = _Origin(weakref.ref(state), state.layout, state.group.rank)
+    state.derived[_POSITIONS] = position_ids
+
+
+def step_positions(state: AttentionState) -> torch.Tensor | None:
+    """The position ids the step's sharded batch holds (``[B, L]``: each token's position in
+    its document, as the sharder made or kept them), or None (no batch registered): for a layer
+    that needs them where its model does not pass them on."""
+    return state.derived.get(_POSITIONS)  # type: ignore[return-value]
 
 
 def token_problem(position_ids: torch.Tensor | None, state: AttentionState | None) -> str | None:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.state import active_state
-from cpshard.attention.tokens import state_for_tokens
+from cpshard.attention.state import AttentionState, active_state
+from cpshard.attention.tokens import state_for_tokens, step_positions
 from cpshard.integrations.hooks import Family, Hook
 
 MODULES = {"transformers.models.llama4.modeling_llama4": "Llama4TextAttention"}
@@ -63,18 +63,25 @@ FAMILY = Family(
 
 
 def scaled_queries(
-    module: torch.nn.Module, query: torch.Tensor, position_ids: torch.Tensor | None, where: str
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    state: AttentionState | None,
+    where: str,
 ) -> torch.Tensor:
     """``query`` (``[B, H, L, D]``) as the layer scales it for a document alone: by the
-    temperature of each token's document position (``position_ids``, ``[B, L]``), computed as
-    transformers computes it; unchanged for a layer that does not scale. Raises ``ValueError``
-    for a tuned layer whose own scaling the hook did not turn off."""
+    temperature of each token's document position (``position_ids``, ``[B, L]``; where the
+    model passes none to its attention, the step's sharded batch's), computed as transformers
+    computes it; unchanged for a layer that does not scale. Raises ``ValueError`` for a tuned
+    layer whose own scaling the hook did not turn off, or whose positions are unknown."""
     if getattr(module, _MARK, False):
-        if position_ids is None:  # this transformers does not pass them to its attention
+        if position_ids is None and state is not None:
+            position_ids = step_positions(state)
+        if position_ids is None or position_ids.shape != (query.shape[0], query.shape[2]):
             raise ValueError(
                 f"{where}: {type(module).__name__} scales its queries by attention temperature "
-                "tuning, which under CP needs each token's document position, and this "
-                "transformers does not pass position_ids to its attention layers: set "
+                "tuning, which under CP needs each token's document position as [batch, tokens] "
+                f"position_ids, and none of that shape reached it: set "
                 "attn_temperature_tuning=False or train this model without CP"
             )
         p = position_ids.to(query.device).float()

@@ -46,7 +46,9 @@ IMAGE, TOKENS = 5, 4  # the image token id; tokens per image (mm_tokens_per_imag
 # 23-26 (Gemma 3): the second crosses the W = 2 contiguous boundary (15), the third W = 2
 # head_tail's (21) and W = 4's (24); the third document has none.
 ROW = [(3, 1, 2), -2, (1, 1, 1), (2, 0, 0), (4, 1, 2), -1]
-TEXT_FAMILIES = ("llama4", "gemma3_bidirectional")
+# llama4_temperature: its layer without RoPE scales queries by their document position (floor
+# scale 2: the scale changes every other token)
+TEXT_FAMILIES = ("llama4", "llama4_temperature", "gemma3_bidirectional")
 ALL_LAYOUTS = [*LAYOUTS, "blockdiag"]  # every sharder layout and the block-diagonal batch
 VLM_FAMILIES = ("gemma3_vlm", "paligemma")
 _SMALL = dict(
