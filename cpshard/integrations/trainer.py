@@ -78,6 +78,8 @@ class ContextParallelMixin:
     ) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         _refuse_accelerate_cp(getattr(training_args, "parallelism_config", None))
+        if cp_size != 1:
+            _refuse_older_trainer()
         cp_transformers.register()
         self.cp_size = cp_size  # before Trainer's set-up, which may ask get_cp_size()
         super().__init__(*args, **kwargs)
@@ -336,6 +338,26 @@ def _refuse_accelerate_cp(parallelism_config: Any) -> None:
     problem = _accelerate_cp_problem(parallelism_config)
     if problem is not None:
         raise ValueError(f"{_WHAT}: rank {_launched_rank()}: {problem}")
+
+
+# The oldest transformers whose Trainer shares a batch's token count over the CP ranks
+# (``num_items_in_batch / get_cp_size()``), which the loss arithmetic above relies on; 5.15's does
+# not, and every CP loss and gradient would be 1/cp of the plain trainer's.
+OLDEST_TRAINER = "5.24"
+
+
+def _refuse_older_trainer() -> None:
+    """Refuse a transformers older than :data:`OLDEST_TRAINER` (every rank has the same)."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < Version(OLDEST_TRAINER).release:
+        raise ValueError(
+            f"{_WHAT}: rank {_launched_rank()}: transformers {transformers.__version__}'s "
+            "Trainer does not share a batch's token count over the CP ranks, so every loss and "
+            f"gradient under CP would be 1/cp of the plain trainer's: install transformers >= "
+            f"{OLDEST_TRAINER}"
+        )
 
 
 def _launched_rank() -> int:

@@ -306,3 +306,15 @@ def test_cpsfttrainer_without_trl_says_what_to_install(monkeypatch):
 
     with pytest.raises(ImportError, match="CPSFTTrainer needs TRL"):
         cpshard.CPSFTTrainer  # noqa: B018
+
+
+def test_a_trainer_that_does_not_share_the_token_count_over_cp_is_refused(monkeypatch):
+    """transformers 5.15's Trainer does not divide a batch's token count by the CP size: under
+    it every CP loss and gradient would be 1/cp (measured: the example's loss halved at cp = 2)."""
+    import transformers
+
+    from cpshard.integrations import trainer
+
+    monkeypatch.setattr(transformers, "__version__", "5.15.0")
+    with pytest.raises(ValueError, match=r"5\.15\.0's Trainer does not share .* >= 5\.24"):
+        trainer._refuse_older_trainer()
