@@ -346,14 +346,17 @@ def _refuse_accelerate_cp(parallelism_config: Any) -> None:
 OLDEST_TRAINER = "5.24"
 
 
-def _refuse_older_trainer() -> None:
-    """Refuse a transformers older than :data:`OLDEST_TRAINER` (every rank has the same)."""
-    import transformers
+def _refuse_older_trainer(version: str | None = None) -> None:
+    """Refuse a transformers (``version``, default the installed one) older than
+    :data:`OLDEST_TRAINER` (every rank has the same)."""
+    from importlib.metadata import version as installed
+
     from packaging.version import Version
 
-    if Version(transformers.__version__).release < Version(OLDEST_TRAINER).release:
+    version = installed("transformers") if version is None else version
+    if Version(version).release < Version(OLDEST_TRAINER).release:
         raise ValueError(
-            f"{_WHAT}: rank {_launched_rank()}: transformers {transformers.__version__}'s "
+            f"{_WHAT}: rank {_launched_rank()}: transformers {version}'s "
             "Trainer does not share a batch's token count over the CP ranks, so every loss and "
             f"gradient under CP would be 1/cp of the plain trainer's: install transformers >= "
             f"{OLDEST_TRAINER}"
