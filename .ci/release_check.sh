@@ -73,6 +73,9 @@ assert torch.allclose(cpshard.cp_attention(q, q, q, is_causal=True), ref)
 print("   smoke test passed:", here.parent, info)
 PY
   )
+  # the installed console script (its entry point) and `python -m cpshard` dispatch
+  (cd "$work/run" && "$work/venv/bin/cpshard" env >"$work/env.txt" && "$py" -m cpshard --help >/dev/null)
+  sed -n 2,3p "$work/env.txt"
 }
 
 stamp "pip install the sdist (builds the extension from the archive)"
