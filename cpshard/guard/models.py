@@ -133,9 +133,9 @@ def mixer_problem(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _walk(root: torch.nn.Module) -> tuple[str, str] | None:
-    """``(qualified name, why)`` of the first module under ``root`` that cannot run under CP
-    (a listed refusal, or a sequence mixer by its parameters), or None."""
+def _walk(root: torch.nn.Module) -> str | None:
+    """Why the first module under ``root`` that cannot run under CP (a listed refusal, or a
+    sequence mixer by its parameters) cannot, naming it by path; None when none is."""
     stack = [("", root)]
     while stack:
         path, module = stack.pop()
@@ -144,10 +144,10 @@ def _walk(root: torch.nn.Module) -> tuple[str, str] | None:
         name = path or type(root).__name__
         listed = refusals.reason(type(module))
         if listed is not None:
-            return name, f"its module {name!r} ({type(module).__name__}) cannot run under CP: {listed}"
+            return f"its module {name!r} ({type(module).__name__}) cannot run under CP: {listed}"
         problem = mixer_problem(module)
         if problem is not None:
-            return name, _mixing(name, problem)
+            return _mixing(name, problem)
         children = list(module.named_children())
         stack.extend((f"{path}.{n}" if path else n, c) for n, c in reversed(children))
     return None
@@ -174,8 +174,7 @@ def unsharded_mixer(module: torch.nn.Module) -> str | None:
     tokens along the sequence, by path), or None: the check a model gets before its first call
     inside a CP context, for callers that refuse a model before any step (the trainers); what
     only its forward shows is checked when it first runs there."""
-    found = _walk(module)
-    return None if found is None else found[1]
+    return _walk(module)
 
 
 def check_model(module: torch.nn.Module) -> None:
@@ -184,9 +183,9 @@ def check_model(module: torch.nn.Module) -> None:
     state = active_state()
     if state is None or module in _walked:
         return
-    found = _walk(module)
-    if found is not None:
-        raise ValueError(_refusal(state, module, found[1]))
+    why = _walk(module)
+    if why is not None:
+        raise ValueError(_refusal(state, module, why))
     _walked.update(module.modules())
 
 

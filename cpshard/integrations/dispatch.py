@@ -138,9 +138,16 @@ def conv_hook(what: str) -> Hook:
     return Hook(causal_conv(what), CONV_PARAMS)
 
 
-def mask_hook(what: str) -> Hook:
-    return Hook(unmasked(what), MASK_PARAMS)
-
-
 def decoding_hook(what: str, layer: str) -> Hook:
     return Hook(decoding_refused(what, layer))
+
+
+def padded_conv_hooks(what: str, layer: str) -> dict[str, Hook]:
+    """The hooks of a layer that masks its padding and convolves causally, which every such
+    family (Mamba, Mamba2, the short convolutions) has under the same names: the padding mask
+    unread, the convolution per document, its token-by-token decoding refused."""
+    return {
+        "apply_mask_to_padding_states": Hook(unmasked(what), MASK_PARAMS),
+        "causal_conv1d_fn": conv_hook(what),
+        "causal_conv1d_update": decoding_hook(what, layer),
+    }

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.state import AttentionState, active_state
+from cpshard.attention.state import active_state
 from cpshard.attention.tokens import state_for_tokens, step_positions
 from cpshard.integrations.hooks import Family, Hook
 
@@ -63,11 +63,7 @@ FAMILY = Family(
 
 
 def scaled_queries(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    state: AttentionState | None,
-    where: str,
+    module: torch.nn.Module, query: torch.Tensor, position_ids: torch.Tensor | None, where: str
 ) -> torch.Tensor:
     """``query`` (``[B, H, L, D]``) as the layer scales it for a document alone: by the
     temperature of each token's document position (``position_ids``, ``[B, L]``; where the
@@ -75,6 +71,7 @@ def scaled_queries(
     computes it; unchanged for a layer that does not scale. Raises ``ValueError`` for a tuned
     layer whose own scaling the hook did not turn off, or whose positions are unknown."""
     if getattr(module, _MARK, False):
+        state = state_for_tokens(position_ids, active_state())
         if position_ids is None and state is not None:
             position_ids = step_positions(state)
         if position_ids is None or position_ids.shape != (query.shape[0], query.shape[2]):

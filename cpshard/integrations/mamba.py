@@ -31,10 +31,9 @@ import torch.nn.functional as F
 
 from cpshard.integrations.dispatch import (
     cache_refused,
-    conv_hook,
     decoding_hook,
-    mask_hook,
     mixing_state,
+    padded_conv_hooks,
     unfused,
 )
 from cpshard.integrations.hooks import Family, Hook
@@ -96,10 +95,8 @@ FAMILY = Family(
     "Mamba",
     MODULES,
     functions={
-        "apply_mask_to_padding_states": mask_hook(_WHAT),
-        "causal_conv1d_fn": conv_hook(_WHAT),
+        **padded_conv_hooks(_WHAT, "Mamba"),
         "mamba_selective_scan": Hook(_scan, _SCAN_PARAMS),
-        "causal_conv1d_update": decoding_hook(_WHAT, "Mamba"),
         "mamba_selective_state_update": decoding_hook(_WHAT, "Mamba"),
     },
     fused={"mamba_inner_fn": unfused(_WHAT)},

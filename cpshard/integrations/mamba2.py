@@ -30,10 +30,9 @@ import torch.nn.functional as F
 
 from cpshard.integrations.dispatch import (
     cache_refused,
-    conv_hook,
     decoding_hook,
-    mask_hook,
     mixing_state,
+    padded_conv_hooks,
     unfused,
 )
 from cpshard.integrations.hooks import Family, Hook
@@ -97,10 +96,8 @@ FAMILY = Family(
     "Mamba2",
     MODULES,
     functions={
-        "apply_mask_to_padding_states": mask_hook(_WHAT),
-        "causal_conv1d_fn": conv_hook(_WHAT),
+        **padded_conv_hooks(_WHAT, "Mamba2"),
         "mamba2_chunk_scan": Hook(_scan, _SCAN_PARAMS),
-        "causal_conv1d_update": decoding_hook(_WHAT, "Mamba2"),
         "mamba2_selective_state_update": decoding_hook(_WHAT, "Mamba2"),
     },
     fused={"mamba2_split_conv1d_scan_combined": unfused(_WHAT)},

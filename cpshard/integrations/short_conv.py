@@ -16,7 +16,7 @@ function, inside one:
 
 from __future__ import annotations
 
-from cpshard.integrations.dispatch import conv_hook, decoding_hook, mask_hook
+from cpshard.integrations.dispatch import padded_conv_hooks
 from cpshard.integrations.hooks import Family
 
 _WHAT = "cpshard.integrations.transformers (short convolution)"
@@ -31,9 +31,5 @@ MODULES = {
 FAMILY = Family(
     "short convolution",
     MODULES,
-    functions={
-        "apply_mask_to_padding_states": mask_hook(_WHAT),
-        "causal_conv1d_fn": conv_hook(_WHAT),
-        "causal_conv1d_update": decoding_hook(_WHAT, "short convolution"),
-    },
+    functions=padded_conv_hooks(_WHAT, "short convolution"),
 )

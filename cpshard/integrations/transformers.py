@@ -141,10 +141,7 @@ def cpshard_attention(
         mask, attention_mask = attention_mask.for_layer(causal, window), None
         if mask is not None:  # it states the causality and window: the layer's must not narrow it
             causal, window = None, None
-    query = llama4.scaled_queries(
-        module, query, position_ids, state_for_tokens(position_ids, active_state()),
-        f"{_WHAT}: rank {_cp_rank()}",
-    )  # fmt: skip
+    query = llama4.scaled_queries(module, query, position_ids, f"{_WHAT}: rank {_cp_rank()}")
     out = cp_attention(
         query,
         key,

@@ -200,6 +200,6 @@ def test_a_temperature_tuned_layer_the_hook_did_not_reach_is_refused() -> None:
     layer.attn_temperature_tuning, layer.use_rope = True, False
     query = torch.randn(1, 2, 3, 4)
     with pytest.raises(ValueError, match="rank 0: Module scales its queries by attention temperature"):
-        llama4.scaled_queries(layer, query, torch.arange(3)[None], None, "rank 0")
+        llama4.scaled_queries(layer, query, torch.arange(3)[None], "rank 0")
     layer.use_rope = True  # a RoPE layer: no temperature, the queries unchanged
-    assert llama4.scaled_queries(layer, query, None, None, "rank 0") is query
+    assert llama4.scaled_queries(layer, query, None, "rank 0") is query
