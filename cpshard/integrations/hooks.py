@@ -43,8 +43,11 @@ class Family:
     ``modules``: modeling module -> the layer class in it. ``functions``: module-level
     functions replaced by dispatchers (every one required). ``fused``: fused-kernel entries
     replaced when the module has them (a release without the fused path has nothing to turn
-    off). ``methods``: methods of the layer class replaced. ``mixer``: mark the layer class as
-    a token mixer routed through cpshard."""
+    off). ``methods``: methods of the layer class replaced. ``mixer``: the layer class mixes
+    tokens through the hooks (marked as routed through cpshard when they are installed, refused
+    under CP when its module does not match); a layer that is no mixer (an attention whose
+    hook only adjusts what reaches cpshard's attention) is neither, and what it would compute
+    wrong unhooked is refused where it reaches cpshard."""
 
     name: str
     modules: Mapping[str, str]
@@ -152,7 +155,8 @@ def install(family: Family) -> list[HookStatus]:
                 status = _activate(module, layer, family)
             else:
                 status = HookStatus(family.name, name, layer, INACTIVE, why)
-                _deactivate(module, layer, family, why)
+                if family.mixer:
+                    _deactivate(module, layer, family, why)
         _status[name] = status
         out.append(status)
     return out

@@ -136,6 +136,28 @@ def test_a_function_taking_other_parameters_is_a_mismatch_and_a_missing_fused_en
         del sys.modules["cpshard_test_modeling"]
 
 
+def test_a_layer_that_is_no_mixer_is_not_refused_when_its_hook_does_not_match() -> None:
+    """Llama 4's attention: an inactive temperature hook must not refuse every Llama 4 model
+    (untuned ones attend exactly through cpshard; the tuned ones are refused by the attention
+    function)."""
+    from cpshard.guard import refusals
+    from cpshard.integrations import llama4
+
+    module = types.ModuleType("cpshard_test_attention")
+    module.Attention = type("Attention", (torch.nn.Module,), {})
+    module.Attention.forward = lambda self, *args: None  # takes no hidden_states
+    sys.modules[module.__name__] = module
+    try:
+        family = hooks.Family("test attention", {module.__name__: "Attention"},
+                              methods=llama4.FAMILY.methods, mixer=False)  # fmt: skip
+        (status,) = hooks.install(family)
+        assert status.state == hooks.INACTIVE and "Attention.forward does not match" in status.reason
+        assert refusals.reason(module.Attention) is None
+        assert not hasattr(module.Attention.forward, "cpshard_original")
+    finally:
+        del sys.modules[module.__name__]
+
+
 def test_functions_wrapped_by_the_kernels_package_are_read_through() -> None:
     """The ``kernels`` package turns a hub-replaceable function into a module whose ``forward``
     closes over it (transformers >= 5.25): its parameters are the function's."""
