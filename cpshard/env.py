@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
+from cpshard.declared import declared_requirements
+
 _LIBRARIES = ("transformers", "trl", "accelerate", "datasets")
 
 
@@ -23,14 +25,6 @@ def _version(distribution: str) -> str | None:
         return metadata.version(distribution)
     except metadata.PackageNotFoundError:
         return None
-
-
-def _declared() -> list[str]:
-    """cpshard's declared requirements (its package metadata), extras included."""
-    try:
-        return list(metadata.requires("cpshard") or ())
-    except metadata.PackageNotFoundError:
-        return []
 
 
 def _build() -> dict[str, Any]:
@@ -108,7 +102,7 @@ def collect() -> dict[str, Any]:
         f"on {platform.system()}-{platform.machine()}",
         "torch": _torch(),
         "libraries": {name: _version(name) for name in _LIBRARIES},
-        "declared": _declared(),
+        "declared": declared_requirements(),
         "transformers_hooks": _hooks(),
     }
 

@@ -60,3 +60,22 @@ def test_env_runs_without_transformers() -> None:
     done = _run("-c", code)
     assert done.returncode == 0, done.stderr
     assert "transformers hooks:\n  transformers is not installed" in done.stdout, done.stdout
+
+
+def test_the_declared_range_is_read_by_distribution_name(monkeypatch) -> None:
+    """A message names the range declared for exactly that distribution (not one whose name
+    starts the same), without the extra's marker."""
+    from importlib import metadata
+
+    from cpshard import declared
+
+    requires = [
+        "torch<2.16,>=2.11",
+        'transformers-stream-generator>=0.1; extra == "transformers"',
+        'Transformers>=5.24.0; extra == "transformers"',
+    ]
+    monkeypatch.setattr(metadata, "requires", lambda name: requires if name == "cpshard" else None)
+    assert declared.declared_requirements() == requires
+    assert declared.declared_range("transformers") == "Transformers>=5.24.0"
+    assert declared.declared_range("torch") == "torch<2.16,>=2.11"
+    assert declared.declared_range("trl") == "the trl range cpshard declares"

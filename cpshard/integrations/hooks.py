@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpshard.declared import declared_range
 from cpshard.guard import refusals
 
 Make = Callable[[Callable[..., Any]], Callable[..., Any]]  # original -> dispatcher
@@ -76,19 +77,6 @@ def transformers_version() -> str:
     import transformers
 
     return str(transformers.__version__)
-
-
-def _supported_range() -> str:
-    """The transformers releases cpshard declares (its package metadata), for messages."""
-    try:
-        from importlib.metadata import requires
-
-        for spec in requires("cpshard") or ():
-            if spec.startswith("transformers") and "extra ==" in spec:
-                return spec.split(";")[0].strip()
-    except Exception:  # not installed as a distribution (a source checkout on the path)
-        pass
-    return "the transformers range cpshard declares"
 
 
 def _underlying(fn: Any) -> Callable[..., Any]:
@@ -190,7 +178,7 @@ def _refusal(family: Family, module: str, why: str) -> str:
     return (
         f"cpshard's {family.name} hooks are not installed: transformers {transformers_version()}'s "
         f"{module} does not match them ({why}); install a transformers release cpshard supports "
-        f"({_supported_range()}; `cpshard env` shows which hooks are active), or train this "
+        f"({declared_range('transformers')}; `cpshard env` shows which hooks are active), or train this "
         "model without CP"
     )
 
