@@ -97,7 +97,11 @@ def _count_training_tokens(model: torch.nn.Module) -> list[int]:
 
 def _runs(rank: int, world: int, runs: list[tuple[str, int | None]], out: str) -> dict:
     """Each ``(kind, cp_size)`` of ``runs`` trained on this rank; rank 0's results, with the
-    tokens of each of its training forwards and whether its parameters are DTensors."""
+    tokens of each of its training forwards, the names of its parameters that are DTensors and
+    of those that are not as it starts training (at rest, between steps: FSDP2's root keeps its
+    own parameters unsharded after a forward without a backward, as evaluation ends), and
+    whether it trained as FSDP2's module."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     results = {}
@@ -111,9 +115,12 @@ def _runs(rank: int, world: int, runs: list[tuple[str, int | None]], out: str) -
             model = tiny_training.tiny_llama()
             save, trainer_kind = (folder + "-model" if cp is not None else None), kind
         tokens = _count_training_tokens(model)
+        named = list(model.named_parameters())
+        dtensors = [n for n, p in named if isinstance(p, DTensor)]
+        plain = [n for n, p in named if not isinstance(p, DTensor)]
         result = tiny_training.train(trainer_kind, cp, folder, save_to=save, model=model)
-        result["tokens"] = tokens
-        result["dtensors"] = any(isinstance(p, DTensor) for p in model.parameters())
+        result.update(tokens=tokens, dtensors=dtensors, plain=plain)
+        result["fsdp2"] = isinstance(model, FSDPModule)
         results[kind, cp] = result
     return results if rank == 0 else {}
 
@@ -173,14 +180,16 @@ def trained(pools, tmp_path_factory) -> dict:
 @pytest.mark.parametrize("dp, cp", [(2, 2), (1, 4)])
 def test_cp_trains_and_evaluates_like_the_plain_trainer(trained, kind, dp, cp):
     check_same_training(trained[kind, dp, cp], trained[kind, dp, None], PARAM_TOL[kind], kind, cp)
-    assert not trained[kind, dp, cp]["dtensors"]  # DDP: plain parameters
+    run = trained[kind, dp, cp]
+    assert run["plain"] and not run["dtensors"] and not run["fsdp2"]  # DDP
 
 
 def test_cp_under_fsdp2_trains_like_the_plain_trainer(trained):
     """FSDP2 over all four ranks (the model loaded sharded: every parameter a DTensor) at
     (dp, cp) = (2, 2) against the plain Trainer at dp = 2 with DDP: FSDP2's averaging over every
     rank is the reduction."""
-    assert trained[FSDP2, 2, 2]["dtensors"]
+    run = trained[FSDP2, 2, 2]
+    assert run["fsdp2"] and run["dtensors"] and not run["plain"], f"not DTensors: {run['plain']}"
     check_same_training(
         trained[FSDP2, 2, 2], trained["trainer", 2, None], PARAM_TOL["trainer"], "trainer", 2
     )
