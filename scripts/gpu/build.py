@@ -9,7 +9,6 @@ imported from this checkout (never from an installed cpshard), its build info an
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -20,6 +19,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+import stage_args  # this folder's: the script's own, first on sys.path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,12 +50,8 @@ def problems(device: str, info: dict, extension: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"torch {torch.__version__} sees no GPU (--device cpu runs the dry run)")
+    args = stage_args.parse(stage_args.parser(__doc__), argv)
+    if args is None:
         return 1
     env = dict(os.environ, CPSHARD_CUDA="1" if args.device == "cuda" else "0")
     start = time.monotonic()
@@ -71,7 +68,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         record["problems"] = [f"setup.py build_ext --inplace exited {built.returncode}"]
     record["ok"] = not record["problems"]
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "build.json").write_text(json.dumps(record, indent=1, sort_keys=True))
     print(json.dumps(record))
     what = "CUDA + NCCL" if record.get("cuda_kernels") and record.get("nccl") else "CPU"

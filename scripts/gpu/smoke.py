@@ -10,19 +10,16 @@ smoke test, not a check of any multi-rank logic.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.append(str(Path(__file__).resolve().parent))
-import machine  # noqa: E402
+import machine  # this folder's: the script's own, first on sys.path
+import stage_args
 
 
 def all_reduce(device: str) -> dict:
@@ -42,18 +39,13 @@ def all_reduce(device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"torch {torch.__version__} sees no GPU (--device cpu runs the dry run)")
+    args = stage_args.parse(stage_args.parser(__doc__), argv)
+    if args is None:
         return 1
     start = time.monotonic()
     record = {"all_reduce": all_reduce(args.device), "machine": machine.facts(args.device)}
     record["ok"] = record["all_reduce"]["ok"]
     record["seconds"] = round(time.monotonic() - start, 2)
-    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "smoke.json").write_text(json.dumps(record, indent=1, sort_keys=True))
     print(json.dumps(record, default=str))
     device = record["machine"]["device"]["name"]

@@ -28,7 +28,6 @@ recorded as not checked, and timings are labelled dry-run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -51,6 +50,7 @@ from torch.distributed.device_mesh import init_device_mesh
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 sys.path.append(str(Path(__file__).resolve().parent))
 import numerics  # noqa: E402
+import stage_args  # noqa: E402
 import steady_state  # noqa: E402
 
 import cpshard  # noqa: E402
@@ -87,6 +87,11 @@ def no_sync(device: str) -> Iterator[None]:
     """Any device->host sync inside raises (CUDA: steady_state.py's check); a plain call on CPU."""
     with steady_state.no_sync() if device == "cuda" else nullcontext():
         yield
+
+
+def _backend(device: str) -> str:
+    """torch.compile's backend: inductor on the GPU, aot_eager (no C++ compiler) on CPU."""
+    return "inductor" if device == "cuda" else "aot_eager"
 
 
 def _case_inputs(heads: int, kv_heads: int, sinks: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -135,11 +140,7 @@ def _cp_step(
             sinks=rest[0] if rest else None, position_ids=position_ids,
         )  # fmt: skip
 
-    fn = (
-        torch.compile(layer, backend="inductor" if device == "cuda" else "aot_eager")
-        if compiled
-        else layer
-    )
+    fn = torch.compile(layer, backend=_backend(device)) if compiled else layer
     w = weight[:, :, mine].to(device)
     with ctx():
         if warm:  # the step's first call may make its metadata (and sync)
@@ -313,10 +314,6 @@ def _compile_rank(rank: int, world: int, device: str) -> dict:
     }
 
 
-def _backend(device: str) -> str:
-    return "inductor" if device == "cuda" else "aot_eager"
-
-
 def _graph(device: str) -> dict:
     """A warmed CP layer at world size 1 captured into a CUDA graph (forward) and replayed on new
     inputs copied into its static ones, against eager calls on those inputs. On CPU the same
@@ -484,19 +481,15 @@ def bench(device: str, out: Path, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = stage_args.parser(__doc__)
     p.add_argument("stage", choices=["correctness", "compile", "graph", "bench"])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument(
         "--worlds", type=int, nargs="+", help="ranks (correctness: 2 4 by default, compile: 2)"
     )
     p.add_argument("--repeats", type=int, default=10)
-    args = p.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print("no GPU: run with --device cpu (check.sh --dry-run)", file=sys.stderr)
+    args = stage_args.parse(p, argv)
+    if args is None:
         return 1
-    args.out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     if args.stage == "correctness":
         record = multi_rank("correctness", args.device, args.out, args.worlds or [2, 4])
