@@ -89,7 +89,7 @@ def test_the_dry_run_from_a_fresh_clone_without_cpshard_runs_every_stage(tmp_pat
 
     start = time.monotonic()
     out = tmp_path / "out"
-    rc, summary = _check(tree, out, "--dry-run", python=str(python), budget_s=900, timeout=1200)
+    rc, summary = _check(tree, out, "--dry-run", python=str(python), budget_s=1500, timeout=1800)
     print(summary, f"dry run from a fresh copy: {time.monotonic() - start:.0f} s", sep="\n")
     assert rc == 0, summary + (out / "log.txt").read_text()[-6000:]
     for name in STAGES:
