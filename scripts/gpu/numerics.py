@@ -18,12 +18,13 @@ Prints one ``ok`` / ``FAIL`` line per check with the errors and bounds; exits no
 failure, 0 with ``skipped: <why>`` when there is no GPU. ``--device cpu`` runs the same checks
 on the CPU loop path in fp32 (no varlen kernel there), to exercise the script itself.
 
-    python scripts/gpu/numerics.py [--device cuda|cpu]
+    python scripts/gpu/numerics.py [--device cuda|cpu] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -163,7 +164,9 @@ def check(
     device,
     impl: str,
     variant: Variant = PLAIN,
-) -> bool:
+) -> dict:
+    """One case: cpshard's output and gradients against ``truth_dtype``, within ``FACTOR`` x the
+    plain ``dtype`` reference's own error; prints its line and returns its record."""
     g = torch.Generator(device="cpu").manual_seed(len(lengths) * 131 + heads)
     s, d = sum(lengths), 64
     full = [
@@ -187,33 +190,33 @@ def check(
     with path(impl, seen):
         got = cp_with_grads(lp, lengths, weight, variant)
     ok = True
-    parts = []
+    parts, errors = [], []
     for what, a, b, c in zip(names, got, ref_lp, truth, strict=True):
         err = (a - c).abs().max().item()
         ref_err = (b - c).abs().max().item()
         bound = FACTOR * ref_err + 1e-6 * c.abs().max().item()
         ok &= bool(err <= bound) and bool(torch.isfinite(a).all())
         parts.append(f"{what} err {err:.2e} <= {bound:.2e}")
+        errors.append({"what": what, "err": err, "ref_err": ref_err, "bound": bound})
     used = sorted(set(seen))
     want = impl  # a soft-cap on the varlen path: the explicit varlen kernel
     if device.type == "cuda" and used != [want]:
         ok = False
         parts.append(f"ran {used}, expected {want}")
-    print(
-        ("ok  " if ok else "FAIL"),
-        f"{name}{f' {variant}' if variant != PLAIN else ''} {impl} {str(dtype).split('.')[-1]}:",
-        "; ".join(parts),
-        flush=True,
-    )
-    return ok
+    title = f"{name}{f' {variant}' if variant != PLAIN else ''} {impl} {str(dtype).split('.')[-1]}"
+    print(("ok  " if ok else "FAIL"), f"{title}:", "; ".join(parts), flush=True)
+    return {"case": title, "ok": ok, "ran": used, "errors": errors}
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    args = parser.parse_args()
+    parser.add_argument("--json", type=Path, help="also write every case's errors here")
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("skipped: no GPU")
+        if args.json:
+            args.json.write_text(json.dumps({"skipped": "no GPU"}))
         return 0
     device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
@@ -221,27 +224,29 @@ def main() -> int:
         dtypes, impls = [torch.bfloat16, torch.float16], ["varlen", "loop"]
     else:
         dtypes, impls = [torch.float32], ["loop"]
-    ok = True
+    cases = []
     for impl in impls:
         for dtype in dtypes:
             truth = torch.float32 if dtype != torch.float32 else torch.float64
-            ok &= check(
-                "docs[37,100,1,250,12] H8/2",
-                [37, 100, 1, 250, 12],
-                8,
-                2,
-                dtype,
-                truth,
-                device,
-                impl,
+            cases.append(
+                check(
+                    "docs[37,100,1,250,12] H8/2", [37, 100, 1, 250, 12], 8, 2, dtype, truth,
+                    device, impl,
+                )  # fmt: skip
             )
-            ok &= check("docs[64,64] H4/4", [64, 64], 4, 4, dtype, truth, device, impl)
+            cases.append(check("docs[64,64] H4/4", [64, 64], 4, 4, dtype, truth, device, impl))
         # GQA, every query run one token, against float64
-        ok &= check(
-            "gqa single-token x48 H8/2", [1] * 48, 8, 2, dtypes[0], torch.float64, device, impl
+        cases.append(
+            check(
+                "gqa single-token x48 H8/2", [1] * 48, 8, 2, dtypes[0], torch.float64, device,
+                impl,
+            )  # fmt: skip
         )
-        ok &= check(
-            "gqa single-token x16 H12/4", [1] * 16, 12, 4, dtypes[-1], torch.float64, device, impl
+        cases.append(
+            check(
+                "gqa single-token x16 H12/4", [1] * 16, 12, 4, dtypes[-1], torch.float64, device,
+                impl,
+            )  # fmt: skip
         )
         # The variants. Sinks over 32 query heads: their gradient has one value per head, and
         # the reference's error over a few values is too noisy a yardstick.
@@ -251,10 +256,16 @@ def main() -> int:
             variants += [Variant(softcap=3.0), Variant(window=16, softcap=3.0, sinks=True)]
             for variant in variants:
                 heads, kv_heads = (32, 8) if variant.sinks else (8, 2)
-                ok &= check(
-                    f"docs[37,100,1,250,12] H{heads}/{kv_heads}", [37, 100, 1, 250, 12], heads,
-                    kv_heads, dtype, truth, device, impl, variant,
-                )  # fmt: skip
+                cases.append(
+                    check(
+                        f"docs[37,100,1,250,12] H{heads}/{kv_heads}", [37, 100, 1, 250, 12],
+                        heads, kv_heads, dtype, truth, device, impl, variant,
+                    )  # fmt: skip
+                )
+    ok = all(c["ok"] for c in cases)
+    if args.json:
+        record = {"ok": ok, "device": str(device), "factor": FACTOR, "cases": cases}
+        args.json.write_text(json.dumps(record, indent=1))
     print("all numeric checks passed" if ok else "numeric checks FAILED")
     return 0 if ok else 1
 

@@ -17,12 +17,13 @@ Results are checked against plain-PyTorch references after leaving the sync-debu
 ``ok <what>`` line per check and exits non-zero on the first failure; prints ``skipped: <why>``
 and exits 0 without a GPU, cpshard's CUDA build or its NCCL communicator.
 
-    python scripts/gpu/steady_state.py [--world W]
+    python scripts/gpu/steady_state.py [--world W] [--json PATH]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -70,7 +71,15 @@ def check(name: str, rank: int, fn: Callable[[], None]) -> None:
         print(f"ok {name}", flush=True)
 
 
+CHECKS = (
+    "transport verbs",
+    "gather_sequence / gather_ragged / gather_halo",
+    "cp_blockdiag_sdpa layer, needed_rows and heads",
+)
+
+
 def run_rank(rank: int, world: int, store_path: str) -> None:
+    """This rank's checks; rank 0 writes the communicator's facts to ``<store_path>.json``."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     device = torch.device("cuda", rank)
     store = dist.FileStore(store_path, world)
@@ -78,23 +87,30 @@ def run_rank(rank: int, world: int, store_path: str) -> None:
     try:
         pg = dist.group.WORLD
         group = resolve_group(pg, "gpu_steady_state")
-        from cpshard.comm import nccl
+        from cpshard.comm import nccl, nccl_runtime
 
         comm = nccl.communicator(group, device)  # created collectively (may sync: once)
         if rank == 0:
             print(f"communicator: bootstrap={comm.bootstrap}, NCCL {nccl.version()}", flush=True)
-        check("transport verbs", rank, lambda: verbs(comm, rank, world, device))
-        check(
-            "gather_sequence / gather_ragged / gather_halo",
-            rank,
+        steps = (
+            lambda: verbs(comm, rank, world, device),
             lambda: transport(pg, rank, world, device),
-        )
-        check(
-            "cp_blockdiag_sdpa layer, needed_rows and heads",
-            rank,
             lambda: blockdiag_layer(pg, rank, world, device),
         )
+        for name, step in zip(CHECKS, steps, strict=True):
+            check(name, rank, step)
         assert comm.error() == "", comm.error()
+        if rank == 0:
+            loaded = nccl_runtime.loaded_versions()
+            facts = {
+                "bootstrap": comm.bootstrap,
+                "nccl_cpshard": ".".join(map(str, nccl.version())),
+                "nccl_loaded": {
+                    path: ".".join(map(str, nccl_runtime.version_triple(code)))
+                    for path, code in loaded.items()
+                },
+            }
+            Path(f"{store_path}.json").write_text(json.dumps(facts))
     finally:
         dist.destroy_process_group()
 
@@ -201,10 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--world", type=int, default=1, help="ranks, one GPU each (default 1)")
+    p.add_argument("--json", type=Path, help="also write what ran (or why not) here")
     args = p.parse_args(argv)
     reason = skip_reason(args.world)
     if reason is not None:
         print(f"skipped: {reason}")
+        if args.json:
+            args.json.write_text(json.dumps({"skipped": reason, "world": args.world}))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
@@ -214,7 +233,17 @@ def main(argv: list[str] | None = None) -> int:
             mp.start_processes(
                 run_rank, args=(args.world, store), nprocs=args.world, start_method="spawn"
             )
+        facts = json.loads(Path(f"{store}.json").read_text())
     print(f"all steady-state checks passed at world size {args.world}")
+    if args.json:
+        record = {
+            "ok": True,
+            "world": args.world,
+            "checked": list(CHECKS),
+            "sync_check": 'torch.cuda.set_sync_debug_mode("error")',
+            **facts,
+        }
+        args.json.write_text(json.dumps(record, indent=1))
     return 0
 
 
