@@ -12,6 +12,7 @@ from cpshard.layouts import (
     make_layout,
     rank_major_inverse,
 )
+from cpshard.linear_loss import cp_linear_cross_entropy
 from cpshard.loss import cp_cross_entropy, reduce_cp_gradients
 from cpshard.masks import MaskDescription
 from cpshard.ops import (
@@ -75,6 +76,7 @@ __all__ = [
     "cp_attention",
     "cp_blockdiag_sdpa",
     "cp_cross_entropy",
+    "cp_linear_cross_entropy",
     "current_check_mode",
     "cp_vision_frame_sharding_active",
     "cp_vision_group",

@@ -54,10 +54,23 @@ def _cross_entropy_problem(
         return f"logits {tuple(logits.shape)} must be labels {tuple(labels.shape)} + [V]"
     if not logits.dtype.is_floating_point:
         return f"logits must be floating point, got {logits.dtype}"
+    return targets_problem(labels, "logits", logits.device, ignore_index, num_labelled)
+
+
+def targets_problem(
+    labels: torch.Tensor,
+    source: str,
+    device: torch.device,
+    ignore_index: object,
+    num_labelled: object,
+) -> str | None:
+    """This rank's problem with a CP loss's targets (``labels`` beside the tensor named
+    ``source`` on ``device``, ``ignore_index``, ``num_labelled``), or None: the checks
+    :func:`cp_cross_entropy` and :func:`cpshard.cp_linear_cross_entropy` share."""
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         return f"labels must be integers, got {labels.dtype}"
-    if labels.device != logits.device:
-        return f"labels are on {labels.device} but logits on {logits.device}"
+    if labels.device != device:
+        return f"labels are on {labels.device} but {source} on {device}"
     if not is_int(ignore_index):
         return f"ignore_index must be an int, got {type(ignore_index).__name__}"
     if num_labelled is None:
@@ -117,9 +130,24 @@ def cp_cross_entropy(
     local_sum = F.cross_entropy(
         flat_logits, flat_labels, ignore_index=ignore_index, reduction="sum"
     )
+    return token_mean(local_sum, flat_labels, ignore_index, num_labelled, g)
+
+
+def token_mean(
+    local_sum: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    num_labelled: torch.Tensor | int | None,
+    g: Group,
+) -> torch.Tensor:
+    """This rank's summed loss ``local_sum`` as its share of the group's token mean: times the
+    group's size, over the labelled tokens of every rank (``num_labelled``, or ``labels`` counted
+    and all-reduced; at least 1), so that the ranks' losses average to the loss."""
     if num_labelled is None:
-        count = (flat_labels != ignore_index).sum().to(local_sum.dtype)
+        count = (labels != ignore_index).sum().to(local_sum.dtype)
         all_reduce_sum_([count], g)
+    elif isinstance(num_labelled, torch.Tensor):  # a device-side cast, no host read
+        count = num_labelled.to(dtype=local_sum.dtype, device=local_sum.device)
     else:
         count = torch.as_tensor(num_labelled, dtype=local_sum.dtype, device=local_sum.device)
     return local_sum * g.world / count.clamp(min=1)
