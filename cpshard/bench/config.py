@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from cpshard.validation import is_int
 
 GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
-SECTION_OPS = ("planner", "vision", "layouts", "blockdiag", "attention", "mixers", "planning")
+SECTION_OPS = (
+    "planner", "vision", "layouts", "blockdiag", "attention", "mixers", "loss", "planning",
+)  # fmt: skip
 OPS = (*GATHER_OPS, "strategies", *SECTION_OPS)
 # ``--full`` and ``--ops all``: every op but those that run only when named (long grids)
 FULL_OPS = tuple(op for op in OPS if op != "planning")

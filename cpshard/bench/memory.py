@@ -74,6 +74,11 @@ def _cuda_peak(rt: Runtime, step: Callable[[], object]) -> int:
     return max(0, torch.cuda.max_memory_allocated(rt.device) - before)
 
 
+def local_peak_bytes(rt: Runtime, step: Callable[[], object]) -> int:
+    """Peak extra bytes of one run of ``step`` on this rank alone (no collective)."""
+    return _cuda_peak(rt, step) if rt.is_cuda else _cpu_peak(step)
+
+
 def peak_extra_bytes(
     rt: Runtime,
     step: Callable[[], object],
@@ -90,7 +95,7 @@ def peak_extra_bytes(
         if reset is not None:
             reset()
         dist.barrier(group=rt.pg, **rt.barrier_kwargs)
-        local = max(local, _cuda_peak(rt, step) if rt.is_cuda else _cpu_peak(step))
+        local = max(local, local_peak_bytes(rt, step))
     t = torch.tensor([local], dtype=torch.int64, device=rt.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.pg)
     return int(t.item())

@@ -23,6 +23,7 @@ SECTION_MODULES = {
     "blockdiag": "cpshard.bench.blockdiag",
     "attention": "cpshard.bench.attention",
     "mixers": "cpshard.bench.mixers",
+    "loss": "cpshard.bench.linear_loss",
     "planning": "cpshard.bench.planning",
 }
 
