@@ -20,7 +20,7 @@ from cpshard.batch.padding import IGNORE_INDEX
 from cpshard.comm import GroupLike, resolve_group
 from cpshard.consensus import check_call
 from cpshard.fingerprints import device_code, dtype_code
-from cpshard.loss import targets_problem, token_mean
+from cpshard.loss import targets_fields, targets_problem, token_mean
 from cpshard.validation import is_int
 
 # One chunk's logits in the compute dtype: 64 MiB (about 110 tokens of a 152k vocabulary in
@@ -186,9 +186,7 @@ def _fields(
     """What every rank's :func:`cp_linear_cross_entropy` must agree on (checked mode only): what
     decides whether and how the count is all-reduced, and what makes the losses one loss."""
     return lambda: {
-        "ignore_index": [ignore_index],
-        "num_labelled given": [int(num_labelled is not None)],
-        "labels dtype": [dtype_code(labels.dtype)],
+        **targets_fields(labels, ignore_index, num_labelled),
         "hidden dtype": [dtype_code(hidden.dtype)],
         "weight shape": list(weight.shape),
         "bias given": [int(bias is not None)],

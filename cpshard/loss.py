@@ -89,12 +89,22 @@ def _cross_entropy_fields(
     """What every rank's :func:`cp_cross_entropy` must agree on (checked mode only): whatever
     decides whether and how the count is all-reduced, and what makes the losses one loss."""
     return lambda: {
-        "ignore_index": [ignore_index],
-        "num_labelled given": [int(num_labelled is not None)],
-        "labels dtype": [dtype_code(labels.dtype)],
+        **targets_fields(labels, ignore_index, num_labelled),
         "logits dtype": [dtype_code(logits.dtype)],
         "vocabulary size": [logits.shape[-1]],
         "device type": [device_code(logits)],
+    }
+
+
+def targets_fields(
+    labels: torch.Tensor, ignore_index: int, num_labelled: object
+) -> dict[str, Sequence[int]]:
+    """What every rank of a CP loss must agree on about its targets (checked mode): they decide
+    whether and how the count is all-reduced."""
+    return {
+        "ignore_index": [ignore_index],
+        "num_labelled given": [int(num_labelled is not None)],
+        "labels dtype": [dtype_code(labels.dtype)],
     }
 
 

@@ -29,6 +29,8 @@ __all__ = ["CPSFTTrainer"]
 class CPSFTTrainer(ContextParallelMixin, SFTTrainer):
     """``trl.SFTTrainer`` under cpshard CP (``cp_size``, ``layout``, ``strategy``)."""
 
+    _trainer_cp_loss = "trl_fused_lm_head"  # TRL's loss from the hidden states
+
     def _prepare_context_parallel_inputs(
         self, model: torch.nn.Module, inputs: dict[str, Any]
     ) -> tuple[Any, dict[str, Any]]:

@@ -18,7 +18,10 @@ the step's CP context. The Trainer's loss arithmetic stays its own: the token co
 ``num_items_in_batch`` is taken from the full batches, the model gets the labels shifted once
 over the whole sequence as ``shift_labels``, and ``get_cp_size`` tells the Trainer that ``cp``
 ranks share each batch, so each rank's loss is ``cp`` times its share and the gradient reduction
-over all ``dp x cp`` ranks (DDP, FSDP2) averages to the loss of ``dp`` processes.
+over all ``dp x cp`` ranks (DDP, FSDP2) averages to the loss of ``dp`` processes. Under CP that
+loss is computed from the final hidden states by :func:`cpshard.cp_linear_cross_entropy`
+(never holding the rank's logits) when the model's LM head is a plain ``nn.Linear``
+(:mod:`cpshard.integrations.linear_head`), else by the model itself; ``cp_loss`` says which.
 
 Refused, on every rank, saying what to change: a ``cp_size`` that does not divide the world,
 accelerate's own context parallelism at the same time, a gradient reduction that does not span
@@ -30,6 +33,7 @@ Evaluation reports the loss only (``prediction_loss_only``): the logits are shar
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -42,6 +46,7 @@ from cpshard.comm.reduce import all_reduce_sum_
 from cpshard.consensus import agree
 from cpshard.fingerprints import digest
 from cpshard.guard.models import unsharded_mixer
+from cpshard.integrations import linear_head
 from cpshard.integrations import transformers as cp_transformers
 from cpshard.sharder import ContextParallelSharder
 
@@ -55,6 +60,7 @@ except ImportError as exc:  # pragma: no cover - transformers is a test dependen
 __all__ = ["CPTrainer", "ContextParallelMixin"]
 
 _WHAT = "cpshard.integrations.trainer"
+_log = logging.getLogger(__name__)
 
 
 class ContextParallelMixin:
@@ -102,10 +108,42 @@ class ContextParallelMixin:
         self._sharders: dict[bool, ContextParallelSharder] = {}
         self._layout, self._strategy = layout, strategy
         self._reduction_checked = False
+        self.cp_loss, self.cp_loss_reason = "model", None
         if cp_size > 1:
             # fail on bad layout/strategy now, not at the first step
             self._sharder(shift_labels=True)
             self.model.set_attn_implementation(cp_transformers.ATTN_IMPLEMENTATION)
+            self._choose_cp_loss()
+
+    # ------------------------------------------------------------------ the loss
+
+    #: The loss the extended trainer computes from the hidden states itself (TRL's fused LM
+    #: head), or None: the mixin then computes it with cp_linear_cross_entropy where it can.
+    _trainer_cp_loss: str | None = None
+
+    def _choose_cp_loss(self) -> None:
+        """Set ``cp_loss``: ``"cp_linear_cross_entropy"`` (the loss from the final hidden states,
+        the logits never held), the extended trainer's own loss from the hidden states, or
+        ``"model"`` (the model's own loss from its logits, ``cp_loss_reason`` saying why);
+        install the first, and log which, once."""
+        if self._trainer_cp_loss is not None:
+            self.cp_loss = self._trainer_cp_loss
+        else:
+            self.cp_loss_reason = linear_head.head_problem(self.model)
+            if self.cp_loss_reason is None:
+                linear_head.install(self.model)
+                self.cp_loss = "cp_linear_cross_entropy"
+        because = "" if self.cp_loss_reason is None else f" ({self.cp_loss_reason})"
+        _log.info("%s: the CP loss is computed by %s%s", _WHAT, self.cp_loss, because)
+
+    def compute_loss(
+        self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """The extended class's loss (its arguments passed on), asking the model for the loss
+        from the hidden states where it is installed."""
+        if self.cp_loss == "cp_linear_cross_entropy":
+            inputs = {**inputs, linear_head.LINEAR_LOSS_KWARG: True}
+        return super().compute_loss(model, inputs, *args, **kwargs)
 
     # ------------------------------------------------------------------ set-up checks
 

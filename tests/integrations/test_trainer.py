@@ -13,7 +13,11 @@ FSDP2 in one CP run):
   matmuls round differently for a shard's rows than for the whole row's (measured: gradient
   norms 6e-9, parameters 3e-7 after four AdamW steps; a CP error is orders of magnitude more);
 * every step's logged loss and the evaluation loss: relative 1e-6, since the trainers log the
-  loss in float32 (transformers' causal-LM loss casts the logits to float32);
+  loss in float32;
+* that ``CPTrainer`` computed its loss from the hidden states (``cp_linear_cross_entropy``: the
+  LM head's forward never ran in training) while the plain ``Trainer`` computed it from the
+  logits, with the model's causal-LM loss restated in float64 (transformers' own casts the
+  logits to float32, which would put float32 rounding, not CP, between the two runs);
 * the logged token counts exactly (each must be logged by both);
 * that CP ran: each training forward of a CP run saw its batch split ``cp`` ways (the plain
   run's batch length over ``cp``, up to the layout's padding), and that FSDP2 applied: its
@@ -32,6 +36,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -80,19 +85,42 @@ def _fsdp2_model(rank: int, world: int, out: str) -> torch.nn.Module:
     )
 
 
-def _count_training_tokens(model: torch.nn.Module) -> list[int]:
-    """The tokens of each training forward of ``model`` (its ``input_ids``' last dim), filled as
-    it trains (not the calls of cpshard's own check of a model's first CP forward)."""
+def _training_forwards(module: torch.nn.Module, value: Callable[[tuple, dict], int]) -> list[int]:
+    """``value(args, kwargs)`` of each training forward of ``module``, filled as it trains (not
+    the calls of cpshard's own check of a model's first CP forward)."""
     from cpshard.guard.models import auditing
 
     seen: list[int] = []
 
     def record(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         if module.training and not auditing():
-            seen.append(int(kwargs["input_ids"].shape[-1]))
+            seen.append(value(args, kwargs))
 
-    model.register_forward_pre_hook(record, with_kwargs=True)
+    module.register_forward_pre_hook(record, with_kwargs=True)
     return seen
+
+
+def _float64_causal_lm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    ignore_index: int = -100,
+    shift_labels: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """transformers' causal-LM loss (labels shifted unless given shifted, summed over
+    ``num_items_in_batch`` or averaged) in the logits' dtype, without its float32 cast."""
+    import torch.nn.functional as F
+
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = F.cross_entropy(
+        logits.reshape(-1, vocab_size), shift_labels.reshape(-1).to(logits.device),
+        ignore_index=ignore_index, reduction=reduction,
+    )  # fmt: skip
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
 def _runs(rank: int, world: int, runs: list[tuple[str, int | None]], out: str) -> dict:
@@ -114,12 +142,16 @@ def _runs(rank: int, world: int, runs: list[tuple[str, int | None]], out: str) -
         else:
             model = tiny_training.tiny_llama()
             save, trainer_kind = (folder + "-model" if cp is not None else None), kind
-        tokens = _count_training_tokens(model)
+        if trainer_kind == "trainer" and cp is None:
+            model.loss_function = _float64_causal_lm_loss
+        # the tokens of each forward (its input_ids' last dim), and the LM head's forwards
+        tokens = _training_forwards(model, lambda args, kwargs: int(kwargs["input_ids"].shape[-1]))
+        head_calls = _training_forwards(model.get_output_embeddings(), lambda args, kwargs: 1)
         named = list(model.named_parameters())
         dtensors = [n for n, p in named if isinstance(p, DTensor)]
         plain = [n for n, p in named if not isinstance(p, DTensor)]
         result = tiny_training.train(trainer_kind, cp, folder, save_to=save, model=model)
-        result.update(tokens=tokens, dtensors=dtensors, plain=plain)
+        result.update(tokens=tokens, dtensors=dtensors, plain=plain, head_calls=len(head_calls))
         result["fsdp2"] = isinstance(model, FSDPModule)
         results[kind, cp] = result
     return results if rank == 0 else {}
@@ -182,6 +214,8 @@ def test_cp_trains_and_evaluates_like_the_plain_trainer(trained, kind, dp, cp):
     check_same_training(trained[kind, dp, cp], trained[kind, dp, None], PARAM_TOL[kind], kind, cp)
     run = trained[kind, dp, cp]
     assert run["plain"] and not run["dtensors"] and not run["fsdp2"]  # DDP
+    if kind == "trainer":  # the CP loss from the hidden states, the plain one from the logits
+        assert run["head_calls"] == 0 < trained[kind, dp, None]["head_calls"]
 
 
 def test_cp_under_fsdp2_trains_like_the_plain_trainer(trained):
@@ -190,6 +224,7 @@ def test_cp_under_fsdp2_trains_like_the_plain_trainer(trained):
     rank is the reduction."""
     run = trained[FSDP2, 2, 2]
     assert run["fsdp2"] and run["dtensors"] and not run["plain"], f"not DTensors: {run['plain']}"
+    assert run["head_calls"] == 0  # the loss from the hidden states under FSDP2 too
     check_same_training(
         trained[FSDP2, 2, 2], trained["trainer", 2, None], PARAM_TOL["trainer"], "trainer", 2
     )
