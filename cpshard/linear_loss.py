@@ -15,6 +15,7 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from cpshard.batch.padding import IGNORE_INDEX
 from cpshard.comm import GroupLike, resolve_group
@@ -24,7 +25,7 @@ from cpshard.loss import targets_fields, targets_problem, token_mean
 from cpshard.validation import is_int
 
 # One chunk's logits in the compute dtype: 64 MiB (about 110 tokens of a 152k vocabulary in
-# float32). The backward holds about two such buffers at once, the forward about three.
+# float32). The forward holds one such buffer at a time, the backward two with a soft cap.
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 _WHAT = "cpshard.cp_linear_cross_entropy"
@@ -83,8 +84,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, tokens, chunk):
             rows = slice(start, start + chunk)
             logits, _ = _chunk_logits(hidden[rows], weight, bias, softcap)
-            lse[rows] = torch.logsumexp(logits, dim=1)
             picked = logits.gather(1, targets[rows]).squeeze(1)
+            top = logits.amax(1, keepdim=True)  # the log-sum-exp in place: no second chunk
+            lse[rows] = logits.sub_(top).exp_().sum(1).log_().add_(top.squeeze(1))
             del logits
             total += ((lse[rows] - picked) * valid[rows]).sum()
         ctx.save_for_backward(hidden, weight, bias, targets, valid, lse)
@@ -149,6 +151,8 @@ def _problem(
         return f"bias must be a torch.Tensor or None, got {type(bias).__name__}"
     floats = [("hidden", hidden), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
     for name, t in floats:
+        if isinstance(t, DTensor):
+            return f"{name} is a DTensor (sharded): pass {name}.full_tensor(), the whole LM head"
         if not t.dtype.is_floating_point:
             return f"{name} must be floating point, got {t.dtype}"
         if t.device != hidden.device:

@@ -39,7 +39,7 @@ def head_problem(model: torch.nn.Module) -> str | None:
     if not isinstance(model, PreTrainedModel):
         return f"{type(model).__name__} is not a transformers model"
     head = model.get_output_embeddings()
-    if type(head) is not torch.nn.Linear:
+    if _module_class(head) is not torch.nn.Linear:
         return f"its LM head is {type(head).__name__}, not a plain torch.nn.Linear"
     if model.base_model is model:
         return "it has no base model to run without its LM head"
@@ -51,6 +51,16 @@ def head_problem(model: torch.nn.Module) -> str | None:
     if getattr(text, "output_router_logits", False):
         return "its loss adds a router loss (output_router_logits)"
     return None
+
+
+def _module_class(module: object) -> type:
+    """``module``'s class, the one FSDP2's ``fully_shard`` derived its own from where sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if isinstance(module, FSDPModule):
+        return next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls
 
 
 def install(model: torch.nn.Module) -> None:
