@@ -149,7 +149,7 @@ def _problem(
             return f"{name} must be a torch.Tensor, got {type(t).__name__}"
     if bias is not None and not isinstance(bias, torch.Tensor):
         return f"bias must be a torch.Tensor or None, got {type(bias).__name__}"
-    floats = [("hidden", hidden), ("weight", weight)] + ([("bias", bias)] if bias is not None else [])
+    floats = [("hidden", hidden), ("weight", weight), ("bias", bias)][: 2 if bias is None else 3]
     for name, t in floats:
         if isinstance(t, DTensor):
             return f"{name} is a DTensor (sharded): pass {name}.full_tensor(), the whole LM head"

@@ -39,7 +39,9 @@ def _losses(
 ) -> dict[str, Callable[[], torch.Tensor]]:
     """Each implementation's loss of one rank's tokens (the global count given)."""
     return {
-        "cp_cross_entropy": lambda: cp_cross_entropy(hidden @ weight.T, labels, None, num_labelled=count),
+        "cp_cross_entropy": lambda: cp_cross_entropy(
+            hidden @ weight.T, labels, None, num_labelled=count
+        ),
         "cp_linear_cross_entropy": lambda: cp_linear_cross_entropy(
             hidden, weight, labels, None, num_labelled=count
         ),
@@ -84,11 +86,13 @@ def _measure(rt: Runtime, tokens: int, vocab: int, width: int) -> dict:
             rt.sync()
             times.append(time.perf_counter() - start)
         seen[name] += [t.grad.clone() for t in (hidden, weight)]
-        out[name] = {"fwd_bwd_s": statistics.median(times), "fwd_bwd_repeats_s": times, "peak_bytes": peak}
+        out[name] = {
+            "fwd_bwd_s": statistics.median(times), "fwd_bwd_repeats_s": times, "peak_bytes": peak,
+        }  # fmt: skip
     tol = 1e-4 if rt.dtype in (torch.float32, torch.float64) else 3e-2
     for what, want, got in zip(("loss", "hidden grad", "weight grad"), *seen.values()):
         if not torch.allclose(want.float(), got.float(), rtol=tol, atol=tol):
-            raise AssertionError(f"rank {rt.rank}: loss section: the {what} differs from the baseline")
+            raise AssertionError(f"rank {rt.rank}: loss section: the {what} differs from the base")
     base, ours = (out[name] for name in IMPLS)
     return {
         "tokens": tokens,
@@ -99,7 +103,9 @@ def _measure(rt: Runtime, tokens: int, vocab: int, width: int) -> dict:
         "logits_bytes": tokens * vocab * rt.dtype.itemsize,
         **{f"{name}_{k}": v for name, fig in out.items() for k, v in fig.items()},
         "peak_ratio": (
-            base["peak_bytes"] / ours["peak_bytes"] if rt.cfg.memory and ours["peak_bytes"] else None
+            base["peak_bytes"] / ours["peak_bytes"]
+            if rt.cfg.memory and ours["peak_bytes"]
+            else None
         ),
         "time_ratio": ours["fwd_bwd_s"] / base["fwd_bwd_s"],
     }
@@ -130,7 +136,8 @@ def render(r: dict) -> str:
         peak_text = "-" if peak is None else f"{peak / mib:.0f}"
         lines.append(f" {name:>24} {r[f'{name}_fwd_bwd_s']:>10.2f} {peak_text:>9}")
     if r["peak_ratio"] is not None:
-        lines.append(f"#   peak: cp_cross_entropy / cp_linear_cross_entropy = {r['peak_ratio']:.1f}x")
+        ratio = r["peak_ratio"]
+        lines.append(f"#   peak: cp_cross_entropy / cp_linear_cross_entropy = {ratio:.1f}x")
     lines.append(
         f"#   time: cp_linear_cross_entropy / cp_cross_entropy = {r['time_ratio']:.2f} "
         "(one more matmul: the backward recomputes each chunk's logits)"

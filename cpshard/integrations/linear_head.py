@@ -70,8 +70,11 @@ def install(model: torch.nn.Module) -> None:
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
 
     @functools.wraps(type(model).forward)
-    def forward(self: torch.nn.Module, *args: Any, cp_linear_loss: bool = False, **kwargs: Any) -> Any:
-        if not cp_linear_loss or (kwargs.get("labels") is None and kwargs.get("shift_labels") is None):
+    def forward(
+        self: torch.nn.Module, *args: Any, cp_linear_loss: bool = False, **kwargs: Any
+    ) -> Any:
+        unlabelled = kwargs.get("labels") is None and kwargs.get("shift_labels") is None
+        if not cp_linear_loss or unlabelled:
             return original(*args, **kwargs)
         from transformers.modeling_outputs import CausalLMOutputWithPast
 
