@@ -82,6 +82,19 @@ def _cuda_args() -> list[str]:
     return args
 
 
+def _cpu_args() -> list[str]:
+    """CMake arguments for the CPU build: the installed torch's folder and C++ ABI, which
+    CMakeLists.txt reads instead of torch's CMake package (that one demands a CUDA toolkit for a
+    CUDA torch)."""
+    import torch
+
+    return [
+        "-DCPSHARD_WITH_CUDA=OFF",
+        f"-DCPSHARD_TORCH_DIR={Path(torch.__file__).resolve().parent}",
+        f"-DCPSHARD_TORCH_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    ]
+
+
 def _tool(name: str) -> str:
     """A build tool, preferring the one installed beside this Python (pip's cmake/ninja)."""
     beside = Path(sys.executable).parent / name
@@ -116,7 +129,7 @@ class CMakeBuild(build_ext):
             f"-DCMAKE_BUILD_TYPE={os.environ.get('CPSHARD_BUILD_TYPE', 'Release')}",
             f"-DCPSHARD_SANITIZE={'ON' if os.environ.get('CPSHARD_SANITIZE') == '1' else 'OFF'}",
         ]
-        args += _cuda_args() if _want_cuda() else ["-DCPSHARD_WITH_CUDA=OFF"]
+        args += _cuda_args() if _want_cuda() else _cpu_args()
         subprocess.run([cmake, str(ROOT), *args], cwd=build_dir, check=True)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.run([cmake, "--build", ".", "-j", jobs], cwd=build_dir, check=True)

@@ -19,6 +19,8 @@
 #                           pip's local cap on torch lifted for this command)
 #   CPSHARD_REUSE_VENV      1 keeps VENV when it already has that torch (default: recreate it)
 #   CPSHARD_CUDA_TESTS      0 skips the CPU test suite against the CUDA build (default 1)
+#   CPSHARD_CPU_BUILD_CHECK 1 also builds the CPU-only extension against this CUDA torch with no
+#                           CUDA toolkit on the path, and loads it (default 0)
 #   CUDA_HOME               CUDA toolkit (default /usr/local/cuda)
 #   TORCH_CUDA_ARCH_LIST    architectures to compile for (default 9.0; set and empty: the
 #                           wheel's default list, 8.0;9.0;10.0+PTX)
@@ -178,6 +180,28 @@ grep -q "^skipped: " "$work/world1.txt" \
 OMP_NUM_THREADS=1 "$venv/bin/python" "$src/scripts/gpu/numerics.py" --device cpu \
   || fail "scripts/gpu/numerics.py --device cpu failed"
 stamp "GPU check scripts: parse, skip, CPU numerics passed"
+
+# ---- 3b. the CPU-only build against this CUDA torch, no CUDA toolkit in sight -------------------
+# What pip does for a user whose torch is PyPI's default CUDA build on a machine without nvcc:
+# the CPU extension must build and load (torch's CMake package would demand the toolkit).
+if [[ "${CPSHARD_CPU_BUILD_CHECK:-0}" == 1 ]]; then
+  step=$(date +%s)
+  cpu_src="$work/cpu-src"
+  cp -r "$src" "$cpu_src" && rm -rf "$cpu_src/build"
+  (cd "$cpu_src" && env -u CUDA_HOME -u CUDA_PATH PATH="$venv/bin:/usr/bin:/bin" CPSHARD_CUDA=0 \
+    "$venv/bin/python" setup.py build_ext --inplace) > "$work/cpu-build.log" 2>&1 \
+    || { tail -n 40 "$work/cpu-build.log"; fail "the CPU-only build against a CUDA torch failed"; }
+  (cd "$cpu_src" && "$venv/bin/python" -c '
+import pathlib, sys, torch, cpshard
+info = cpshard.build_info()
+assert pathlib.Path(cpshard.__file__).parent == pathlib.Path.cwd() / "cpshard", cpshard.__file__
+assert torch.version.cuda and not info.cuda_kernels and not info.nccl, info
+x = torch.arange(10.0).reshape(5, 2)
+assert torch.ops.cpshard.pack_ragged(x, [2, 3], 0, 3, -1.0).shape == (2, 3, 2)
+print("   CPU-only build against torch", torch.__version__, "loads and runs:", info)') \
+    || fail "the CPU-only build against a CUDA torch does not load"
+  stamp "CPU-only build against the CUDA torch without a toolkit: ok in $(( $(date +%s) - step ))s"
+fi
 
 # ---- 4. the CPU test suite against the CUDA build ----------------------------------------------
 if [[ "${CPSHARD_CUDA_TESTS:-1}" == 1 && -d "$repo/tests" ]]; then
