@@ -277,15 +277,18 @@ void CommLife::abort_locked(std::unique_lock<std::mutex>& lock, const std::strin
   aborting_ = true;  // calls wait from now on, and raise `reason` once it is published
   const Handle comm = comm_;
   comm_ = nullptr;
-  const int64_t captured = captured_;
   std::fprintf(stderr, "cpshard NCCL (%s): %s; aborting the communicator\n", who_.c_str(),
                reason.c_str());
   lock.unlock();
+  int64_t captured = 0;
   {
     std::unique_lock<std::mutex> calls(calls_mu_, std::defer_lock);
     while (!calls.try_lock() && inside_for() <= timeout_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
+    lock.lock();  // after the call lock (their order): a call that was inside is counted now
+    captured = captured_;
+    lock.unlock();
     if (comm != nullptr && captured > 0) {
       // NCCL's abort stops the kernels, then waits for the graphs holding the communicator: a
       // thread of its own does it, left to the process if the graphs outlive it.
@@ -297,7 +300,7 @@ void CommLife::abort_locked(std::unique_lock<std::mutex>& lock, const std::strin
   lock.lock();
   release_markers_locked();
   // Published only now: whoever sees the error may rely on the abort having happened (having
-  // begun, with captured calls).
+  // been launched, with captured calls).
   error_ = captured > 0 ? reason + " (the abort runs in the background: " +
                               std::to_string(captured) + " calls captured into CUDA graphs "
                               "hold the communicator until the graphs are destroyed)"

@@ -93,7 +93,8 @@ void ScriptedLibrary::destroy_graphs(Handle comm) {
 }
 
 void ScriptedLibrary::wait_for_graphs_locked(std::unique_lock<std::mutex>& lock, Handle comm) {
-  graphs_gone_.wait_for(lock, std::chrono::minutes(2), [&] { return find_locked(comm).graphs == 0; });
+  graphs_gone_.wait_for(lock, std::chrono::minutes(2),
+                        [&] { return find_locked(comm).graphs == 0; });
 }
 
 int64_t ScriptedLibrary::polls(Handle comm) {

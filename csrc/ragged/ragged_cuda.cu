@@ -179,7 +179,8 @@ class RankTables {
     const c10::cuda::CUDAStream upload = upload_stream_locked(device);
     c10::cuda::CUDAStreamGuard on_upload(upload);  // the allocation belongs to the upload stream
     Entry e;
-    e.device = at::empty({2 * world}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device));
+    e.device =
+        at::empty({2 * world}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device));
     C10_CUDA_CHECK(cudaMemcpyAsync(e.device.data_ptr(), host.data(), 2 * world * sizeof(int64_t),
                                    cudaMemcpyHostToDevice, upload.stream()));
     C10_CUDA_CHECK(cudaStreamSynchronize(upload.stream()));

@@ -273,7 +273,9 @@ def test_interpreter_exit_with_queued_work_returns_within_seconds(
 # ---------------------------------------------------------------- calls captured into CUDA graphs
 
 
-def test_close_with_a_captured_call_leaves_the_communicator(capfd: pytest.CaptureFixture) -> None:
+def test_close_with_a_captured_call_leaves_the_communicator(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
     """A captured call records no event, so the communicator looks quiescent, but NCCL's
     destroy would wait until the graph is destroyed (two minutes in the script): close leaves
     the communicator to the process instead, saying so."""
