@@ -16,6 +16,7 @@
 
 #include "comm/scripted.h"
 #include "comm/settle.h"
+#include "comm/teardown.h"
 #include "comm/within.h"
 #include "index/index_ops.h"
 #include "ragged/ragged_ops.h"
@@ -169,11 +170,16 @@ PYBIND11_MODULE(_C, module) {
   using cpshard::ScriptedCommunicator;
   using release_gil = pybind11::call_guard<pybind11::gil_scoped_release>;
   pybind11::class_<ScriptedCommunicator>(module, "_ScriptedCommunicator")
-      .def(pybind11::init<double, int64_t, const std::string&, int64_t, int64_t>(), release_gil(),
+      .def(pybind11::init<double, int64_t, const std::string&, int64_t, int64_t, bool>(),
+           release_gil(),
            pybind11::arg("timeout_s"), pybind11::arg("publish_ms"),
            pybind11::arg("child") = "ready", pybind11::arg("poll_ms") = 20,
-           pybind11::arg("abort_ms") = 0)
+           pybind11::arg("abort_ms") = 0, pybind11::arg("blocking") = false)
       .def("enqueue", &ScriptedCommunicator::enqueue, release_gil(), pybind11::arg("finish_ms"))
+      .def("enqueue_captured", &ScriptedCommunicator::enqueue_captured, release_gil())
+      .def("destroy_graphs", &ScriptedCommunicator::destroy_graphs)
+      .def("captured", &ScriptedCommunicator::captured)
+      .def("parent_polls", &ScriptedCommunicator::parent_polls)
       .def("enqueue_stuck", &ScriptedCommunicator::enqueue_stuck, release_gil(),
            pybind11::arg("at_most_ms"))
       .def("fail", &ScriptedCommunicator::fail, pybind11::arg("why"))
@@ -183,5 +189,10 @@ PYBIND11_MODULE(_C, module) {
       .def("child", &ScriptedCommunicator::child)
       .def("events", &ScriptedCommunicator::events);
   module.def("_scripted_aborts", &cpshard::ScriptedLibrary::aborts_total);
+  // The process's teardown begins at interpreter exit: registered now, at the extension's
+  // import, so it runs after cpshard.comm.nccl's handler (which ends the communicators) and
+  // before the interpreter is torn down (comm/teardown.h). Releases the GIL while it waits.
+  pybind11::module_::import("atexit").attr("register")(pybind11::cpp_function(
+      [] { cpshard::begin_teardown(cpshard::kTeardownWait); }, release_gil()));
   module.attr("torch_version") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR);
 }

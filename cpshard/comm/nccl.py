@@ -5,7 +5,8 @@ first transfer, on the device of the tensors moved (never the current device), a
 :func:`close` or when the process group is garbage collected (the calls in flight may finish for
 up to the group's timeout, not past an error), or at interpreter exit (they get
 :data:`EXIT_GRACE_S`), never left to garbage collection at exit. A quiescent communicator is
-destroyed, any other aborted.
+destroyed, any other aborted; one with calls captured into CUDA graphs is left to the process,
+with a warning (NCCL's destroy and abort would wait for those graphs, maybe for ever).
 
 **Bootstrap: split from torch's communicator** (``CPSHARD_NCCL_BOOTSTRAP=split``, the default).
 Every rank asks torch for its own ``ncclComm_t`` of the group on that device
@@ -147,7 +148,8 @@ class NcclTransport:
 
     def close(self, grace_s: float | None = None) -> None:
         """End the communicator (idempotent); later calls raise. Calls in flight get ``grace_s``
-        seconds to finish (None: the group's timeout), then it is aborted."""
+        seconds to finish (None: the group's timeout), then it is aborted; with calls captured
+        into CUDA graphs it is left to the process instead."""
         self.comm.close(-1.0 if grace_s is None else float(grace_s))
 
 

@@ -3,10 +3,13 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "comm/settle.h"
+#include "comm/teardown.h"
 
 namespace cpshard {
 namespace {
@@ -23,14 +26,15 @@ constexpr auto kLinger = std::chrono::milliseconds(60'000);
 std::string ms(std::chrono::milliseconds t) { return std::to_string(t.count()) + " ms"; }
 
 // Aborts a split child that appears in *cell within `linger`, then frees the cell; a child that
-// never appears leaves the cell to NCCL (a pointer's worth), which may still write it.
+// never appears leaves the cell to NCCL (a pointer's worth), which may still write it. Once the
+// process's teardown has begun the child is left to the process.
 void reap_late_child(std::shared_ptr<CommLibrary> library, CommLibrary::Handle* cell,
                      std::chrono::milliseconds linger) {
   std::thread([library = std::move(library), cell, linger] {
     const auto deadline = CommLife::Clock::now() + linger;
-    while (CommLife::Clock::now() < deadline) {
+    while (CommLife::Clock::now() < deadline && !tearing_down()) {
       if (const auto child = __atomic_load_n(cell, __ATOMIC_ACQUIRE); child != nullptr) {
-        library->abort(child);
+        unless_tearing_down([&] { library->abort(child); });
         delete cell;
         return;
       }
@@ -65,17 +69,16 @@ CommLife::~CommLife() {
   }
 }
 
-CommLife::Handle CommLife::await_child(const std::shared_ptr<CommLibrary>& library, Handle parent,
+CommLife::Handle CommLife::await_child(const std::shared_ptr<CommLibrary>& library,
                                        Handle* cell, std::chrono::milliseconds timeout,
                                        const char* what, const std::string& who) {
   Handle child = nullptr;
   std::string why;
-  // settle's states: 1 while in progress, 0 ready, 2 failed.
+  // settle's states: 1 while in progress, 0 ready, 2 failed. Only the child is polled (see the
+  // header: the parent is torch's).
   const auto query = [&]() -> int {
     if (child == nullptr) child = __atomic_load_n(cell, __ATOMIC_ACQUIRE);
-    const CommState from = library->state(parent, &why);
-    if (from == CommState::kFailed) return 2;
-    if (child == nullptr || from == CommState::kInProgress) return 1;
+    if (child == nullptr) return 1;
     const CommState made = library->state(child, &why);
     return made == CommState::kReady ? 0 : made == CommState::kInProgress ? 1 : 2;
   };
@@ -96,6 +99,28 @@ CommLife::Handle CommLife::await_child(const std::shared_ptr<CommLibrary>& libra
               "never joined it (the child ", child == nullptr ? "was never published" : "never "
               "became ready", "). The group's NCCL communicators are unusable now.");
   TORCH_CHECK(false, what, " (", who, "): the split failed: ", why);
+}
+
+void CommLife::discard_split(const std::shared_ptr<CommLibrary>& library, Handle* cell) {
+  if (const Handle child = __atomic_load_n(cell, __ATOMIC_ACQUIRE); child != nullptr) {
+    library->abort(child);
+  }
+  delete cell;
+}
+
+void CommLife::check_blocking_environment(const char* what, const std::string& who) {
+  const char* value = std::getenv("NCCL_COMM_BLOCKING");
+  if (value == nullptr || *value == '\0') return;
+  // As NCCL reads its integer parameters: strtoll with base 0, the whole string.
+  char* end = nullptr;
+  errno = 0;
+  const long long parsed = std::strtoll(value, &end, 0);
+  const bool non_blocking = errno == 0 && *end == '\0' && parsed == 0;
+  TORCH_CHECK(!non_blocking, what, " (", who, "): NCCL_COMM_BLOCKING=", value, " in the "
+              "environment makes NCCL ignore the blocking mode cpshard's communicator is made "
+              "with, and every call on a non-blocking communicator returns \"in progress\". "
+              "Unset NCCL_COMM_BLOCKING (torch's non-blocking mode is "
+              "TORCH_NCCL_USE_COMM_NONBLOCKING=1, which cpshard supports) or set it to 1.");
 }
 
 void CommLife::start(Handle comm) {
@@ -136,6 +161,11 @@ void CommLife::Call::enqueued(Marker marker) {
   life_.pending_.emplace_back(marker, Clock::now());
 }
 
+void CommLife::Call::captured() {
+  std::lock_guard<std::mutex> lock(life_.mu_);
+  ++life_.captured_;
+}
+
 std::string CommLife::error() {
   std::lock_guard<std::mutex> lock(mu_);
   return error_;
@@ -144,6 +174,11 @@ std::string CommLife::error() {
 bool CommLife::closed() {
   std::lock_guard<std::mutex> lock(mu_);
   return closed_;
+}
+
+int64_t CommLife::captured_calls() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return captured_;
 }
 
 CommLife::Clock::duration CommLife::inside_for() const {
@@ -168,7 +203,14 @@ void CommLife::close(std::chrono::milliseconds grace) {
   lock.unlock();
   if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
   lock.lock();
-  if (comm != nullptr) {
+  if (comm != nullptr && captured_ > 0) {
+    std::fprintf(stderr,
+                 "cpshard NCCL (%s): %lld calls were captured into CUDA graphs, which hold the "
+                 "communicator until they are destroyed (NCCL's destroy and abort would wait for "
+                 "them, maybe for ever): leaving the communicator to the process, not ending "
+                 "it\n",
+                 who_.c_str(), static_cast<long long>(captured_));
+  } else if (comm != nullptr) {
     // A call still inside the library after the grace is stuck there: only the abort releases it.
     std::unique_lock<std::mutex> calls(calls_mu_, std::try_to_lock);
     const bool quiescent = calls.owns_lock() && healthy_locked_for(comm) && reap_locked();
@@ -238,17 +280,31 @@ void CommLife::abort_locked(std::unique_lock<std::mutex>& lock, const std::strin
   std::fprintf(stderr, "cpshard NCCL (%s): %s; aborting the communicator\n", who_.c_str(),
                reason.c_str());
   lock.unlock();
+  int64_t captured = 0;
   {
     std::unique_lock<std::mutex> calls(calls_mu_, std::defer_lock);
     while (!calls.try_lock() && inside_for() <= timeout_) {
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
-    if (comm != nullptr) lib_->abort(comm);
+    lock.lock();  // after the call lock (their order): a call that was inside is counted now
+    captured = captured_;
+    lock.unlock();
+    if (comm != nullptr && captured > 0) {
+      // NCCL's abort stops the kernels, then waits for the graphs holding the communicator: a
+      // thread of its own does it, left to the process if the graphs outlive it.
+      std::thread([lib = lib_, comm] { unless_tearing_down([&] { lib->abort(comm); }); }).detach();
+    } else if (comm != nullptr) {
+      lib_->abort(comm);
+    }
   }
   lock.lock();
   release_markers_locked();
-  // Published only now: whoever sees the error may rely on the abort having happened.
-  error_ = reason;
+  // Published only now: whoever sees the error may rely on the abort having happened (having
+  // been launched, with captured calls).
+  error_ = captured > 0 ? reason + " (the abort runs in the background: " +
+                              std::to_string(captured) + " calls captured into CUDA graphs "
+                              "hold the communicator until the graphs are destroyed)"
+                        : reason;
   aborting_ = false;
   aborted_.notify_all();
 }

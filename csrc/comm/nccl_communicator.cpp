@@ -14,6 +14,7 @@
 #include <mutex>
 #include <optional>
 
+#include "comm/teardown.h"
 #include "comm/within.h"
 #include "common/geometry.h"
 
@@ -109,7 +110,7 @@ std::string who(int64_t rank, int64_t world, int64_t device) {
 // A creation that may block for ever (a blocking split, a blocking unique-id init) run on a
 // thread of its own (within.h), writing the communicator into a heap cell: the status, or
 // nullopt when it has not returned within `timeout` (the late handler then aborts whatever it
-// made and frees the cell).
+// made, unless the process's teardown has begun, and frees the cell).
 std::optional<ncclResult_t> create_within(std::function<ncclResult_t(ncclComm_t*)> create,
                                           ncclComm_t* cell, int64_t device,
                                           std::chrono::milliseconds timeout) {
@@ -125,7 +126,7 @@ std::optional<ncclResult_t> create_within(std::function<ncclResult_t(ncclComm_t*
       [cell](ncclResult_t late) {  // a creation that completed after we gave up on it
         if (late == ncclInProgress) return;  // NCCL is still to write the cell: left to it
         if (const ncclComm_t made = __atomic_load_n(cell, __ATOMIC_ACQUIRE); made != nullptr) {
-          (void)ncclCommAbort(made);
+          unless_tearing_down([made] { (void)ncclCommAbort(made); });
         }
         delete cell;
       });
@@ -176,16 +177,20 @@ class NcclLibrary final : public CommLibrary {
     spare_.push_back(marker);
   }
 
-  // An event recorded on `stream` after a call, or null when the call is not timed: captured
-  // into a CUDA graph (it runs at replay), or CUDA refused the event (the async-error poll still
-  // covers that call).
-  Marker mark(cudaStream_t stream) {
+  // Whether `stream` is capturing a CUDA graph; a stream CUDA cannot tell about counts as
+  // capturing (no event is recorded on it, and close never waits for a graph).
+  static bool capturing(cudaStream_t stream) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-        capture != cudaStreamCaptureStatusNone) {
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) {
       (void)cudaGetLastError();
-      return nullptr;
+      return true;
     }
+    return capture != cudaStreamCaptureStatusNone;
+  }
+
+  // An event recorded on a stream that is not capturing, after a call; null when CUDA refused
+  // the event (the async-error poll still covers that call).
+  Marker mark(cudaStream_t stream) {
     cudaEvent_t event = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -223,7 +228,14 @@ class NcclCommunicator::Call {
         call_(*c.life_, what),
         guard_(static_cast<c10::DeviceIndex>(c.device_)),
         stream_(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(c.device_))) {}
-  ~Call() { call_.enqueued(library(c_).mark(stream_.stream())); }
+  // A call captured into a CUDA graph runs at each replay: it is counted, not timed.
+  ~Call() {
+    if (NcclLibrary::capturing(stream_.stream())) {
+      call_.captured();
+    } else {
+      call_.enqueued(library(c_).mark(stream_.stream()));
+    }
+  }
 
   // `t` is used on this call's stream: the caching allocator must not hand its memory out again
   // until the transfer is done there (a no-op when that is the stream t was allocated on).
@@ -275,6 +287,7 @@ NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
   TORCH_CHECK(timeout.count() > 0, what, " (rank ", rank,
               "): timeout_s must be positive and finite, got ", timeout_s);
   const std::string name = who(rank, world, device);
+  CommLife::check_blocking_environment(what, name);
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
   library_ = std::make_shared<NcclLibrary>(device);
   // The cell NCCL writes the communicator into lives on the heap: it is freed only once NCCL
@@ -300,13 +313,14 @@ NcclCommunicator::NcclCommunicator(int64_t parent, int64_t parent_config,
                 "the process group's timeout of ", timeout.count(), " ms: a rank of the group "
                 "never joined it. The group's NCCL communicators are unusable now.");
     if (*split != ncclSuccess && *split != ncclInProgress) {
-      // Failed before anything ran in the background: NCCL leaves the cell null.
-      delete cell;
+      // Nothing runs in the background any more, but a child whose initialisation failed was
+      // published all the same: aborted, not leaked.
+      CommLife::discard_split(library_, reinterpret_cast<CommLibrary::Handle*>(cell));
       TORCH_CHECK(false, what, " (", name, "): ncclCommSplit failed: ",
                   ncclGetErrorString(*split), ". ", ncclGetLastError(from));
     }
     comm = static_cast<ncclComm_t>(CommLife::await_child(
-        library_, from, reinterpret_cast<CommLibrary::Handle*>(cell), timeout, what, name));
+        library_, reinterpret_cast<CommLibrary::Handle*>(cell), timeout, what, name));
   } else {
     TORCH_CHECK(unique_id.device().is_cpu() && unique_id.scalar_type() == at::kByte &&
                     unique_id.numel() == static_cast<int64_t>(sizeof(ncclUniqueId)),

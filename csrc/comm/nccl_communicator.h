@@ -17,7 +17,9 @@
 // ncclGroupStart/End would launch a partial group on this rank only), then enqueues on the
 // current CUDA stream of the communicator's device, marks every tensor as used on that stream
 // for the caching allocator (a caller on a side stream must not see its buffers reused while the
-// transfer runs), and records an event.
+// transfer runs), and records an event; a verb captured into a CUDA graph records none and is
+// counted instead (the graph holds the communicator: close then leaves it to the process rather
+// than wait for the graph, comm/life.h).
 //
 // The communicator is blocking (the split child takes torch's settings with blocking = 1; a
 // unique-id one is made blocking): a verb enqueues its kernels on the caller's thread and
@@ -30,8 +32,11 @@
 // Creation runs where a hang is bounded: a unique-id creation and a split from a blocking
 // parent (NCCL takes the split's mode from the parent) on a thread of their own, given up after
 // the timeout (comm/within.h); a split from a non-blocking parent returns at once while NCCL's
-// thread still makes the child, which is waited for by polling its publication and the parent's
-// and child's asynchronous state (CommLife::await_child).
+// thread still makes the child, which is waited for by polling its publication and then the
+// child's asynchronous state, never the parent's (CommLife::await_child: polling torch's
+// communicator outside torch's lock races torch's watchdog). A split that returned an error
+// aborts the child NCCL may have published all the same. NCCL_COMM_BLOCKING=0 in the
+// environment (which overrides blocking = 1) is refused at creation.
 #pragma once
 
 #include <ATen/ATen.h>

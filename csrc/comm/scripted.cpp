@@ -49,11 +49,22 @@ void ScriptedLibrary::split_later(Handle parent, Handle* cell, std::chrono::mill
   std::thread([self = shared_from_this(), parent, cell, delay, child] {
     std::this_thread::sleep_for(delay);
     const Handle made = self->make(child);
-    __atomic_store_n(cell, made, __ATOMIC_RELEASE);  // NCCL's publication of the child
     const bool failed = child == CommState::kFailed;
+    if (failed) self->set_state(made, child, "the split failed on NCCL's thread");
+    __atomic_store_n(cell, made, __ATOMIC_RELEASE);  // NCCL's publication of the child
     self->set_state(parent, failed ? CommState::kFailed : CommState::kReady,
                     failed ? "the split failed on NCCL's thread" : "");
   }).detach();
+}
+
+bool ScriptedLibrary::split_now(Handle parent, Handle* cell, CommState child) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    find_locked(parent);  // an unknown parent raises
+  }
+  const Handle made = make(child);
+  __atomic_store_n(cell, made, __ATOMIC_RELEASE);  // published even when its init failed
+  return child != CommState::kFailed;
 }
 
 void ScriptedLibrary::set_abort_delay(std::chrono::milliseconds delay) {
@@ -70,6 +81,27 @@ bool ScriptedLibrary::block(Handle comm, std::chrono::milliseconds at_most) {
   return aborted_.wait_for(lock, at_most, [&] { return find_locked(comm).aborted; });
 }
 
+void ScriptedLibrary::capture(Handle comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++find_locked(comm).graphs;
+}
+
+void ScriptedLibrary::destroy_graphs(Handle comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  find_locked(comm).graphs = 0;
+  graphs_gone_.notify_all();
+}
+
+void ScriptedLibrary::wait_for_graphs_locked(std::unique_lock<std::mutex>& lock, Handle comm) {
+  graphs_gone_.wait_for(lock, std::chrono::minutes(2),
+                        [&] { return find_locked(comm).graphs == 0; });
+}
+
+int64_t ScriptedLibrary::polls(Handle comm) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return find_locked(comm).polls;
+}
+
 std::vector<std::string> ScriptedLibrary::events() {
   std::lock_guard<std::mutex> lock(mu_);
   return events_;
@@ -77,7 +109,8 @@ std::vector<std::string> ScriptedLibrary::events() {
 
 CommState ScriptedLibrary::state(Handle comm, std::string* why) {
   std::lock_guard<std::mutex> lock(mu_);
-  const Comm& c = find_locked(comm);
+  Comm& c = find_locked(comm);
+  ++c.polls;
   *why = c.why;
   return c.state;
 }
@@ -92,13 +125,15 @@ void ScriptedLibrary::abort(Handle comm) {
   g_aborts.fetch_add(1);
   events_.push_back("abort " + std::to_string(id(comm)));
   aborted_.notify_all();
+  wait_for_graphs_locked(lock, comm);  // NCCL's reclaim waits for the graphs holding it
   lock.unlock();
   std::this_thread::sleep_for(delay);  // the teardown after the stuck calls are released
 }
 
 std::string ScriptedLibrary::destroy(Handle comm) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   find_locked(comm);
+  wait_for_graphs_locked(lock, comm);
   events_.push_back("destroy " + std::to_string(id(comm)));
   return "";
 }
@@ -114,7 +149,7 @@ void ScriptedLibrary::release(Marker marker) { delete static_cast<Mark*>(marker)
 
 ScriptedCommunicator::ScriptedCommunicator(double timeout_s, int64_t publish_ms,
                                            const std::string& child, int64_t poll_ms,
-                                           int64_t abort_ms)
+                                           int64_t abort_ms, bool blocking)
     : library_(std::make_shared<ScriptedLibrary>()) {
   constexpr const char* what = "ScriptedCommunicator";
   TORCH_CHECK(child == "ready" || child == "failed", what,
@@ -126,11 +161,16 @@ ScriptedCommunicator::ScriptedCommunicator(double timeout_s, int64_t publish_ms,
   const auto timeout = to_milliseconds(timeout_s);
   TORCH_CHECK(timeout.count() > 0, what, ": timeout_s must be positive and finite, got ",
               timeout_s);
-  const CommLibrary::Handle parent = library_->make(CommState::kReady);
-  auto* cell = new CommLibrary::Handle(nullptr);  // freed by await_child once the child is written
-  library_->split_later(parent, cell, std::chrono::milliseconds(publish_ms),
-                        child == "ready" ? CommState::kReady : CommState::kFailed);
-  child_ = CommLife::await_child(library_, parent, cell, timeout, what, who);
+  CommLife::check_blocking_environment(what, who);
+  parent_ = library_->make(CommState::kReady);
+  const CommState made = child == "ready" ? CommState::kReady : CommState::kFailed;
+  auto* cell = new CommLibrary::Handle(nullptr);  // freed once the child is written
+  if (blocking && !library_->split_now(parent_, cell, made)) {
+    CommLife::discard_split(library_, cell);
+    TORCH_CHECK(false, what, " (", who, "): the blocking split failed");
+  }
+  if (!blocking) library_->split_later(parent_, cell, std::chrono::milliseconds(publish_ms), made);
+  child_ = CommLife::await_child(library_, cell, timeout, what, who);
   life_ = std::make_unique<CommLife>(library_, who, timeout, std::chrono::milliseconds(poll_ms));
   life_->start(child_);
 }
@@ -138,6 +178,12 @@ ScriptedCommunicator::ScriptedCommunicator(double timeout_s, int64_t publish_ms,
 void ScriptedCommunicator::enqueue(int64_t finish_ms) {
   CommLife::Call call(*life_, "ScriptedCommunicator.enqueue");
   call.enqueued(library_->call(std::chrono::milliseconds(finish_ms)));
+}
+
+void ScriptedCommunicator::enqueue_captured() {
+  CommLife::Call call(*life_, "ScriptedCommunicator.enqueue_captured");
+  library_->capture(call.handle());
+  call.captured();
 }
 
 bool ScriptedCommunicator::enqueue_stuck(int64_t at_most_ms) {

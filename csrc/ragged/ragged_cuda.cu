@@ -3,7 +3,9 @@
 // byte copy, then, when packing into a padded buffer, the padding rows as one vectorised fill),
 // and groups stride over the items. The per-rank counts and offsets travel in the kernel
 // arguments for up to kInlineRanks ranks and in a small device table beyond that, made once per
-// distinct counts (once per step: a step's calls share their counts) and kept on the device.
+// distinct counts (once per step: a step's calls share their counts), complete before any stream
+// reads it, and kept on the device (RankTables says how this is safe across streams and CUDA
+// graphs).
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -111,54 +113,77 @@ void launch_lanes(const RaggedArgs& a, const Ranks& ranks, bool narrow, cudaStre
 
 // The device tables of counts and prefixes beyond kInlineRanks ranks, one per (device, counts),
 // built on first use and reused by every later call with the same counts: no host->device copy
-// per call. Each entry owns its pinned host copy for as long as it lives, so a CUDA graph that
-// captured the table's upload replays it from memory nobody reuses; entries first used while a
-// stream was capturing are never evicted (the graph may replay at any time), the others are
-// evicted oldest first beyond kTableCacheSize (their device memory recorded on every stream that
-// used it, so the caching allocator reuses it only once those uses are done).
+// per call. A table is complete before any stream reads it: it is allocated and uploaded on a
+// stream of its own (so the caching allocator orders the memory's reuse there, not on a caller's
+// stream) and that stream is synchronised (tens of microseconds, once per distinct counts), so
+// every stream, and every CUDA graph, may read it with no event to wait on. None is made while
+// the caller's stream is capturing a CUDA graph (its upload would run only at replay, and an
+// eager call reading the cached table before that would read garbage): such a call raises,
+// asking for an eager warm-up. Entries used while a stream was capturing are never evicted (the
+// graph may replay at any time); the others are evicted oldest first beyond kTableCacheSize
+// (their device memory recorded on every stream that used it, so the caching allocator reuses it
+// only once those uses are done).
 class RankTables {
  public:
   static constexpr size_t kTableCacheSize = 64;
 
-  // The device table for `g` on `device`, uploaded on `stream` when new; usable on `stream`.
+  // The device table for `g` on the device of `on`, made when new (never under capture); usable
+  // on any stream of that device.
   const int64_t* get(const RaggedGeometry& g, const c10::cuda::CUDAStream& on) {
     const c10::DeviceIndex device = on.device_index();
-    const cudaStream_t stream = on.stream();
     Key key{device, g.counts};
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    C10_CUDA_CHECK(cudaStreamIsCapturing(on.stream(), &capture));
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
     std::lock_guard<std::mutex> lock(mu_);
     auto found = tables_.find(key);
     if (found == tables_.end()) {
-      found = tables_.emplace(key, make(g, device, stream)).first;
+      TORCH_CHECK(!capturing, "cpshard.ragged: counts of ", g.world(), " ranks (more than ",
+                  kInlineRanks, ") travel in a device table, which cannot be made while a CUDA "
+                  "graph is being captured: run the call once eagerly with the same counts "
+                  "(a warm-up) before capturing it");
+      found = tables_.emplace(key, make(g, device)).first;
       order_.push_back(key);
       evict_locked();
     }
     Entry& e = found->second;
     c10::cuda::CUDACachingAllocator::recordStream(e.device.storage().data_ptr(), on);
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess) (void)cudaGetLastError();
-    e.captured |= capture != cudaStreamCaptureStatusNone;
+    e.captured |= capturing;
     return e.device.const_data_ptr<int64_t>();
   }
 
  private:
   using Key = std::pair<c10::DeviceIndex, std::vector<int64_t>>;
   struct Entry {
-    at::Tensor host;    // pinned, owned: the upload's source for as long as the entry lives
     at::Tensor device;  // counts then prefixes, 2 * W int64
     bool captured = false;
   };
 
-  static Entry make(const RaggedGeometry& g, c10::DeviceIndex device, cudaStream_t stream) {
+  // The upload stream of `device`: non-blocking (it never waits for the legacy default stream),
+  // made once and kept for the process's life (CUDA may be gone at exit).
+  c10::cuda::CUDAStream upload_stream_locked(c10::DeviceIndex device) {
+    auto found = streams_.find(device);
+    if (found == streams_.end()) {
+      c10::cuda::CUDAGuard guard(device);
+      cudaStream_t stream = nullptr;
+      C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      found = streams_.emplace(device, stream).first;
+    }
+    return c10::cuda::getStreamFromExternal(found->second, device);
+  }
+
+  Entry make(const RaggedGeometry& g, c10::DeviceIndex device) {
     const int64_t world = g.world();
+    std::vector<int64_t> host(g.counts.begin(), g.counts.end());
+    host.insert(host.end(), g.prefix.begin(), g.prefix.begin() + world);
+    const c10::cuda::CUDAStream upload = upload_stream_locked(device);
+    c10::cuda::CUDAStreamGuard on_upload(upload);  // the allocation belongs to the upload stream
     Entry e;
-    e.host = at::empty({2 * world},
-                       at::TensorOptions().dtype(at::kLong).device(at::kCPU).pinned_memory(true));
-    int64_t* h = e.host.data_ptr<int64_t>();
-    std::copy(g.counts.begin(), g.counts.end(), h);
-    std::copy(g.prefix.begin(), g.prefix.begin() + world, h + world);
-    e.device = at::empty({2 * world}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device));
-    C10_CUDA_CHECK(cudaMemcpyAsync(e.device.data_ptr(), h, 2 * world * sizeof(int64_t),
-                                   cudaMemcpyHostToDevice, stream));
+    e.device =
+        at::empty({2 * world}, at::TensorOptions().dtype(at::kLong).device(at::kCUDA, device));
+    C10_CUDA_CHECK(cudaMemcpyAsync(e.device.data_ptr(), host.data(), 2 * world * sizeof(int64_t),
+                                   cudaMemcpyHostToDevice, upload.stream()));
+    C10_CUDA_CHECK(cudaStreamSynchronize(upload.stream()));
     return e;
   }
 
@@ -177,6 +202,7 @@ class RankTables {
   std::mutex mu_;
   std::map<Key, Entry> tables_;
   std::deque<Key> order_;  // first-use order, for eviction
+  std::map<c10::DeviceIndex, cudaStream_t> streams_;
 };
 
 RankTables& rank_tables() {

@@ -3,7 +3,8 @@ the watchdog, close) on CPU, through ``cpshard._C._ScriptedCommunicator``: the s
 communicator runs, over a scripted NCCL. Scripted communicators are numbered: 1 is the parent,
 2 the split child.
 
-The tests wait on the communicator's state and events, never on a fixed sleep; a wall-time upper
+The tests wait on the communicator's state and events, never on a fixed sleep (but for the
+exits, whose order against a scripted thread is set by its delays); a wall-time upper
 bound only tells "returned at the timeout or grace" from "hung" or "waited for something longer",
 so it sits far above the timeout it bounds (a loaded machine, a sanitized build)."""
 
@@ -50,6 +51,48 @@ def test_a_child_published_after_the_split_returned_is_waited_for() -> None:
     comm.enqueue(finish_ms=0)
     comm.close(grace_s=5.0)
     assert comm.events() == ["destroy 2"]  # quiescent: destroyed, not aborted
+
+
+def test_the_wait_polls_the_child_never_the_parent() -> None:
+    """The parent is torch's: polling it completes and frees its pending group job outside
+    torch's lock, racing torch's watchdog. The parent stays in progress until the child is
+    published, so a wait that polled it would have done so many times."""
+    comm = Scripted(timeout_s=120.0, publish_ms=200)
+    assert comm.parent_polls() == 0
+    comm.close(grace_s=5.0)
+
+
+def test_a_failed_blocking_split_aborts_the_child_it_published() -> None:
+    """NCCL publishes the child even when the split returns an error (its initialisation
+    failed after it was made): aborted, not leaked."""
+    before = _C._scripted_aborts()
+    with pytest.raises(RuntimeError, match="the blocking split failed"):
+        Scripted(timeout_s=10.0, publish_ms=0, child="failed", blocking=True)
+    assert _C._scripted_aborts() == before + 1
+    comm = Scripted(timeout_s=10.0, publish_ms=0, blocking=True)  # one that succeeded is used
+    assert comm.child() == 2
+    comm.close(grace_s=5.0)
+    assert comm.events() == ["destroy 2"]
+
+
+@pytest.mark.parametrize("value", ["0", "00", "0x0"])
+def test_nccl_comm_blocking_0_is_refused_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """NCCL_COMM_BLOCKING=0 overrides the blocking mode the communicator is made with, after
+    which every verb would raise "in progress"."""
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", value)
+    with pytest.raises(RuntimeError, match=f"NCCL_COMM_BLOCKING={value} in the environment"):
+        Scripted(timeout_s=10.0, publish_ms=0)
+
+
+@pytest.mark.parametrize("value", ["1", "", "no"])
+def test_other_nccl_comm_blocking_values_are_accepted(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """1 keeps the mode blocking; NCCL ignores a value it cannot parse as an integer."""
+    monkeypatch.setenv("NCCL_COMM_BLOCKING", value)
+    Scripted(timeout_s=10.0, publish_ms=0).close(grace_s=5.0)
 
 
 def test_a_split_that_fails_on_ncclS_thread_raises_and_aborts_the_child() -> None:
@@ -177,10 +220,36 @@ def test_close_waits_for_work_that_finishes_within_the_grace() -> None:
     assert comm.events() == ["destroy 2"]
 
 
-def test_interpreter_exit_with_queued_work_returns_within_seconds(tmp_path: Path) -> None:
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by a fresh interpreter on this checkout; it must exit cleanly."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@pytest.mark.parametrize(
+    ("call", "said"),
+    [
+        ("enqueue(finish_ms=-1)", "aborting the communicator"),
+        # a graph holds the communicator: NCCL's destroy and abort would wait for it (two
+        # minutes in the script), so the exit leaves it
+        ("enqueue_captured()", "leaving the communicator to the process"),
+    ],
+)
+def test_interpreter_exit_with_queued_work_returns_within_seconds(
+    tmp_path: Path, call: str, said: str
+) -> None:
     """cpshard.comm.nccl's exit path: a communicator of a live process group with a call that
-    never finishes (a dead peer) and the default ten-minute timeout ends within seconds."""
-    code = textwrap.dedent(
+    never finishes (a dead peer), or one captured into a CUDA graph that is still alive, and the
+    default ten-minute timeout ends within seconds."""
+    done = _run(
         f"""
         import time
 
@@ -191,19 +260,99 @@ def test_interpreter_exit_with_queued_work_returns_within_seconds(tmp_path: Path
                                 world_size=1)
         native = _C._ScriptedCommunicator(timeout_s=600.0, publish_ms=0)
         nccl.register(dist.group.WORLD, nccl.NcclTransport(native, "split"))
-        native.enqueue(finish_ms=-1)
+        native.{call}
         print("exiting at", time.time(), flush=True)
         """
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
     ended = time.time()
-    assert done.returncode == 0 and "exiting at" in done.stdout, done.stderr
-    assert "aborting the communicator" in done.stderr, done.stderr
+    assert "exiting at" in done.stdout and said in done.stderr, done.stderr
     exit_took = ended - float(done.stdout.split("exiting at")[1])
-    assert exit_took < nccl.EXIT_GRACE_S + 120.0, exit_took  # the grace, not ten minutes
+    assert exit_took < nccl.EXIT_GRACE_S + 60.0, exit_took  # the grace, not ten minutes
+
+
+# ---------------------------------------------------------------- calls captured into CUDA graphs
+
+
+def test_close_with_a_captured_call_leaves_the_communicator(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    """A captured call records no event, so the communicator looks quiescent, but NCCL's
+    destroy would wait until the graph is destroyed (two minutes in the script): close leaves
+    the communicator to the process instead, saying so."""
+    comm = Scripted(timeout_s=600.0, publish_ms=0)
+    comm.enqueue(finish_ms=0)
+    comm.enqueue_captured()
+    assert comm.captured() == 1
+    start = time.monotonic()
+    comm.close(grace_s=5.0)
+    assert time.monotonic() - start < 60.0  # not the destroy's wait for the graph
+    assert comm.events() == []  # neither destroyed nor aborted
+    assert "1 calls were captured into CUDA graphs" in capfd.readouterr().err
+    comm.destroy_graphs()
+
+
+def test_an_abort_held_up_by_a_captured_call_publishes_the_reason_at_once() -> None:
+    """NCCL's abort stops the kernels, then waits for the graphs holding the communicator: it
+    runs on a thread of its own, and calls raise the reason rather than wait for the graph."""
+    comm = Scripted(timeout_s=0.3, publish_ms=0)
+    comm.enqueue_captured()
+    comm.enqueue(finish_ms=-1)  # a dead peer
+    reason = _aborted(comm)  # well before the graph is destroyed (two minutes in the script)
+    assert "has not finished within" in reason and "1 calls captured into CUDA graphs" in reason
+    _eventually(lambda: comm.events() == ["abort 2"])  # the abort took effect
+    with pytest.raises(RuntimeError, match="the communicator was aborted"):
+        comm.enqueue(finish_ms=0)
+    comm.close(grace_s=1.0)
+    comm.destroy_graphs()  # the abort returns
+    assert comm.events() == ["abort 2"]
+
+
+# ---------------------------------------------------------------- the process's teardown
+
+
+def test_no_late_child_is_aborted_once_teardown_began() -> None:
+    """A thread left to abort a late split child makes no NCCL call once the interpreter's exit
+    has begun (NCCL, CUDA and torch may be half torn down then)."""
+    done = _run(
+        """
+        import atexit
+        import time
+
+        def after_teardown() -> None:  # registered first, so it runs after cpshard's handler
+            time.sleep(2.0)  # the child is published meanwhile, 1 s after the split
+            print("aborts", _C._scripted_aborts(), flush=True)
+
+        atexit.register(after_teardown)
+        from cpshard import _C
+        try:
+            _C._ScriptedCommunicator(timeout_s=0.2, publish_ms=1000)
+        except RuntimeError as e:
+            assert "was never published" in str(e), e
+        """
+    )
+    assert "aborts 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_teardown_waits_for_an_abort_already_under_way() -> None:
+    """An abort a thread began before the exit is waited for (bounded), not cut short."""
+    done = _run(
+        """
+        import atexit
+        import time
+
+        def after_teardown() -> None:  # registered first, so it runs after cpshard's handler
+            print("aborts", _C._scripted_aborts(), flush=True)
+
+        atexit.register(after_teardown)
+        from cpshard import _C
+        try:  # the child comes 0.3 s after the split; its abort takes effect 1 s later
+            _C._ScriptedCommunicator(timeout_s=0.1, publish_ms=300, abort_ms=1000)
+        except RuntimeError as e:
+            assert "was never published" in str(e), e
+        time.sleep(0.6)  # the exit begins while the abort is under way
+        """
+    )
+    assert "aborts 1" in done.stdout, done.stdout + done.stderr
 
 
 def test_bad_arguments_are_named() -> None:
