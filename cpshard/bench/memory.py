@@ -48,7 +48,8 @@ def _quiet_profiler_stderr() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-def _cpu_peak(step: Callable[[], object]) -> int:
+def cpu_peak(step: Callable[[], object]) -> int:
+    """Peak extra bytes of ``step`` on the CPU: the running sum of torch's allocator events."""
     with _quiet_profiler_stderr():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
@@ -90,7 +91,7 @@ def peak_extra_bytes(
         if reset is not None:
             reset()
         dist.barrier(group=rt.pg, **rt.barrier_kwargs)
-        local = max(local, _cuda_peak(rt, step) if rt.is_cuda else _cpu_peak(step))
+        local = max(local, _cuda_peak(rt, step) if rt.is_cuda else cpu_peak(step))
     t = torch.tensor([local], dtype=torch.int64, device=rt.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.pg)
     return int(t.item())
