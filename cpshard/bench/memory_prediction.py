@@ -13,15 +13,13 @@ group) and the section prints both per rank with their ratio.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from cpshard.bench.child import run_in_child
 from cpshard.bench.memory import cpu_peak, release_freed_memory
 from cpshard.bench.runtime import Runtime
 
@@ -45,9 +43,10 @@ class Case:
     docs: str = DOCS
 
 
-QUICK = (Case(8192, "head_tail"), Case(8192, "contiguous", checkpointing=True))
+SMOKE = (Case(1024, "head_tail"),)
+DEFAULT = (Case(8192, "head_tail"), Case(8192, "contiguous", checkpointing=True))
 FULL = (
-    *QUICK,
+    *DEFAULT,
     Case(16384, "head_tail"),
     Case(16384, "stripe"),
     Case(16384, "head_tail", strategy="heads"),
@@ -122,26 +121,8 @@ def predict(world: int, case: Case) -> list[dict]:
     return [{"rank": m.rank, "peak_bytes": m.peak_bytes, "at": m.at} for m in found]
 
 
-def _predict_in_child(world: int, case: Case) -> list[dict]:
-    """:func:`predict` in a fresh Python process (this one holds the bench's group)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH")) if p
-    ))  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="cpshard-memory-") as folder:
-        out = os.path.join(folder, "ranks.json")
-        arg = json.dumps(case.__dict__)
-        subprocess.run(
-            [sys.executable, "-m", "cpshard.bench.memory_prediction", str(world), arg, out],
-            env=env,
-            check=True,
-        )
-        with open(out) as f:
-            return json.load(f)
-
-
 def _cases(rt: Runtime) -> tuple[Case, ...]:
-    return QUICK if rt.cfg.quick or not rt.cfg.full else FULL
+    return SMOKE if rt.cfg.quick else FULL if rt.cfg.full else DEFAULT
 
 
 def steps(rt: Runtime) -> int:
@@ -157,7 +138,10 @@ def run(rt: Runtime) -> list[dict] | None:
         every = torch.zeros(rt.world, dtype=torch.int64)
         dist.all_gather_into_tensor(every, measured, group=rt.pg)
         if rt.rank == 0:
-            for p in _predict_in_child(rt.world, case):
+            predicted = run_in_child(
+                "cpshard.bench.memory_prediction", str(rt.world), json.dumps(case.__dict__)
+            )
+            for p in predicted:
                 m = int(every[p["rank"]])
                 rows.append({
                     **case.__dict__, "world": rt.world, "rank": p["rank"],

@@ -24,6 +24,7 @@ SECTION_MODULES = {
     "attention": "cpshard.bench.attention",
     "mixers": "cpshard.bench.mixers",
     "planning": "cpshard.bench.planning",
+    "memory": "cpshard.bench.memory_prediction",
 }
 
 

@@ -48,15 +48,17 @@ SIZE_FIELDS = {
 }
 
 
-def _from_file(spec: str) -> dict[str, Any]:
+def read_config_json(spec: str, what: str) -> dict[str, Any]:
+    """The fields of the transformers config at ``spec`` (a config.json or its folder);
+    ``ValueError`` naming ``what`` when it cannot be read or has no ``model_type``."""
     path = Path(spec)
     path = path / "config.json" if path.is_dir() else path
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--model: cannot read a config from {spec!r}: {exc}") from None
+        raise ValueError(f"{what}: cannot read a config from {spec!r}: {exc}") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise ValueError(f"--model: {path} holds no transformers config (no model_type)")
+        raise ValueError(f"{what}: {path} has no model_type")
     return data
 
 
@@ -70,7 +72,7 @@ def model_config(spec: str, **sizes: int | None) -> Any:
     if spec in NAMED:
         fields = dict(NAMED[spec])
     elif Path(spec).exists():
-        fields = _from_file(spec)
+        fields = read_config_json(spec, "--model")
     else:
         fields = {"model_type": spec}
     model_type = fields.pop("model_type")

@@ -35,7 +35,8 @@ TOLERANCE = 0.10
 MEASURED = {
     2: (Case(4096, "head_tail"), Case(4096, "contiguous", checkpointing=True),
         Case(512, "stripe", docs="one")),
-    4: (Case(4096, "head_tail", strategy="heads"), Case(4096, "per_document_head_tail")),
+    4: (Case(4096, "head_tail", strategy="heads"), Case(4096, "per_document_head_tail"),
+        Case(512, "contiguous", checkpointing=True, docs="one")),
 }  # fmt: skip
 
 
