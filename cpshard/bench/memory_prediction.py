@@ -70,7 +70,8 @@ def _held(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> int:
     seen: dict[int, int] = {}
     tensors = [*model.parameters(), *model.buffers()]
     if opt is not None:
-        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        states = [v for s in opt.state.values() for v in s.values()]
+        tensors += [v for v in states if isinstance(v, torch.Tensor)]
     for t in tensors:
         st = t.untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
@@ -117,7 +118,8 @@ def predict(world: int, case: Case) -> list[dict]:
     from cpshard.simulation.step_memory import Predictor
 
     ids = document_ids(document_lengths(case.docs, case.seq_len), case.seq_len)
-    found = Predictor(spec_of(case)).ranks(world, list(range(world)), case.layout, case.strategy, ids)
+    predictor = Predictor(spec_of(case))
+    found = predictor.ranks(world, list(range(world)), case.layout, case.strategy, ids)
     return [{"rank": m.rank, "peak_bytes": m.peak_bytes, "at": m.at} for m in found]
 
 

@@ -49,8 +49,9 @@ def main() -> None:
                         args.docs, dev.bytes, PER_RANK * world, LIMIT,
                     )  # fmt: skip
                     cells.append("none" if found.seq_len is None else f"{found.seq_len // 1024}k")
+                    took = time.perf_counter() - started
                     print(f"  {name} ckpt={checkpointing} W={world} {layout}: {cells[-1]} "
-                          f"({len(found.tried)} predictions, {time.perf_counter() - started:.0f} s)",
+                          f"({len(found.tried)} predictions, {took:.0f} s)",
                           file=sys.stderr, flush=True)  # fmt: skip
                 ckpt = "on" if checkpointing else "off"
                 print(f"| {name} | {ckpt} | {world} | " + " | ".join(cells) + " |", flush=True)

@@ -20,13 +20,14 @@ from cpshard.cli_args import mesh_shape
 from cpshard.layouts import LAYOUTS
 from cpshard.simulation.documents import document_ids, document_lengths
 from cpshard.simulation.head_shape import HeadShape, shape_from_model, shape_of_config
-from cpshard.simulation.memory_cli import MemoryJob, MemorySetup, run_memory
+from cpshard.simulation.memory_cli import run_memory
 from cpshard.simulation.memory_report import DEVICES, device
 from cpshard.simulation.model_config import NAMED, model_config
-from cpshard.simulation.step_loss import LOSSES
-from cpshard.simulation.training_step import DTYPES, OPTIMIZERS, StepSpec
+from cpshard.simulation.plan_setup import MemorySetup, Setup
 from cpshard.simulation.rank_plan import RankPlan, simulate_rank
 from cpshard.simulation.ranks import ALL_UP_TO, parse_ranks
+from cpshard.simulation.step_loss import LOSSES
+from cpshard.simulation.training_step import DTYPES, OPTIMIZERS, StepSpec
 
 MAX_WORLD = 1024
 _SUFFIX = {"k": 1024, "K": 1024, "m": 1024**2, "M": 1024**2}
@@ -114,31 +115,15 @@ def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
     memory.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     memory.add_argument("--loss", choices=tuple(LOSSES), default="cross_entropy")
     memory.add_argument("--device", default="h100",
-                        help=f"{', '.join(DEVICES)} or a size (96GiB, 80GB); default h100")  # fmt: skip
+                        help=f"{', '.join(DEVICES)} or a size (96GiB, 80GB); default h100",
+                        )  # fmt: skip
     memory.add_argument("--max-seq-len", type=_count("--max-seq-len"), metavar="LIMIT",
-                        help="search the largest S <= LIMIT (multiple of --seq-len) that fits")  # fmt: skip
+                        help="search the largest S <= LIMIT (multiple of --seq-len) that fits",
+                        )  # fmt: skip
     p.add_argument("--ranks", default="default", help="default, all, or a comma list of ranks")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write every figure to PATH")
     p.add_argument("--plot", dest="plot_path", metavar="PNG", help="per-rank figures (matplotlib)")
     return p
-
-
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """A validated ``cpshard plan`` run."""
-
-    world: int
-    mesh: tuple[int, int] | None
-    seq_len: int
-    docs: str
-    lengths: list[int]
-    layout: str
-    strategy: str
-    shape: HeadShape
-    ranks: list[int]
-    json_path: str | None
-    plot_path: str | None
-    memory: MemorySetup | None = None
 
 
 def _memory(args: argparse.Namespace) -> MemorySetup | None:
@@ -173,7 +158,8 @@ def _shape(args: argparse.Namespace) -> HeadShape:
     if args.memory:
         if args.model is None:
             raise ValueError("--model: needed with --memory")
-        return shape_of_config(model_config(args.model), args.dtype_bytes, repr(args.model), **given)
+        config = model_config(args.model)
+        return shape_of_config(config, args.dtype_bytes, repr(args.model), **given)
     if args.model is not None:
         return shape_from_model(args.model, args.dtype_bytes, **given)
     missing = [f"--{k.replace('_', '-')}" for k in ("heads", "head_dim") if given[k] is None]
@@ -301,11 +287,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "cpshard plan") -> int:
     """Run ``cpshard plan``; the exit status."""
     cfg = setup(sys.argv[1:] if argv is None else argv, prog)
     if cfg.memory is not None:
-        job = MemoryJob(
-            cfg.world, cfg.mesh, cfg.seq_len, cfg.docs, cfg.lengths, cfg.layout, cfg.strategy,
-            cfg.ranks, cfg.json_path,
-        )  # fmt: skip
-        return run_memory(cfg.memory, job)
+        return run_memory(cfg, cfg.memory)
     ids = document_ids(cfg.lengths, cfg.seq_len)
     plans, started = [], time.perf_counter()
     for i, rank in enumerate(cfg.ranks):
@@ -322,7 +304,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "cpshard plan") -> int:
     print(render(cfg, plans, summ))
     if cfg.json_path is not None:
         setup_fields = dataclasses.asdict(cfg)
-        for key in ("json_path", "plot_path", "lengths"):
+        for key in ("json_path", "plot_path", "lengths", "memory"):
             setup_fields.pop(key)
         setup_fields["documents"] = len(cfg.lengths)
         with open(cfg.json_path, "w") as f:

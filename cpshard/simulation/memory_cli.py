@@ -6,43 +6,15 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass
 
 from cpshard.simulation.documents import document_ids
-from cpshard.simulation.memory_report import Device, gib, payload, render
+from cpshard.simulation.memory_report import gib, payload, render
 from cpshard.simulation.memory_search import largest_fitting
+from cpshard.simulation.plan_setup import MemorySetup, Setup
 from cpshard.simulation.step_memory import Predictor, RankMemory
-from cpshard.simulation.training_step import StepSpec
 
 
-@dataclass(frozen=True)
-class MemorySetup:
-    """The memory prediction's own settings: the ``--model`` as given, the step, the device
-    and the search's limit (None: predict ``--seq-len`` only)."""
-
-    model: str
-    spec: StepSpec
-    device: Device
-    max_seq_len: int | None
-
-
-@dataclass(frozen=True)
-class MemoryJob:
-    """The simulated job: world, 2-D mesh, sequence, documents, layout, strategy, the ranks
-    simulated and where the JSON goes."""
-
-    world: int
-    mesh: tuple[int, int] | None
-    seq_len: int
-    docs: str
-    lengths: list[int]
-    layout: str
-    strategy: str
-    ranks: list[int]
-    json_path: str | None
-
-
-def _header(mem: MemorySetup, job: MemoryJob, seq_len: int) -> list[str]:
+def _header(mem: MemorySetup, job: Setup, seq_len: int) -> list[str]:
     spec = mem.spec
     where = f"mesh {job.mesh[0]}x{job.mesh[1]}" if job.mesh else f"W={job.world}"
     return [
@@ -53,7 +25,7 @@ def _header(mem: MemorySetup, job: MemoryJob, seq_len: int) -> list[str]:
     ]
 
 
-def _setup_fields(mem: MemorySetup, job: MemoryJob) -> dict:
+def _setup_fields(mem: MemorySetup, job: Setup) -> dict:
     spec = mem.spec
     return {
         "model": mem.model, "layers": spec.layers, "dtype": str(spec.dtype)[6:],
@@ -81,8 +53,8 @@ def _write(path: str | None, data: dict) -> None:
             json.dump(data, f, indent=1)
 
 
-def run_memory(mem: MemorySetup, job: MemoryJob) -> int:
-    """Predict (or search) and report; the exit status."""
+def run_memory(job: Setup, mem: MemorySetup) -> int:
+    """Predict (or search) ``job``'s step and report; the exit status."""
     started = time.perf_counter()
     predictor = Predictor(mem.spec)
     if mem.max_seq_len is not None:
@@ -98,7 +70,7 @@ def run_memory(mem: MemorySetup, job: MemoryJob) -> int:
     return 0
 
 
-def _search(predictor: Predictor, mem: MemorySetup, job: MemoryJob, started: float) -> int:
+def _search(predictor: Predictor, mem: MemorySetup, job: Setup, started: float) -> int:
     assert mem.max_seq_len is not None
 
     def progress(seq: int, peak: int) -> None:

@@ -44,7 +44,9 @@ def worst(ranks: list[RankMemory]) -> RankMemory:
     return max(ranks, key=lambda m: (m.peak_bytes, -m.rank))
 
 
-def render(header: list[str], ranks: list[RankMemory], dev: Device, layers: int, seconds: float) -> str:
+def render(
+    header: list[str], ranks: list[RankMemory], dev: Device, layers: int, seconds: float
+) -> str:
     """The report's text: ``header`` lines, a row per rank (GiB), the worst rank and the fit."""
     names = list(CATEGORIES)
     out = [*header, "# method: " + METHOD.format(traced=TRACED_LAYERS, layers=layers)]

@@ -182,7 +182,9 @@ def trace_rank(
     )
 
 
-def compose(trace: LayerTrace, layers: int, optimizer_peak: Snapshot | None) -> tuple[Snapshot, str]:
+def compose(
+    trace: LayerTrace, layers: int, optimizer_peak: Snapshot | None
+) -> tuple[Snapshot, str]:
     """The peak snapshot of the ``layers``-layer step and the segment it is in (see the module);
     ``optimizer_peak``: the traced model's optimizer step (None: no optimizer)."""
     n = layers - TRACED_LAYERS
@@ -218,10 +220,15 @@ def compose(trace: LayerTrace, layers: int, optimizer_peak: Snapshot | None) -> 
     return best
 
 
-_RESIDUE = {c.value for c in (Category.ACT, Category.TEMP, Category.KV, Category.LOSS, Category.OTH)}
+# What a rank still holds when its optimizer steps, besides parameters, gradients and state.
+_RESIDUE = {
+    c.value for c in (Category.ACT, Category.TEMP, Category.KV, Category.LOSS, Category.OTH)
+}
 
 
-def optimizer_peak(mode: FakeTensorMode, model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> Snapshot | None:
+def optimizer_peak(
+    mode: FakeTensorMode, model: torch.nn.Module, opt: torch.optim.Optimizer | None
+) -> Snapshot | None:
     """The peak of ``opt``'s step over the traced ``model`` (fake) with every gradient present:
     its parameters, gradients, state and the step's temporaries (alike on every rank); None
     without an optimizer. The gradients are dropped after."""

@@ -9,9 +9,11 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cpshard.bench.memory_prediction import Case, measure_rank, spec_of
 from cpshard.cli import main
+from cpshard.guard.models import assume_verified
 from cpshard.sharder import ContextParallelSharder
 from cpshard.simulation.documents import document_ids, document_lengths
 from cpshard.simulation.fake_rank import simulated_rank
@@ -26,9 +28,7 @@ from cpshard.simulation.training_step import (
     make_optimizer,
     packed_batch,
 )
-from cpshard.guard.models import assume_verified
 from cpshard.testing import run_ranks
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 TOLERANCE = 0.10
 # (world, cases): the peak lands in the loss, in a checkpointed backward and in the optimizer step.
@@ -91,9 +91,12 @@ def _full_trace_peak(spec: StepSpec, world: int, rank: int, layout: str, ids: to
 
 
 @pytest.mark.parametrize(
-    "seq, checkpointing, docs", [(2048, False, "pareto:8"), (2048, True, "one"), (128, False, "one")]
+    "seq, checkpointing, docs",
+    [(2048, False, "pareto:8"), (2048, True, "one"), (128, False, "one")],
 )
-def test_composition_equals_a_trace_of_every_layer(seq: int, checkpointing: bool, docs: str) -> None:
+def test_composition_equals_a_trace_of_every_layer(
+    seq: int, checkpointing: bool, docs: str
+) -> None:
     sizes = dict(vocab_size=512, hidden_size=64, intermediate_size=192, layers=5, heads=4,
                  kv_heads=2, head_dim=16)  # fmt: skip
     spec = StepSpec(model_config("llama", **sizes), torch.float32, checkpointing, "adamw")
@@ -159,7 +162,8 @@ def test_model_config_sources(tmp_path) -> None:
     named = model_config("llama3-8b")
     assert (named.hidden_size, named.num_hidden_layers, named.num_key_value_heads) == (4096, 32, 8)
     sized = model_config("qwen3", hidden_size=128, layers=3)
-    assert (type(sized).__name__, sized.hidden_size, sized.num_hidden_layers) == ("Qwen3Config", 128, 3)
+    got = (type(sized).__name__, sized.hidden_size, sized.num_hidden_layers)
+    assert got == ("Qwen3Config", 128, 3)
     named.to_json_file(tmp_path / "config.json")
     assert model_config(str(tmp_path)).intermediate_size == 14336
     (tmp_path / "bad.json").write_text("{}")
