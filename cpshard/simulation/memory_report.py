@@ -16,7 +16,7 @@ METHOD = (
     "process group, tracked by torch's MemTracker with cpshard's ops traced through; {traced} "
     "decoder layers traced per rank and composed to {layers} (identical layers: each further "
     "layer repeats the second's saved activations, gradients, parameters and optimizer state); "
-    "the optimizer step traced on the full model; CPU kernels' allocations"
+    "the optimizer step traced once and composed alike; CPU kernels' allocations"
 )
 
 
