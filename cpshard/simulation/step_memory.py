@@ -68,11 +68,6 @@ CATEGORIES: dict[str, tuple[Category, ...]] = {
     "loss": (Category.LOSS,),
     "temporaries": (Category.TEMP, Category.OTH),
 }
-# The step's segments, in order (what :func:`compose` places).
-SEGMENTS = (
-    "embedding", "layer 0 forward", "layer 1 forward", "head and loss", "layer 1 backward",
-    "layer 0 backward", "embedding backward",
-)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -121,7 +116,9 @@ def by_category(snap: Snapshot) -> dict[str, int]:
 
 
 def _segmenter(layers: torch.nn.ModuleList) -> Callable[[StepTracker], str]:
-    """The step's segment at the tracker's current op (:data:`SEGMENTS`)."""
+    """The step's segment at the tracker's current op: ``embedding``, ``layer i forward``,
+    ``head and loss`` (the loss's backward included), ``layer i backward``, ``embedding
+    backward`` (what :func:`compose` places)."""
     seen = {"forward": False, "backward": False}
 
     def segment(tracker: StepTracker) -> str:
