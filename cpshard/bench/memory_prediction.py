@@ -22,6 +22,7 @@ import torch.distributed as dist
 from cpshard.bench.child import run_in_child
 from cpshard.bench.memory import cpu_peak, release_freed_memory
 from cpshard.bench.runtime import Runtime
+from cpshard.comm.torch_compat import all_gather_single
 
 # A small Llama: big enough that activations dominate, small enough for a CPU step.
 SMALL_LLAMA = {
@@ -138,7 +139,7 @@ def run(rt: Runtime) -> list[dict] | None:
         rt.progress(f"memory prediction: S={case.seq_len} {case.layout} {case.strategy}")
         measured = torch.tensor([measure_rank(rt.pg, case)], dtype=torch.int64)
         every = torch.zeros(rt.world, dtype=torch.int64)
-        dist.all_gather_into_tensor(every, measured, group=rt.pg)
+        all_gather_single(every, measured, group=rt.pg)
         if rt.rank == 0:
             predicted = run_in_child(
                 "cpshard.bench.memory_prediction", str(rt.world), json.dumps(case.__dict__)
