@@ -66,18 +66,15 @@ class StepTracker(MemTracker):
     """A :class:`MemTracker` of one training step on ``device`` that traces cpshard's custom ops
     through, reports :class:`Category`, and keeps per-segment peaks. ``segment_of(tracker)``
     names the segment the step is in at each op; ``loss_module``: the module whose forward and
-    backward allocations count as ``LOSS``; in the ``opaque`` segments cpshard's ops run their
-    fake kernels (their outputs seen, not their insides)."""
+    backward allocations count as ``LOSS``."""
 
     def __init__(
         self,
         device: torch.device,
         segment_of: Callable[[StepTracker], str],
         loss_module: torch.nn.Module | None = None,
-        opaque: frozenset[str] = frozenset(),
     ) -> None:
         super().__init__()
-        self.opaque = opaque
         self._ref_class = Category
         self.device = device
         self.segment_of = segment_of
@@ -148,8 +145,7 @@ class StepTracker(MemTracker):
             return func(*args, **(kwargs or {}))
         name = func._schema.name
         if name.startswith("cpshard::") and name in OPDEFS:
-            if self.segment_of(self) not in self.opaque:
-                return self._trace_through(name, args, kwargs or {})
+            return self._trace_through(name, args, kwargs or {})
         res = func(*args, **(kwargs or {}))
         category = self._category()
         tree_map_only(torch.Tensor, lambda t: self._track(category, t), res)

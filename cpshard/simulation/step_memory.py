@@ -14,9 +14,7 @@ is composed from it: the second layer's forward is repeated ``N - 1`` times, eac
 adding what one layer keeps for its backward (the difference of the two layers' post-forward
 snapshots), and likewise its backward (each frees its activations and adds its gradients);
 every later segment is shifted by those ``N - 2`` extra layers, and every point by their
-parameters and optimizer state. cpshard's ops are traced through in the second layer only: the
-first layer's forward is the second's less what one layer keeps, and its backward is the
-second's plus what one layer's backward adds. A segment's peak, shifted, is the composed step's peak over
+parameters and optimizer state. A segment's peak, shifted, is the composed step's peak over
 that segment (a repetition's offset is the same for every point of it, so the maximum over
 repetitions is its first or last). The optimizer step is traced once on the traced model with
 every gradient present (alike on every rank) and composed likewise: each further layer adds its
@@ -52,10 +50,6 @@ from cpshard.simulation.training_step import (
 )
 
 TRACED_LAYERS = 2
-# The first layer's cpshard ops run their fake kernels: its forward is the second's less what one
-# layer keeps, its backward the second's plus what one layer's backward adds (identical layers),
-# so their insides are read from the second layer's (half the tracing of the attention).
-_OPAQUE = frozenset({"layer 0 forward", "layer 0 backward"})
 DEVICE = torch.device("cpu")
 
 # Report categories -> torch's / cpshard's reference types they sum.
@@ -158,7 +152,7 @@ def trace_rank(
     """Trace one forward and backward of the :data:`TRACED_LAYERS`-layer ``model`` (fake) on
     this rank's sharded batch ``local`` inside its CP context ``ctx``."""
     layers = decoder_layers(model)
-    tracker = StepTracker(DEVICE, _segmenter(layers), loss_module, _OPAQUE)
+    tracker = StepTracker(DEVICE, _segmenter(layers), loss_module)
     tracker.track_external(model, *(() if opt is None else (opt,)))
     with mode, tracker:
         forward_backward(model, loss_module, local, ctx, mode.from_tensor)
@@ -205,20 +199,17 @@ def compose(
         "layer 0 backward": ((fwd, n), (bwd, n)),
         "embedding backward": ((fwd, n), (bwd, n)),
     }
-    peaks = dict(trace.peaks)
-    inside = _add(peaks["layer 1 backward"], bwd)  # the first layer's backward, ops seen inside
-    if _total(inside) > _total(peaks["layer 0 backward"]):
-        peaks["layer 0 backward"] = inside
     best: tuple[Snapshot, str] | None = None
-    for segment, peak in peaks.items():
+    for segment, peak in trace.peaks.items():
         (df, i), (db, j) = shift[segment]
         snap = _add(peak, df, db, trace.layer_static, times=(1, i, j, n))
         if best is None or _total(snap) > _total(best[0]):
             best = (snap, segment)
     assert best is not None
     if optimizer_peak is not None:
-        end = _add(trace.end, fwd, bwd, times=(1, n, n))
-        held = {k: v for k, v in end.items() if k in _RESIDUE}
+        # After its backward a layer holds only its gradients: what the traced step holds
+        # besides parameters, gradients and state at its end is what N layers hold.
+        held = {k: v for k, v in trace.end.items() if k in _RESIDUE}
         grads = {Category.GRAD.value: bwd.get(Category.GRAD.value, 0)}
         snap = _add(optimizer_peak, held, trace.layer_static, grads, times=(1, 1, n, n))
         snap[_TOTAL_KEY] = sum(v for k, v in snap.items() if k != _TOTAL_KEY)
