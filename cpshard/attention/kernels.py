@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from typing import Protocol, TypeVar
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
+from cpshard.attention.outside_modes import outside_dispatch_modes
 from cpshard.attention.packing import Packing
 
 Tensors = tuple[torch.Tensor, torch.Tensor]
@@ -145,8 +145,7 @@ def _cpu_flash_groups() -> bool:
     call with the heads repeated (a torch that refuses or differs gets repeated heads). Probed
     outside any dispatch mode: a first call traced under ``FakeTensorMode`` (a memory
     prediction) asks about the kernels, not about fake tensors, which hold no values."""
-    with _disable_current_modes():
-        return _probe_cpu_flash_groups()
+    return outside_dispatch_modes(_probe_cpu_flash_groups)
 
 
 def _probe_cpu_flash_groups() -> bool:

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from cpshard.attention.blocks import Blocks, plan_blocks
 from cpshard.attention.exchange import KVExchange
+from cpshard.attention.outside_modes import outside_dispatch_modes
 from cpshard.attention.packing import Packed, pack_spans
 from cpshard.attention.placement import cached_on
 from cpshard.masks import MaskDescription
@@ -333,12 +333,9 @@ class AttentionState:
 
 
 def state_for(key: torch.Tensor) -> AttentionState:
-    """The step state registered under ``key`` (a host read of a CPU scalar: no device sync).
-    Read outside any dispatch mode: a mode that runs the op's body (a memory tracker tracing
-    through it under ``FakeTensorMode``) would otherwise turn the host key into a fake tensor,
-    which has no value to read."""
-    with _disable_current_modes():
-        state = _registry.get(int(key))
+    """The step state registered under ``key`` (a host read of a CPU scalar: no device sync,
+    outside any dispatch mode)."""
+    state = _registry.get(outside_dispatch_modes(lambda: int(key)))
     if state is None:
         raise RuntimeError(
             "cpshard CP attention: the step's attention state is gone; keep the context returned "
