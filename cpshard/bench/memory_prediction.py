@@ -23,6 +23,19 @@ from cpshard.bench.child import run_in_child
 from cpshard.bench.memory import cpu_peak, release_freed_memory
 from cpshard.bench.runtime import Runtime
 from cpshard.comm.torch_compat import all_gather_single
+from cpshard.sharder import ContextParallelSharder
+from cpshard.simulation.documents import document_ids, document_lengths
+from cpshard.simulation.model_config import model_config
+from cpshard.simulation.step_loss import LOSSES, LossModule
+from cpshard.simulation.step_memory import Predictor
+from cpshard.simulation.training_step import (
+    DTYPES,
+    StepSpec,
+    build_model,
+    forward_backward,
+    make_optimizer,
+    packed_batch,
+)
 
 # A small Llama: big enough that activations dominate, small enough for a CPU step.
 SMALL_LLAMA = {
@@ -55,14 +68,10 @@ FULL = (
 )
 
 
-def spec_of(case: Case):  # noqa: ANN201 -- a StepSpec (simulation imported lazily)
+def spec_of(case: Case) -> StepSpec:
     """The step of ``case``: :data:`SMALL_LLAMA` in :data:`DTYPE` with AdamW."""
-    from cpshard.simulation.model_config import model_config
-    from cpshard.simulation.training_step import DTYPES, StepSpec
-
-    sizes = {k: v for k, v in SMALL_LLAMA.items()}
     return StepSpec(
-        model_config("llama", **sizes), DTYPES[DTYPE], case.checkpointing, "adamw"
+        model_config("llama", **SMALL_LLAMA), DTYPES[DTYPE], case.checkpointing, "adamw"
     )
 
 
@@ -81,16 +90,6 @@ def _held(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> int:
 
 def measure_rank(group: dist.ProcessGroup, case: Case) -> int:
     """This rank's measured peak bytes of a later step of ``case`` on ``group``."""
-    from cpshard.sharder import ContextParallelSharder
-    from cpshard.simulation.documents import document_ids, document_lengths
-    from cpshard.simulation.step_loss import LOSSES, LossModule
-    from cpshard.simulation.training_step import (
-        build_model,
-        forward_backward,
-        make_optimizer,
-        packed_batch,
-    )
-
     spec = spec_of(case)
     torch.manual_seed(0)
     model = build_model(spec, spec.layers)
@@ -115,9 +114,6 @@ def measure_rank(group: dist.ProcessGroup, case: Case) -> int:
 
 def predict(world: int, case: Case) -> list[dict]:
     """Every rank's predicted peak of ``case`` (in a process without a default group)."""
-    from cpshard.simulation.documents import document_ids, document_lengths
-    from cpshard.simulation.step_memory import Predictor
-
     ids = document_ids(document_lengths(case.docs, case.seq_len), case.seq_len)
     predictor = Predictor(spec_of(case))
     found = predictor.ranks(world, list(range(world)), case.layout, case.strategy, ids)
