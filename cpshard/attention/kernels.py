@@ -27,6 +27,7 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from cpshard.attention.outside_modes import outside_dispatch_modes
 from cpshard.attention.packing import Packing
 
 Tensors = tuple[torch.Tensor, torch.Tensor]
@@ -141,7 +142,13 @@ def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
 def _cpu_flash_groups() -> bool:
     """Whether this torch's CPU flash kernels take fewer K/V heads than query heads, and K/V
     views of any strides, forward and backward: probed once on tiny inputs against the same
-    call with the heads repeated (a torch that refuses or differs gets repeated heads)."""
+    call with the heads repeated (a torch that refuses or differs gets repeated heads). Probed
+    outside any dispatch mode: a first call traced under ``FakeTensorMode`` (a memory
+    prediction) asks about the kernels, not about fake tensors, which hold no values."""
+    return outside_dispatch_modes(_probe_cpu_flash_groups)
+
+
+def _probe_cpu_flash_groups() -> bool:
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
     gen = torch.Generator().manual_seed(0)

@@ -31,6 +31,7 @@ import torch
 
 from cpshard.attention.blocks import Blocks, plan_blocks
 from cpshard.attention.exchange import KVExchange
+from cpshard.attention.outside_modes import outside_dispatch_modes
 from cpshard.attention.packing import Packed, pack_spans
 from cpshard.attention.placement import cached_on
 from cpshard.masks import MaskDescription
@@ -332,8 +333,9 @@ class AttentionState:
 
 
 def state_for(key: torch.Tensor) -> AttentionState:
-    """The step state registered under ``key`` (a host read of a CPU scalar: no device sync)."""
-    state = _registry.get(int(key))
+    """The step state registered under ``key`` (a host read of a CPU scalar: no device sync,
+    outside any dispatch mode)."""
+    state = _registry.get(outside_dispatch_modes(lambda: int(key)))
     if state is None:
         raise RuntimeError(
             "cpshard CP attention: the step's attention state is gone; keep the context returned "

@@ -108,13 +108,13 @@ def build_parser(prog: str = "cpshard bench") -> argparse.ArgumentParser:
         default=None,
         help=f"comma-separated subset of {','.join(OPS)} (default: {','.join(DEFAULT_OPS)}, "
         "the attention section on one case; all, and the default with --full: every one but "
-        "planning, which runs only when named)",
+        "planning and memory, which run only when named)",
     )
     bench.add_argument(
         "--full",
         action="store_true",
         help="every section's whole grid (the attention section: every layout and head shape, "
-        "sliding windows, soft-capping and sinks); without --ops, every op but planning",
+        "sliding windows, soft-capping and sinks); without --ops, every op but planning and memory",
     )
     bench.add_argument(
         "--sizes",

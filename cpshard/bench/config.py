@@ -9,10 +9,12 @@ from cpshard.validation import is_int
 GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
 SECTION_OPS = (
     "planner", "vision", "layouts", "blockdiag", "attention", "mixers", "loss", "planning",
+    "memory",
 )  # fmt: skip
 OPS = (*GATHER_OPS, "strategies", *SECTION_OPS)
 # ``--full`` and ``--ops all``: every op but those that run only when named (long grids)
-FULL_OPS = tuple(op for op in OPS if op != "planning")
+NAMED_ONLY_OPS = ("planning", "memory")
+FULL_OPS = tuple(op for op in OPS if op not in NAMED_ONLY_OPS)
 # the default: a representative subset (the transport, CP attention under each exchange
 # strategy, the vision planner) that finishes in a few minutes on a 2-core CPU machine
 DEFAULT_OPS = ("ragged", "sequence", "halo", "attention", "planner")

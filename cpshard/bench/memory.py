@@ -48,7 +48,8 @@ def _quiet_profiler_stderr() -> Iterator[None]:
                 sys.stderr.flush()
 
 
-def _cpu_peak(step: Callable[[], object]) -> int:
+def cpu_peak(step: Callable[[], object]) -> int:
+    """Peak extra bytes of ``step`` on the CPU: the running sum of torch's allocator events."""
     with _quiet_profiler_stderr():
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             step()
@@ -76,7 +77,7 @@ def _cuda_peak(rt: Runtime, step: Callable[[], object]) -> int:
 
 def local_peak_bytes(rt: Runtime, step: Callable[[], object]) -> int:
     """Peak extra bytes of one run of ``step`` on this rank alone (no collective)."""
-    return _cuda_peak(rt, step) if rt.is_cuda else _cpu_peak(step)
+    return _cuda_peak(rt, step) if rt.is_cuda else cpu_peak(step)
 
 
 def peak_extra_bytes(

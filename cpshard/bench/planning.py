@@ -11,15 +11,13 @@ ranks wait at a barrier (raise ``--timeout`` for the full grid: a cell can take 
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from cpshard.bench.child import run_in_child
 from cpshard.bench.runtime import Runtime
 from cpshard.layouts import LAYOUTS
 
@@ -68,23 +66,6 @@ def measure(world: int, seq_len: int, docs: str) -> list[dict]:
     return rows
 
 
-def _measure_in_child(world: int, seq_len: int, docs: str) -> list[dict]:
-    """:func:`measure` in a fresh Python process (this one holds the bench's group)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (root, os.environ.get("PYTHONPATH")) if p
-    ))  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="cpshard-planning-") as folder:
-        out = os.path.join(folder, "rows.json")
-        subprocess.run(
-            [sys.executable, "-m", "cpshard.bench.planning", str(world), str(seq_len), docs, out],
-            env=env,
-            check=True,
-        )
-        with open(out) as f:
-            return json.load(f)
-
-
 def _cells(rt: Runtime) -> list[tuple[int, int, str]]:
     grid = QUICK if rt.cfg.quick else FULL
     return [(w, s, d) for w in grid.worlds for s in grid.seq_lens for d in docs_specs(s)]
@@ -100,7 +81,7 @@ def run(rt: Runtime) -> list[dict] | None:
     for world, seq_len, docs in _cells(rt):
         rt.progress(f"planning: W={world} S={seq_len} docs {docs}, {len(LAYOUTS)} layouts")
         if rt.rank == 0:
-            rows.extend(_measure_in_child(world, seq_len, docs))
+            rows.extend(run_in_child("cpshard.bench.planning", str(world), str(seq_len), docs))
         dist.barrier(group=rt.pg, **rt.barrier_kwargs)
     return rows if rt.rank == 0 else None
 

@@ -25,6 +25,7 @@ SECTION_MODULES = {
     "mixers": "cpshard.bench.mixers",
     "loss": "cpshard.bench.linear_loss",
     "planning": "cpshard.bench.planning",
+    "memory": "cpshard.bench.memory_prediction",
 }
 
 

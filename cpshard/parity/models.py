@@ -10,13 +10,14 @@ seed, so their parameters are equal before the step. The forward contract (what
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from cpshard.simulation.model_config import read_config_json
 
 # Sizes a tiny config takes; the attention features (window, layer types, head layout ratios,
 # rope) stay as the architecture's defaults.
@@ -163,14 +164,7 @@ def check_model_spec(spec: ModelSpec) -> None:
     elif spec.kind == "factory":
         load_object(spec.value, "model")
     else:
-        path = Path(spec.value)
-        path = path / "config.json" if path.is_dir() else path
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise ValueError(f"model: cannot read a config from {spec.value!r}: {exc}") from None
-        if not isinstance(data, dict) or "model_type" not in data:
-            raise ValueError(f"model: {path} has no model_type")
+        read_config_json(spec.value, "model")
 
 
 def _transformers_model(spec: ModelSpec) -> torch.nn.Module:
@@ -183,11 +177,7 @@ def _transformers_model(spec: ModelSpec) -> torch.nn.Module:
         cls = _architecture(spec.value)
         config = _shrink(cls.config_class())
     else:
-        path = Path(spec.value)
-        path = path / "config.json" if path.is_dir() else path
-        data = json.loads(path.read_text())
-        if "model_type" not in data:
-            raise ValueError(f"model: {path} has no model_type")
+        data = read_config_json(spec.value, "model")
         kind = type(transformers.AutoConfig.for_model(data["model_type"]))
         config = kind.from_dict(data)
         archs = data.get("architectures") or []

@@ -19,14 +19,20 @@ from cpshard.byte_units import human_bytes
 from cpshard.cli_args import mesh_shape
 from cpshard.layouts import LAYOUTS
 from cpshard.simulation.documents import document_ids, document_lengths
-from cpshard.simulation.head_shape import HeadShape, shape_from_model
+from cpshard.simulation.head_shape import HeadShape, shape_from_model, shape_of_config
+from cpshard.simulation.memory_cli import run_memory
+from cpshard.simulation.memory_report import DEVICES, device
+from cpshard.simulation.model_config import NAMED, model_config
+from cpshard.simulation.plan_setup import MemorySetup, Setup
 from cpshard.simulation.rank_plan import RankPlan, simulate_rank
 from cpshard.simulation.ranks import ALL_UP_TO, parse_ranks
+from cpshard.simulation.step_loss import LOSSES
+from cpshard.simulation.training_step import DTYPES, OPTIMIZERS, StepSpec
 
 MAX_WORLD = 1024
 _SUFFIX = {"k": 1024, "K": 1024, "m": 1024**2, "M": 1024**2}
 
-_DESCRIPTION = f"""\
+_DESCRIPTION = """\
 Simulate what every rank of a W-rank context-parallel job plans for one packed batch, in this
 one process: each simulated rank joins torch's fake backend as rank r of W and runs the
 sharder's shard() on the same batch a real rank would. Per rank: tokens, causal attention cost
@@ -34,9 +40,16 @@ over the mean, K/V rows received and sent (the needed-rows exchange; the halo on
 shards), bytes per strategy for a forward and backward of one layer (this rank's and the
 busiest rank's), the strategy the step uses, the key buffer's K/V memory and shard()'s time.
 
-Ranks: all of a job of up to {ALL_UP_TO}, else 0, 1, W/2, W-1 and a few sampled (--ranks all
+Ranks: all of a job of up to {all_up_to}, else 0, 1, W/2, W-1 and a few sampled (--ranks all
 for every one). --docs: one, equal:N, uniform:N, pareto:N (N long-tailed documents) or a comma
 list of lengths (the rest is padding).
+
+--memory: instead, each simulated rank's predicted peak memory of a training step (forward,
+loss, backward, optimizer step) by category, and whether the worst rank fits --device. --model
+is then a named shape ({named}), a transformers model type (llama, qwen3, ...; sizes from
+--hidden-size, --intermediate-size, --vocab-size, --layers, --heads, --kv-heads, --head-dim) or
+a config.json path. --max-seq-len LIMIT searches the largest S up to LIMIT that fits (--seq-len
+is then the granularity).
 """
 
 
@@ -61,8 +74,9 @@ def _mesh(text: str) -> tuple[int, int]:
 
 
 def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
+    description = _DESCRIPTION.format(all_up_to=ALL_UP_TO, named=", ".join(NAMED))
     p = argparse.ArgumentParser(
-        prog=prog, description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--world", type=_count("--world", MAX_WORLD), help=f"ranks (1..{MAX_WORLD})")
     p.add_argument(
@@ -86,28 +100,54 @@ def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
         ("--window", "sliding window (keys a query sees)"),
     ):
         p.add_argument(flag, type=_count(flag), help=f"{what}; overrides --model's")
+    for flag, what in (
+        ("--hidden-size", "model width"),
+        ("--intermediate-size", "MLP width"),
+        ("--vocab-size", "vocabulary"),
+    ):
+        p.add_argument(flag, type=_count(flag), help=f"{what} (--memory); overrides --model's")
     p.add_argument("--dtype-bytes", type=_count("--dtype-bytes"), default=2, help="default: 2")
+    memory = p.add_argument_group("memory (--memory)")
+    memory.add_argument("--memory", action="store_true", help="predict each rank's peak memory")
+    memory.add_argument("--dtype", choices=DTYPES, default="bf16", help="parameters' dtype")
+    memory.add_argument("--checkpointing", choices=("on", "off"), default="off",
+                        help="activation checkpointing of every decoder layer")  # fmt: skip
+    memory.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
+    memory.add_argument("--loss", choices=tuple(LOSSES), default="cross_entropy")
+    memory.add_argument("--device", default="h100",
+                        help=f"{', '.join(DEVICES)} or a size (96GiB, 80GB); default h100",
+                        )  # fmt: skip
+    memory.add_argument("--max-seq-len", type=_count("--max-seq-len"), metavar="LIMIT",
+                        help="search the largest S <= LIMIT (multiple of --seq-len) that fits",
+                        )  # fmt: skip
     p.add_argument("--ranks", default="default", help="default, all, or a comma list of ranks")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write every figure to PATH")
     p.add_argument("--plot", dest="plot_path", metavar="PNG", help="per-rank figures (matplotlib)")
     return p
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """A validated ``cpshard plan`` run."""
-
-    world: int
-    mesh: tuple[int, int] | None
-    seq_len: int
-    docs: str
-    lengths: list[int]
-    layout: str
-    strategy: str
-    shape: HeadShape
-    ranks: list[int]
-    json_path: str | None
-    plot_path: str | None
+def _memory(args: argparse.Namespace) -> MemorySetup | None:
+    if not args.memory:
+        for flag in ("max_seq_len", "hidden_size", "intermediate_size", "vocab_size"):
+            if getattr(args, flag) is not None:
+                raise ValueError(f"--{flag.replace('_', '-')}: only with --memory")
+        return None
+    if args.model is None:
+        raise ValueError("--model: needed with --memory")
+    if args.window is not None:
+        raise ValueError("--window: not with --memory (the config's sliding window is used)")
+    if args.plot_path is not None:
+        raise ValueError("--plot: not with --memory (--json writes the figures)")
+    sizes = {
+        "hidden_size": args.hidden_size, "intermediate_size": args.intermediate_size,
+        "vocab_size": args.vocab_size, "layers": args.layers, "heads": args.heads,
+        "kv_heads": args.kv_heads, "head_dim": args.head_dim,
+    }  # fmt: skip
+    spec = StepSpec(
+        model_config(args.model, **sizes), DTYPES[args.dtype], args.checkpointing == "on",
+        args.optimizer, args.loss,
+    )  # fmt: skip
+    return MemorySetup(args.model, spec, device(args.device), args.max_seq_len)
 
 
 def _shape(args: argparse.Namespace) -> HeadShape:
@@ -115,6 +155,11 @@ def _shape(args: argparse.Namespace) -> HeadShape:
         "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
         "layers": args.layers, "window": args.window,
     }  # fmt: skip
+    if args.memory:
+        if args.model is None:
+            raise ValueError("--model: needed with --memory")
+        config = model_config(args.model)
+        return shape_of_config(config, args.dtype_bytes, repr(args.model), **given)
     if args.model is not None:
         return shape_from_model(args.model, args.dtype_bytes, **given)
     missing = [f"--{k.replace('_', '-')}" for k in ("heads", "head_dim") if given[k] is None]
@@ -159,6 +204,7 @@ def setup(argv: Sequence[str], prog: str = "cpshard plan") -> Setup:
             ranks=parse_ranks(args.ranks, world, args.seed),
             json_path=args.json_path,
             plot_path=args.plot_path,
+            memory=_memory(args),
         )
     except ValueError as exc:
         p.error(str(exc))
@@ -240,6 +286,8 @@ def plot(path: str, plans: list[RankPlan]) -> None:
 def main(argv: Sequence[str] | None = None, prog: str = "cpshard plan") -> int:
     """Run ``cpshard plan``; the exit status."""
     cfg = setup(sys.argv[1:] if argv is None else argv, prog)
+    if cfg.memory is not None:
+        return run_memory(cfg, cfg.memory)
     ids = document_ids(cfg.lengths, cfg.seq_len)
     plans, started = [], time.perf_counter()
     for i, rank in enumerate(cfg.ranks):
@@ -256,7 +304,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "cpshard plan") -> int:
     print(render(cfg, plans, summ))
     if cfg.json_path is not None:
         setup_fields = dataclasses.asdict(cfg)
-        for key in ("json_path", "plot_path", "lengths"):
+        for key in ("json_path", "plot_path", "lengths", "memory"):
             setup_fields.pop(key)
         setup_fields["documents"] = len(cfg.lengths)
         with open(cfg.json_path, "w") as f:

@@ -67,14 +67,20 @@ def shape_from_model(model: str, dtype_bytes: int = 2, **overrides: int | None) 
     """The :class:`HeadShape` of ``model``'s config (``num_attention_heads``,
     ``num_key_value_heads``, ``head_dim`` or ``hidden_size / heads``, ``num_hidden_layers``,
     ``sliding_window`` unless ``use_sliding_window`` is false); ``overrides`` not None win."""
-    config = _config(model)
+    return shape_of_config(_config(model), dtype_bytes, repr(model), **overrides)
+
+
+def shape_of_config(
+    config: Any, dtype_bytes: int = 2, name: str = "the config", **overrides: int | None
+) -> HeadShape:
+    """:func:`shape_from_model` of a config object (``name`` words its errors)."""
     try:
         heads = int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     except (AttributeError, TypeError, ValueError):
         raise ValueError(
-            f"--model: {model!r} lacks num_attention_heads and head_dim or hidden_size"
+            f"--model: {name} lacks num_attention_heads and head_dim or hidden_size"
         ) from None
     layers = getattr(config, "num_hidden_layers", None)
     window = getattr(config, "sliding_window", None)
