@@ -5,11 +5,14 @@ decided once per step and head shape, and kept in the step's state).
 * ``needed_rows``: the step's K/V exchange (each rank receives the K/V rows its queries reach;
   the halo on contiguous shards). A training step moves them three times (forward, the
   backward's re-exchange, the gradients' return).
-* ``heads``: one all-to-all of q/k/v before attention and one of the output after it (head
-  parallel, DeepSpeed-Ulysses), each once more in the backward: every rank moves ``(W - 1) / W``
-  of its q/k/v and output whatever the documents.
+* ``heads``: the all-to-alls of q/k/v before attention and of the output after it (head
+  parallel, DeepSpeed-Ulysses); the backward gathers q/k/v and the output again with the
+  output's gradient (rather than keeping the gathered heads from the forward) and sends the
+  gradients back: every rank moves ``(W - 1) / W`` of its q/k/v and output whatever the
+  documents.
 * ``hierarchical``: ``heads`` inside each node of a 2-D ``(inter, intra)`` CP mesh, then the
-  needed-rows exchange between the nodes' ranks that hold the same heads.
+  needed-rows exchange between the nodes' ranks that hold the same heads (keeping the gathered
+  heads for the backward rather than gathering them again).
 * ``auto``: the one of those the step planned whose busiest rank receives the fewest bytes over
   a forward and backward (ties go to the first above).
 """
@@ -42,8 +45,9 @@ def head_parallel_bytes(
     size: int,
 ) -> int:
     """The busiest rank's bytes under ``plan`` for a call on ``state`` (forward and backward):
-    the all-to-alls' (a rank receives its heads of every other rank's tokens, then the others'
-    heads of its own tokens, and the gradients of both) and the inner exchange's."""
+    the all-to-alls' (a rank receives its heads of every other rank's tokens: q/k/v in the
+    forward, q/k/v, the output and its gradient again in the backward; and the others' heads of
+    its own tokens: the output, then the gradients of q/k/v) and the inner exchange's."""
     world = plan.group.world
     split = split_heads(q_heads, kv_heads, world)
     tokens = state.batch_size * state.local_len
@@ -51,8 +55,9 @@ def head_parallel_bytes(
     held = [(qc + kc) * width for (_, qc), (_, kc) in zip(split.q, split.kv, strict=True)]
     inner = plan.inner.variant(state.causal, state.mask)
     rows = inner.windowed(window).exchange.most_rows_moved
+    again = 2 if inner.exchange.keeps_local else 1  # ``heads`` gathers its heads again
     busiest = max(
-        tokens * ((world - 1) * held[r] + sum(held) - held[r]) + rows * kc * width
+        tokens * (again * (world - 1) * held[r] + sum(held) - held[r]) + rows * kc * width
         for r, (_, kc) in enumerate(split.kv)
     )
     return busiest * size

@@ -251,13 +251,16 @@ def test_auto_picks_the_fewest_bytes(pool4, winner: tuple) -> None:
     assert max(r["auto"][0] for r in got) == busiest[name]
 
 
-def test_heads_issues_one_all_to_all_each_side(pool4) -> None:
-    """``heads``: one batched transfer before attention and one after it in the forward, and
-    the same in the backward (q and k/v travel together)."""
-    got = pool4.run(_measured, "stripe", "one_doc", 48, 8, 8, timeout=600)
+def test_heads_moves_one_head_at_a_time(pool4) -> None:
+    """``heads``: per K/V head of each rank, one transfer of it (K and V together) and, per
+    query head it serves, one of that query head and one of its output in the forward; the
+    backward gathers the same again (the query head with its output and their gradient in one
+    transfer), sends each query head's gradient back, and the K/V head's gradients (together)
+    after them."""
+    got = pool4.run(_measured, "stripe", "one_doc", 48, 8, 2, timeout=600)
     for r in got:
-        _, _, _, forward, total = r["heads"]
-        assert (forward, total) == (2, 4), (forward, total)
+        _, _, _, forward, total = r["heads"]  # 8 / 2 heads over 4 ranks: one K/V head, 2 queries
+        assert (forward, total) == (1 + 2 * 2, 2 * (1 + 2 * 2) + 1), (forward, total)
 
 
 def _compiled(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
