@@ -13,8 +13,18 @@ decided once per step and head shape, and kept in the step's state).
 * ``hierarchical``: ``heads`` inside each node of a 2-D ``(inter, intra)`` CP mesh, then the
   needed-rows exchange between the nodes' ranks that hold the same heads (keeping the gathered
   heads for the backward rather than gathering them again).
-* ``auto``: the one of those the step planned whose busiest rank receives the fewest bytes over
-  a forward and backward (ties go to the first above).
+* ``auto``: the one of those the step planned with the least cost over a forward and
+  backward: the bytes its busiest rank receives plus the bytes it holds at its peak beyond
+  what every strategy holds (the output and the gradients of q, k and v): a byte held weighs
+  as much as a byte moved, so where a strategy moves fewer bytes but holds more (the needed
+  rows of a long document: its key buffer and that buffer's gradient) the two are weighed
+  (ties go to the first above).
+
+The memory model (alike on every rank, from the plans): ``needed_rows`` holds the key buffer
+of the rank receiving the most rows and its gradient; ``heads`` one K/V head and one query head
+gathered over every rank's tokens with their gradients (it gathers a head at a time, again in
+the backward); ``hierarchical`` its gathered heads with their gradients (kept from the forward)
+and its inner exchange's key buffer and gradient.
 """
 
 from __future__ import annotations
@@ -76,18 +86,53 @@ def strategy_bytes(
     return costs
 
 
+def _key_buffer(state: AttentionState, kv_heads: int, width: int, size: int) -> int:
+    """Bytes of the largest key buffer of ``state``'s exchange and of its gradient (none where
+    the exchange keeps this rank's own K/V)."""
+    if state.exchange.keeps_local:
+        return 0
+    rows = state.batch_size * state.local_len + state.exchange.most_rows_received
+    return 2 * rows * kv_heads * width * size
+
+
+def strategy_memory(
+    state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
+    size: int,
+) -> dict[str, int]:  # fmt: skip
+    """Each strategy the step planned -> the bytes a call holds at its peak beyond the output
+    and the q, k, v gradients (module docstring)."""
+    width = _kv_width(d_k, d_v)
+    memory = {"needed_rows": _key_buffer(state.windowed(window), kv_heads, width, size)}
+    tokens = state.batch_size * state.local_len
+    for plan in state.head_parallel:
+        world = plan.group.world
+        inner = plan.inner.variant(state.causal, state.mask).windowed(window)
+        if plan.kind == "heads":
+            memory[plan.kind] = 4 * world * tokens * width * size
+            continue
+        split = split_heads(q_heads, kv_heads, world)
+        gathered = max(qc + kc for (_, qc), (_, kc) in zip(split.q, split.kv, strict=True))
+        most_kv = max(kc for _, kc in split.kv)
+        memory[plan.kind] = (
+            2 * world * tokens * gathered * width * size + _key_buffer(inner, most_kv, width, size)
+        )
+    return memory
+
+
 def chosen_strategy(
     state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
     size: int,
 ) -> str:  # fmt: skip
-    """The strategy a call uses (``auto``: the fewest bytes, decided once per step and shape)."""
+    """The strategy a call uses (``auto``: the least bytes moved plus held, decided once per
+    step and shape)."""
     if state.strategy != "auto":
         return state.strategy
     key = ("strategy", window, q_heads, kv_heads, d_k, d_v, size)
     found = state.derived.get(key)
     if found is None:
         costs = strategy_bytes(state, window, q_heads, kv_heads, d_k, d_v, size)
-        found = state.derived[key] = min(costs, key=costs.__getitem__)
+        held = strategy_memory(state, window, q_heads, kv_heads, d_k, d_v, size)
+        found = state.derived[key] = min(costs, key=lambda s: costs[s] + held[s])
     return found
 
 
