@@ -160,7 +160,8 @@ def head_attention_backward_op(
     dsinks = torch.zeros_like(sinks) if sinks is not None else q.new_zeros(0)
     for kv_ranges, q_chunks in chunks(split):
         k_h, v_h = to_heads([k, v], group_name, [kv_ranges, kv_ranges], order, key)
-        dk_h, dv_h = torch.zeros_like(k_h), torch.zeros_like(v_h)
+        dk_h: torch.Tensor | None = None  # the first query chunk's, the others' added
+        dv_h: torch.Tensor | None = None
         for q_ranges in q_chunks:
             q_h, o_h, g_h = to_heads([q, out, grad], group_name, [q_ranges] * 3, order, key)
             start, count = q_ranges[me]
@@ -170,8 +171,11 @@ def head_attention_backward_op(
                     g_h, q_h, k_h, v_h, o_h, lse[:, _local(split, me, q_ranges)], inner, scale,
                     window, softcap, ends,
                 )  # fmt: skip
-                dk_h += dk_c
-                dv_h += dv_c
+                if dk_h is None or dv_h is None:
+                    dk_h, dv_h = dk_c, dv_c
+                else:
+                    dk_h += dk_c
+                    dv_h += dv_c
                 del dk_c, dv_c
                 if sinks is not None:
                     dsinks[start : start + count] = ds
@@ -180,8 +184,11 @@ def head_attention_backward_op(
             del q_h, o_h, g_h
             to_seq_into([dq], [dq_h], group_name, [q_ranges], order, key)
             del dq_h
+        if dk_h is None or dv_h is None:  # no heads here in this chunk
+            dk_h, dv_h = torch.zeros_like(k_h), torch.zeros_like(v_h)
         del k_h, v_h
         to_seq_into([dk, dv], [dk_h, dv_h], group_name, [kv_ranges, kv_ranges], order, key)
+        del dk_h, dv_h
     return dq, dk, dv, dsinks
 
 

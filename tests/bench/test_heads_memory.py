@@ -8,7 +8,7 @@ from cpshard.bench import heads_memory
 
 
 def test_heads_holds_the_floor_and_one_head() -> None:
-    world, seq = 2, 2048
+    world, seq = 2, 4096
     for q_heads, kv_heads in heads_memory.HEAD_SHAPES:
         row = heads_memory.run_case(world, seq, q_heads, kv_heads, runs=2, repeats=1)
         assert {"heads", "needed_rows", "auto", "floor"} <= set(row)
