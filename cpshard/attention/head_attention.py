@@ -3,10 +3,11 @@ moves and attends a few heads at a time.
 
 ``cpshard::head_attention`` (the ``heads`` strategy: the inner state exchanges nothing) walks
 this rank's key/value heads one at a time (a chunk): the sequence -> head all-to-all of that K
-and V head, then, per query head it serves, the all-to-all of that query head, the inner state's per-document attention over the gathered
-tokens, and the head -> sequence all-to-all of the output, written straight into its heads of
-the output. It saves only the caller's q, k, v, the output and the gathered heads' log-sum-exp
-(``[B, heads, W * L]``, one value per row): no gathered head outlives its chunk.
+and V head, then, per query head it serves, the all-to-all of that query head, the inner
+state's per-document attention over the gathered tokens, and the head -> sequence all-to-all
+of the output, written straight into its heads of the output. It saves only the caller's q,
+k, v, the output and the gathered heads' log-sum-exp (``[B, heads, W * L]``, one value per
+row): no gathered head outlives its chunk.
 
 ``cpshard::head_attention_backward`` walks the same chunks: it gathers the chunk's K and V
 again and, per query chunk, its q, output and output gradient (the cheap all-to-all, instead
@@ -56,7 +57,8 @@ def chunks(split: HeadSplit) -> Iterator[tuple[Ranges, list[Ranges]]]:
         has = [j < kc for _, kc in split.kv]
         kv = [(s + j, 1) if h else (0, 0) for (s, _), h in zip(split.kv, has)]
         parts = [
-            [(s + j * g + i, 1) if h and i < g else (0, 0) for (s, _), g, h in zip(split.q, groups, has)]
+            [(s + j * g + i, 1) if h and i < g else (0, 0)
+             for (s, _), g, h in zip(split.q, groups, has)]
             for i in range(max(g for g, h in zip(groups, has) if h))
         ]
         yield kv, parts
@@ -92,7 +94,8 @@ def head_attention_op(
     me = group.rank
     split = _split(heads, group.world)
     out = q.new_zeros(*q.shape[:3], v.shape[3])
-    lse = q.new_empty(q.shape[0], split.q[me][1], group.world * q.shape[2], dtype=lse_dtype(q.dtype))
+    tokens = group.world * q.shape[2]
+    lse = q.new_empty(q.shape[0], split.q[me][1], tokens, dtype=lse_dtype(q.dtype))
     for kv_ranges, q_chunks in chunks(split):
         k_h, v_h = to_heads([k, v], group_name, [kv_ranges, kv_ranges], order, key)
         for q_ranges in q_chunks:
