@@ -159,7 +159,9 @@ def head_attention_backward_op(
     group = group_from_name(group_name)
     me = group.rank
     split = _split(heads, group.world)
-    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq = torch.zeros_like(q)
+    dk: torch.Tensor | None = None  # made once the first K/V chunk's gradients are back
+    dv: torch.Tensor | None = None
     dsinks = torch.zeros_like(sinks) if sinks is not None else q.new_zeros(0)
     for kv_ranges, q_chunks in chunks(split):
         k_h, v_h = to_heads([k, v], group_name, [kv_ranges, kv_ranges], order, key)
@@ -190,8 +192,11 @@ def head_attention_backward_op(
         if dk_h is None or dv_h is None:  # no heads here in this chunk
             dk_h, dv_h = torch.zeros_like(k_h), torch.zeros_like(v_h)
         del k_h, v_h
+        if dk is None or dv is None:
+            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         to_seq_into([dk, dv], [dk_h, dv_h], group_name, [kv_ranges, kv_ranges], order, key)
         del dk_h, dv_h
+    assert dk is not None and dv is not None, "every rank walks at least one K/V chunk"
     return dq, dk, dv, dsinks
 
 
