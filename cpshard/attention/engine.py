@@ -136,6 +136,7 @@ class Loop:
                 dq[rows] += dqs
                 dk[at] += fold_heads(dks, kv_heads)
                 dv[at] += fold_heads(dvs, kv_heads)
+                del dqs, dks, dvs  # freed before the next part's are made
         return dq, dk, dv
 
 

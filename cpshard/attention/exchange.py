@@ -44,6 +44,12 @@ class KVExchange(Protocol):
         ...
 
     @property
+    def most_rows_received(self) -> int:
+        """The most K/V rows (over every batch row) any rank receives per exchange (alike on
+        every rank: the memory model's figure)."""
+        ...
+
+    @property
     def keeps_local(self) -> bool:
         """True when the key buffer is this rank's own K/V as they are (nothing exchanged: a
         group of one), so the attention takes K and V apart, unjoined."""

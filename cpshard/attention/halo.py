@@ -74,6 +74,11 @@ class HaloExchange:
         return max(moved, default=0) * self.batch_size
 
     @property
+    def most_rows_received(self) -> int:
+        length = self.local_len
+        return max(min(h, r * length) for r, h in enumerate(self.halos)) * self.batch_size
+
+    @property
     def keeps_local(self) -> bool:
         return self.group.world == 1
 

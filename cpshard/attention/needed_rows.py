@@ -100,6 +100,10 @@ class NeededRowsExchange:
     def most_rows_moved(self) -> int:
         return max(2 * got + out for got, out in zip(self.received, self.sent, strict=True))
 
+    @property
+    def most_rows_received(self) -> int:
+        return max(self.received)
+
     def tables_on(self, device: torch.device) -> Tables:
         """The exchange tables on ``device``, copied there once per device and cached (a
         call's use: later steps' setups place them)."""

@@ -5,13 +5,26 @@ decided once per step and head shape, and kept in the step's state).
 * ``needed_rows``: the step's K/V exchange (each rank receives the K/V rows its queries reach;
   the halo on contiguous shards). A training step moves them three times (forward, the
   backward's re-exchange, the gradients' return).
-* ``heads``: one all-to-all of q/k/v before attention and one of the output after it (head
-  parallel, DeepSpeed-Ulysses), each once more in the backward: every rank moves ``(W - 1) / W``
-  of its q/k/v and output whatever the documents.
+* ``heads``: the all-to-alls of q/k/v before attention and of the output after it (head
+  parallel, DeepSpeed-Ulysses); the backward gathers q/k/v and the output again with the
+  output's gradient (rather than keeping the gathered heads from the forward) and sends the
+  gradients back: every rank moves ``(W - 1) / W`` of its q/k/v and output whatever the
+  documents.
 * ``hierarchical``: ``heads`` inside each node of a 2-D ``(inter, intra)`` CP mesh, then the
-  needed-rows exchange between the nodes' ranks that hold the same heads.
-* ``auto``: the one of those the step planned whose busiest rank receives the fewest bytes over
-  a forward and backward (ties go to the first above).
+  needed-rows exchange between the nodes' ranks that hold the same heads (keeping the gathered
+  heads for the backward rather than gathering them again).
+* ``auto``: the one of those the step planned with the least cost over a forward and
+  backward: the bytes its busiest rank receives plus the bytes it holds at its peak beyond
+  what every strategy holds (the output and the gradients of q, k and v): a byte held weighs
+  as much as a byte moved, so where a strategy moves fewer bytes but holds more (the needed
+  rows of a long document: its key buffer and that buffer's gradient) the two are weighed
+  (ties go to the first above).
+
+The memory model (alike on every rank, from the plans): ``needed_rows`` holds the key buffer
+of the rank receiving the most rows and its gradient; ``heads`` one K/V head and one query head
+gathered over every rank's tokens with their gradients (it gathers a head at a time, again in
+the backward); ``hierarchical`` its gathered heads with their gradients (kept from the forward)
+and its inner exchange's key buffer and gradient.
 """
 
 from __future__ import annotations
@@ -42,8 +55,9 @@ def head_parallel_bytes(
     size: int,
 ) -> int:
     """The busiest rank's bytes under ``plan`` for a call on ``state`` (forward and backward):
-    the all-to-alls' (a rank receives its heads of every other rank's tokens, then the others'
-    heads of its own tokens, and the gradients of both) and the inner exchange's."""
+    the all-to-alls' (a rank receives its heads of every other rank's tokens: q/k/v in the
+    forward, q/k/v, the output and its gradient again in the backward; and the others' heads of
+    its own tokens: the output, then the gradients of q/k/v) and the inner exchange's."""
     world = plan.group.world
     split = split_heads(q_heads, kv_heads, world)
     tokens = state.batch_size * state.local_len
@@ -51,8 +65,9 @@ def head_parallel_bytes(
     held = [(qc + kc) * width for (_, qc), (_, kc) in zip(split.q, split.kv, strict=True)]
     inner = plan.inner.variant(state.causal, state.mask)
     rows = inner.windowed(window).exchange.most_rows_moved
+    again = 2 if inner.exchange.keeps_local else 1  # ``heads`` gathers its heads again
     busiest = max(
-        tokens * ((world - 1) * held[r] + sum(held) - held[r]) + rows * kc * width
+        tokens * (again * (world - 1) * held[r] + sum(held) - held[r]) + rows * kc * width
         for r, (_, kc) in enumerate(split.kv)
     )
     return busiest * size
@@ -71,18 +86,53 @@ def strategy_bytes(
     return costs
 
 
+def _key_buffer(state: AttentionState, kv_heads: int, width: int, size: int) -> int:
+    """Bytes of the largest key buffer of ``state``'s exchange and of its gradient (none where
+    the exchange keeps this rank's own K/V)."""
+    if state.exchange.keeps_local:
+        return 0
+    rows = state.batch_size * state.local_len + state.exchange.most_rows_received
+    return 2 * rows * kv_heads * width * size
+
+
+def strategy_memory(
+    state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
+    size: int,
+) -> dict[str, int]:  # fmt: skip
+    """Each strategy the step planned -> the bytes a call holds at its peak beyond the output
+    and the q, k, v gradients (module docstring)."""
+    width = _kv_width(d_k, d_v)
+    memory = {"needed_rows": _key_buffer(state.windowed(window), kv_heads, width, size)}
+    tokens = state.batch_size * state.local_len
+    for plan in state.head_parallel:
+        world = plan.group.world
+        inner = plan.inner.variant(state.causal, state.mask).windowed(window)
+        if plan.kind == "heads":
+            memory[plan.kind] = 4 * world * tokens * width * size
+            continue
+        split = split_heads(q_heads, kv_heads, world)
+        gathered = max(qc + kc for (_, qc), (_, kc) in zip(split.q, split.kv, strict=True))
+        most_kv = max(kc for _, kc in split.kv)
+        memory[plan.kind] = (
+            2 * world * tokens * gathered * width * size + _key_buffer(inner, most_kv, width, size)
+        )
+    return memory
+
+
 def chosen_strategy(
     state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
     size: int,
 ) -> str:  # fmt: skip
-    """The strategy a call uses (``auto``: the fewest bytes, decided once per step and shape)."""
+    """The strategy a call uses (``auto``: the least bytes moved plus held, decided once per
+    step and shape)."""
     if state.strategy != "auto":
         return state.strategy
     key = ("strategy", window, q_heads, kv_heads, d_k, d_v, size)
     found = state.derived.get(key)
     if found is None:
         costs = strategy_bytes(state, window, q_heads, kv_heads, d_k, d_v, size)
-        found = state.derived[key] = min(costs, key=costs.__getitem__)
+        held = strategy_memory(state, window, q_heads, kv_heads, d_k, d_v, size)
+        found = state.derived[key] = min(costs, key=lambda s: costs[s] + held[s])
     return found
 
 

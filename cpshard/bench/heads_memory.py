@@ -1,16 +1,24 @@
-"""Peak extra memory and time of one forward+backward of head-parallel CP attention (the
-``heads`` strategy) beside a DeepSpeed-Ulysses-style reference: one causal document, contiguous
-shards, spawned gloo ranks on CPU.
+"""Peak extra resident memory and time of one forward+backward of CP attention over one causal
+document (contiguous shards, spawned gloo ranks on CPU), per strategy (``heads``,
+``needed_rows`` and what ``auto`` picks), beside DeepSpeed-Ulysses's ``DistributedAttention``
+around SDPA where DeepSpeed is installed, and beside the floor every implementation holds: the
+output and the gradients of q, k and v (the inputs exist before the call).
 
-The reference is the Ulysses floor: per tensor one permute copy into the send buffer, one
-``all_to_all_single``, one permute copy out of it, SDPA over the gathered tokens, and the same
-back for the output (key/value heads repeated up to the world size when fewer, as Ulysses
-needs). Run ``python -m cpshard.bench.heads_memory [--worlds 2 4] [--seqs 4096 16384]``.
+The peak is resident memory: ``VmHWM`` after resetting it (``/proc/self/clear_refs``) minus
+``VmRSS`` before the call, the C heap trimmed first, max over ranks, the median of ``runs``
+calls. Ranks are spawned with ``MALLOC_MMAP_THRESHOLD_`` fixed (unless already set), so that the
+C allocator maps and unmaps every large block: the peak is what the call holds at once, not
+what the heap kept from an earlier call. Every output is checked against a plain Ulysses
+statement (one all-to-all each way per tensor, SDPA between). Run ``python -m
+cpshard.bench.heads_memory [--worlds 2 4] [--seqs 4096 16384]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -18,12 +26,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpshard.bench.config import BenchConfig
-from cpshard.bench.memory import peak_extra_bytes
+from cpshard.bench.memory import release_freed_memory
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
 
 HEAD_DIM = 64
 HEAD_SHAPES = ((8, 8), (8, 2))  # (query heads, key/value heads)
+STRATEGIES = ("heads", "needed_rows", "auto")
+MMAP_THRESHOLD = "65536"  # bytes: larger blocks are mapped apart and unmapped when freed
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -74,7 +86,8 @@ def _to_seq(x: torch.Tensor, pg: dist.ProcessGroup) -> torch.Tensor:
 def ulysses_attention(
     pg: dist.ProcessGroup, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> torch.Tensor:
-    """The Ulysses reference: causal SDPA of ``[B, H, L, D]`` shards (rank-major tokens)."""
+    """The reference outputs are checked against: causal SDPA of ``[B, H, L, D]`` shards
+    (rank-major tokens) between plain all-to-alls (K/V heads repeated up to W when fewer)."""
     w = dist.get_world_size(pg)
     if k.shape[1] % w:
         k, v = (t.repeat_interleave(w // k.shape[1], dim=1) for t in (k, v))
@@ -83,21 +96,56 @@ def ulysses_attention(
     return _HeadsToSeq.apply(out, pg)
 
 
+def deepspeed_installed() -> bool:
+    """Whether DeepSpeed can be imported here (it is no dependency of cpshard)."""
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+def deepspeed_attention(pg: dist.ProcessGroup) -> Attend:
+    """DeepSpeed-Ulysses: ``DistributedAttention`` around SDPA on ``[B, S, H, D]`` views of the
+    shards, K/V heads repeated up to W when fewer (as it needs)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+
+    def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        return t(F.scaled_dot_product_attention(t(q), t(k), t(v), is_causal=True, enable_gqa=True))
+
+    attn, w = DistributedAttention(local, pg, scatter_idx=2, gather_idx=1), pg.size()
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if k.shape[1] % w:
+            k, v = (x.repeat_interleave(w // k.shape[1], dim=1) for x in (k, v))
+        t = lambda x: x.transpose(1, 2)  # noqa: E731
+        return t(attn(t(q), t(k), t(v), 0))
+
+    return attend
+
+
 def cpshard_attention(
-    pg: dist.ProcessGroup, seq: int
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """cpshard's ``heads`` strategy over one causal document of ``seq`` tokens, contiguous."""
+    pg: dist.ProcessGroup, seq: int, strategy: str, q_heads: int, kv_heads: int
+) -> tuple[Attend, str]:
+    """cpshard over one causal document of ``seq`` tokens, contiguous shards, with ``strategy``;
+    and the strategy a call of those heads takes (``auto``'s pick)."""
     from cpshard import ContextParallelSharder, cp_attention
+    from cpshard.attention import active_state
+    from cpshard.attention.strategy import chosen_strategy
 
     doc = torch.ones(1, seq, dtype=torch.int64)
-    sharder = ContextParallelSharder(pg, "contiguous", strategy="heads")
+    sharder = ContextParallelSharder(pg, "contiguous", strategy=strategy)
     ctx, _ = sharder.shard({"input_ids": doc.clone(), "_packed_seq_ids": doc})
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         with ctx():
             return cp_attention(q, k, v, enable_gqa=True)
 
-    return attend
+    with ctx():
+        size = torch.tensor([], dtype=torch.float32).element_size()
+        picked = chosen_strategy(active_state(), None, q_heads, kv_heads, HEAD_DIM, HEAD_DIM, size)
+    return attend, picked
 
 
 def leaves(
@@ -112,66 +160,112 @@ def leaves(
     return make(q_heads), make(kv_heads), make(kv_heads), make(q_heads, False)
 
 
+def floor_bytes(local: int, q_heads: int, kv_heads: int, size: int = 4) -> int:
+    """What every implementation holds after the call: the output and the q, k, v gradients."""
+    return (2 * q_heads + 2 * kv_heads) * local * HEAD_DIM * size
+
+
+def _kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) for ln in f if ln.startswith(field))
+
+
+def resident_peak(rt: Runtime, step: Callable[[], object], runs: int) -> int:
+    """Peak extra resident bytes of ``step`` (module docstring): per run the max over ranks,
+    then the median over runs."""
+    peaks = []
+    for _ in range(runs):
+        release_freed_memory()
+        dist.barrier(group=rt.pg)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # VmHWM := VmRSS
+        before = _kib("VmRSS:")
+        step()
+        t = torch.tensor([(_kib("VmHWM:") - before) * 1024], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=rt.pg)
+        peaks.append(int(t.item()))
+    return int(statistics.median(peaks))
+
+
 def measure(
     rank: int,
     world: int,
     seq: int,
     q_heads: int,
     kv_heads: int,
-    extra: dict[str, Callable] | None = None,
+    with_deepspeed: bool,
+    runs: int = 5,
     repeats: int = 5,
-) -> dict[str, dict[str, float]] | None:
-    """Rank 0's row: per implementation, median fwd+bwd seconds (max over ranks) and peak extra
-    bytes (max over ranks). ``extra``: more implementations ``pg -> attend(q, k, v)`` (whose
-    tokens are rank-major), checked against the reference like cpshard's."""
+) -> dict[str, dict[str, float | str]] | None:
+    """Rank 0's row: per implementation, median fwd+bwd seconds (max over ranks), its resident
+    peak (bytes) and what it ran (``auto``: the strategy it picked)."""
     pg = dist.group.WORLD
     rt = Runtime(BenchConfig(world=world), rank, world, "gloo", torch.device("cpu"), pg)
     q, k, v, grad = leaves(rank, seq // world, q_heads, kv_heads)
-    impls = {
-        "ulysses": lambda q, k, v: ulysses_attention(pg, q, k, v),
-        "cpshard": cpshard_attention(pg, seq),
-    }
-    impls.update({name: make(pg) for name, make in (extra or {}).items()})
-    want = impls["ulysses"](q, k, v).detach()
-    for name, fn in impls.items():
+    impls = {s: cpshard_attention(pg, seq, s, q_heads, kv_heads) for s in STRATEGIES}
+    if with_deepspeed:
+        impls["deepspeed"] = (deepspeed_attention(pg), "Ulysses")
+    want = ulysses_attention(pg, q, k, v).detach()
+    for name, (fn, _) in impls.items():
         if not torch.allclose(fn(q, k, v).detach(), want, rtol=1e-4, atol=1e-4):
             raise AssertionError(f"rank {rank}: {name} differs from the reference")
 
-    def step(fn: Callable) -> Callable[[], None]:
+    def step(fn: Attend) -> Callable[[], None]:
         def run() -> None:
-            for t in (q, k, v):
-                t.grad = None
             fn(q, k, v).backward(grad)
+            for t in (q, k, v):
+                t.grad = None  # after the peak is taken: the next run starts without them
 
         return run
 
-    steps = {name: step(fn) for name, fn in impls.items()}
+    steps = {name: step(fn) for name, (fn, _) in impls.items()}
     times = time_steps(rt, steps, warmup=1, repeats=repeats, iters=1, target_s=0)
-    row = {
-        name: {"s": times[name].median_s, "peak": peak_extra_bytes(rt, fn, runs=2)}
-        for name, fn in steps.items()
+    row: dict[str, dict[str, float | str]] = {
+        name: {"s": times[name].median_s, "peak": resident_peak(rt, fn, runs), "ran": ran}
+        for (name, fn), (_, ran) in zip(steps.items(), impls.values())
     }
+    row["floor"] = {"s": 0.0, "peak": floor_bytes(seq // world, q_heads, kv_heads), "ran": ""}
     return row if rank == 0 else None
 
 
-def main(extra: dict[str, Callable] | None = None) -> None:
-    """Print one line per case (W, S, heads) and implementation."""
+def run_case(
+    world: int, seq: int, q_heads: int, kv_heads: int, runs: int = 5, repeats: int = 5
+) -> dict[str, dict[str, float | str]]:
+    """One case on ``world`` spawned ranks (with the module's fixed mmap threshold)."""
     from cpshard.testing import run_ranks
 
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
+    return run_ranks(
+        measure, world, seq, q_heads, kv_heads, deepspeed_installed(), runs, repeats,
+        timeout=3600,
+    )[0]  # fmt: skip
+
+
+def main() -> None:
+    """Print one line per case (W, S, heads) and implementation, with its peak over
+    DeepSpeed's (where installed) and over the floor."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--runs", type=int, default=5, help="measured calls per implementation")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per implementation")
     args = p.parse_args()
-    print(f"{'W':>2} {'S':>6} {'heads':>5} {'impl':>10} {'fwd+bwd ms':>11} {'peak MiB':>9}")
+    print(
+        f"{'W':>2} {'S':>6} {'heads':>5} {'impl':>11} {'ran':>11} {'fwd+bwd ms':>11} "
+        f"{'peak MiB':>9} {'/ DeepSpeed':>11} {'/ floor':>8}"
+    )
     for world in args.worlds:
         for seq in args.seqs:
             for qh, kvh in HEAD_SHAPES:
-                row = run_ranks(measure, world, seq, qh, kvh, extra, args.repeats, timeout=3600)[0]
+                row = run_case(world, seq, qh, kvh, args.runs, args.repeats)
+                ds = row.get("deepspeed", {}).get("peak")
                 for name, fig in row.items():
+                    peak = float(fig["peak"])
+                    over_ds = f"{peak / float(ds):.2f}" if ds else "-"
                     print(
-                        f"{world:>2} {seq:>6} {qh:>2}/{kvh:<2} {name:>10} "
-                        f"{fig['s'] * 1e3:>11.1f} {fig['peak'] / 2**20:>9.1f}",
+                        f"{world:>2} {seq:>6} {qh:>2}/{kvh:<2} {name:>11} {fig['ran']:>11} "
+                        f"{float(fig['s']) * 1e3:>11.1f} {peak / 2**20:>9.1f} {over_ds:>11} "
+                        f"{peak / float(row['floor']['peak']):>8.2f}",
                         flush=True,
                     )
 

@@ -127,7 +127,8 @@ def _heads_out(out: torch.Tensor, got: torch.Tensor, c: int, k: int, lo: int) ->
     """Adjoint of :func:`_heads_into`: received ``[W, B, g, L, D]`` -> heads ``[lo, lo + g)``
     of every range of ``out`` ``[B, H, L, D]``, the ``k`` ranks sharing a range summed."""
     world, g = got.shape[0], got.shape[2]
-    dest = out.unflatten(1, (world // k, c))[:, :, lo : lo + g].transpose(0, 1)
+    dest = out[:, : world // k * c].unflatten(1, (world // k, c))[:, :, lo : lo + g]
+    dest = dest.transpose(0, 1)
     if k == 1:
         dest.copy_(got)
     else:
@@ -263,18 +264,18 @@ def _token_major(x: torch.Tensor, b: int, heads: int, tokens: int, d: int) -> to
     return x.new_empty(b, tokens, heads, d).transpose(1, 2)
 
 
-@torch.library.custom_op("cpshard::seq_to_heads", mutates_args=())
-def seq_to_heads(
+def to_heads(
     parts: list[torch.Tensor],
     group_name: str,
-    heads: Sequence[int],
+    ranges: list[list[tuple[int, int]]],
     order: torch.Tensor | None,
     key: int,
 ) -> list[torch.Tensor]:
-    """This rank's tokens of all heads -> its heads of every rank's tokens (module docstring)."""
+    """The movement of :func:`seq_to_heads` for ``ranges[part][rank] = (start, count)`` (no
+    autograd): callers that move a few heads at a time (head-parallel attention's chunks) call
+    it directly."""
     group = group_from_name(group_name)
     world, me = group.world, group.rank
-    ranges = head_ranges(heads, len(parts), world)
     regular = [_regular(part) for part in ranges]
     b, length = parts[0].shape[0], parts[0].shape[2]
     widths = [x.shape[3] for x in parts]
@@ -296,6 +297,19 @@ def seq_to_heads(
     return outs
 
 
+@torch.library.custom_op("cpshard::seq_to_heads", mutates_args=())
+def seq_to_heads(
+    parts: list[torch.Tensor],
+    group_name: str,
+    heads: Sequence[int],
+    order: torch.Tensor | None,
+    key: int,
+) -> list[torch.Tensor]:
+    """This rank's tokens of all heads -> its heads of every rank's tokens (module docstring)."""
+    ranges = head_ranges(heads, len(parts), group_from_name(group_name).world)
+    return to_heads(parts, group_name, ranges, order, key)
+
+
 @seq_to_heads.register_fake
 def _seq_to_heads_fake(
     parts: list[torch.Tensor],
@@ -312,29 +326,23 @@ def _seq_to_heads_fake(
     ]
 
 
-@torch.library.custom_op("cpshard::heads_to_seq", mutates_args=())
-def heads_to_seq(
+def to_seq_into(
+    outs: list[torch.Tensor],
     parts: list[torch.Tensor],
     group_name: str,
-    heads: Sequence[int],
+    ranges: list[list[tuple[int, int]]],
     order: torch.Tensor | None,
     key: int,
-) -> list[torch.Tensor]:
-    """Adjoint of :func:`seq_to_heads`: this rank's heads of every rank's tokens ``[B, c_i,
-    W * L, D_i]`` -> all heads of its own tokens ``[B, H_i, L, D_i]`` (``H_i``: one past the
-    highest head of any range), a head held by several ranks summed."""
+) -> None:
+    """The movement of :func:`heads_to_seq` into ``outs`` (``[B, H_i, L, D_i]``, no autograd):
+    the heads ``ranges`` name are written where the ranges are regular, else added, so ``outs``
+    hold zeros there unless every part's ranges are regular."""
     group = group_from_name(group_name)
     world, me = group.world, group.rank
-    ranges = head_ranges(heads, len(parts), world)
     regular = [_regular(part) for part in ranges]
     b = parts[0].shape[0]
     length = parts[0].shape[2] // world
     widths = [x.shape[3] for x in parts]
-    fill = torch.empty if None not in regular else torch.zeros  # each head written once, or added
-    outs = [
-        fill(b, _head_count(part), length, x.shape[3], dtype=x.dtype, device=x.device)
-        for x, part in zip(parts, ranges)
-    ]
     head_bytes = [b * length * d * x.element_size() for x, d in zip(parts, widths)]
     inverse = _inverse_order(order)
     for lo, counts in _rounds(ranges, head_bytes):
@@ -346,6 +354,29 @@ def heads_to_seq(
         del send  # each buffer freed once used, before the next round's are made
         _unpack_heads(got, outs, ranges, regular, counts, length, lo)
         del got
+
+
+@torch.library.custom_op("cpshard::heads_to_seq", mutates_args=())
+def heads_to_seq(
+    parts: list[torch.Tensor],
+    group_name: str,
+    heads: Sequence[int],
+    order: torch.Tensor | None,
+    key: int,
+) -> list[torch.Tensor]:
+    """Adjoint of :func:`seq_to_heads`: this rank's heads of every rank's tokens ``[B, c_i,
+    W * L, D_i]`` -> all heads of its own tokens ``[B, H_i, L, D_i]`` (``H_i``: one past the
+    highest head of any range), a head held by several ranks summed."""
+    world = group_from_name(group_name).world
+    ranges = head_ranges(heads, len(parts), world)
+    b, length = parts[0].shape[0], parts[0].shape[2] // world
+    regular = [_regular(part) for part in ranges]
+    fill = torch.empty if None not in regular else torch.zeros  # each head written once, or added
+    outs = [
+        fill(b, _head_count(part), length, x.shape[3], dtype=x.dtype, device=x.device)
+        for x, part in zip(parts, ranges)
+    ]
+    to_seq_into(outs, parts, group_name, ranges, order, key)
     return outs
 
 
