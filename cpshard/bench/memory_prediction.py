@@ -55,6 +55,7 @@ class Case:
     strategy: str = "auto"
     checkpointing: bool = False
     docs: str = DOCS
+    loss: str = "cross_entropy"
 
 
 SMOKE = (Case(1024, "head_tail"),)
@@ -65,13 +66,14 @@ FULL = (
     Case(16384, "stripe"),
     Case(16384, "head_tail", strategy="heads"),
     Case(16384, "contiguous", docs="one"),
+    Case(16384, "head_tail", loss="linear_cross_entropy"),
 )
 
 
 def spec_of(case: Case) -> StepSpec:
     """The step of ``case``: :data:`SMALL_LLAMA` in :data:`DTYPE` with AdamW."""
     return StepSpec(
-        model_config("llama", **SMALL_LLAMA), DTYPES[DTYPE], case.checkpointing, "adamw"
+        model_config("llama", **SMALL_LLAMA), DTYPES[DTYPE], case.checkpointing, "adamw", case.loss
     )
 
 

@@ -1,7 +1,6 @@
 """The loss of a simulated training step, as a pluggable callable from the model's last hidden
-states and its LM head: ``loss(hidden [B, L, D], head, labels [B, L], group) -> scalar``. A
-loss that never materialises the logits (a chunked linear cross entropy) plugs in beside the
-full-logits one by adding it to :data:`LOSSES`."""
+states and its LM head: ``loss(hidden [B, L, D], head, labels [B, L], group) -> scalar``:
+the full-logits loss, and the chunked one that never holds the logits (:data:`LOSSES`)."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from cpshard.comm import GroupLike
+from cpshard.linear_loss import cp_linear_cross_entropy
 from cpshard.loss import cp_cross_entropy
 
 StepLoss = Callable[[torch.Tensor, torch.nn.Module, torch.Tensor, GroupLike], torch.Tensor]
@@ -22,7 +22,18 @@ def full_logits_cross_entropy(
     return cp_cross_entropy(head(hidden), labels, group)
 
 
-LOSSES: dict[str, StepLoss] = {"cross_entropy": full_logits_cross_entropy}
+def linear_cross_entropy(
+    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, group: GroupLike
+) -> torch.Tensor:
+    """:func:`cpshard.cp_linear_cross_entropy` from ``hidden`` and the head's weight and bias, a
+    chunk of tokens at a time (no ``[B, L, V]`` logits)."""
+    return cp_linear_cross_entropy(hidden, head.weight, labels, group, bias=head.bias)
+
+
+LOSSES: dict[str, StepLoss] = {
+    "cross_entropy": full_logits_cross_entropy,
+    "linear_cross_entropy": linear_cross_entropy,
+}
 
 
 class LossModule(torch.nn.Module):
