@@ -26,7 +26,7 @@ from cpshard import (
     make_cp_blockdiag_batch_and_ctx,
 )
 from cpshard.attention import active_state
-from cpshard.attention.strategy import chosen_strategy, strategy_bytes
+from cpshard.attention.strategy import chosen_strategy, strategy_bytes, strategy_memory
 from cpshard.bench.blockdiag import (
     HEAD_DIM,
     HEADS,
@@ -101,15 +101,22 @@ def _max(rt: Runtime, values: list[int]) -> list[int]:
     return t.tolist()
 
 
-def _cost(rt: Runtime, q_heads: int, kv_heads: int) -> tuple[str, dict[str, int], int]:
-    """In a step's context: the strategy its calls use, each planned strategy's bytes (max over
-    ranks) and the K/V rows this rank's needed-rows exchange receives."""
+def _cost(
+    rt: Runtime, q_heads: int, kv_heads: int
+) -> tuple[str, dict[str, int], dict[str, int], int]:
+    """In a step's context: the strategy its calls use, each planned strategy's bytes moved and
+    bytes held at its peak (max over ranks: what ``auto`` weighs) and the K/V rows this rank's
+    needed-rows exchange receives."""
     state = active_state()
     size = torch.empty((), dtype=rt.dtype).element_size()
     args = (state, None, q_heads, kv_heads, HEAD_DIM, HEAD_DIM, size)
     costs = strategy_bytes(*args)
-    return chosen_strategy(*args), dict(zip(costs, _max(rt, list(costs.values())))), (
-        state.exchange.received_rows
+    held = strategy_memory(*args)
+    return (
+        chosen_strategy(*args),
+        dict(zip(costs, _max(rt, list(costs.values())))),
+        dict(zip(held, _max(rt, list(held.values())))),
+        state.exchange.received_rows,
     )
 
 
@@ -139,7 +146,7 @@ def run_case(
 
         check_output(rt, ours, base, (q, k, v), f"attention {cfg.label} {heads}")
         with ctx():
-            picked, costs, received = _cost(rt, q_heads, kv_heads)
+            picked, costs, held, received = _cost(rt, q_heads, kv_heads)
         (received_max,) = _max(rt, [received])
         impls[cfg.label] = ours
         rows.append(
@@ -154,6 +161,7 @@ def run_case(
                 "picked": picked,
                 "bytes_moved_max": costs[picked],
                 "strategy_bytes": costs,
+                "strategy_held_bytes": held,
                 "kv_rows_received_max": received_max if picked == "needed_rows" else None,
                 "base_kv_rows_received": mine.numel() * (rt.world - 1),
                 "seq_len": doc.shape[1],
