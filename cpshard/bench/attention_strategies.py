@@ -112,10 +112,11 @@ def _cost(
     args = (state, None, q_heads, kv_heads, HEAD_DIM, HEAD_DIM, size)
     costs = strategy_bytes(*args)
     held = strategy_memory(*args)
+    maxima = _max(rt, [*costs.values(), *held.values()])  # one all-reduce for both
     return (
         chosen_strategy(*args),
-        dict(zip(costs, _max(rt, list(costs.values())))),
-        dict(zip(held, _max(rt, list(held.values())))),
+        dict(zip(costs, maxima[: len(costs)])),
+        dict(zip(held, maxima[len(costs) :])),
         state.exchange.received_rows,
     )
 
