@@ -36,6 +36,9 @@ from cpshard.attention.packing import Packing
 from cpshard.planning.spans import Span
 from cpshard.attention.state import AttentionState
 
+TILES = 16  # the most tiles a long span's queries (and the keys before its square) go in
+TILE_ROWS = 128  # the fewest queries (keys) of a tile: shorter spans go whole
+
 
 def repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     """KV heads repeated for the queries' ``heads`` (GQA)."""
@@ -48,29 +51,60 @@ def fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
 
 
-def _parts(item: Span | Block, causal: bool, blocks: Blocks, dtype: torch.dtype) -> list[Part]:
-    """Key ranges (of the row's key buffer) of a span or block, and which keys its queries see."""
+def _parts(
+    item: Span | Block, causal: bool, blocks: Blocks, dtype: torch.dtype, key_step: int
+) -> list[Part]:
+    """Key ranges (of the row's key buffer) of a span or block, and which keys its queries see:
+    a span's keys before its causal square in pieces of at most ``key_step``."""
     if isinstance(item, Block):
         return [(slice(item.k, item.k + item.width), blocks.mask(item, dtype))]
-    if not causal:
-        return [(slice(item.k, item.split), False)]
-    square = (slice(item.split, item.split + item.n), True)
-    return [(slice(item.k, item.split), False), square] if item.split > item.k else [square]
+    parts: list[Part] = [
+        (slice(lo, min(lo + key_step, item.split)), False)
+        for lo in range(item.k, item.split, key_step)
+    ]
+    if causal:
+        parts.append((slice(item.split, item.split + item.n), True))
+    return parts
+
+
+def _step(rows: int) -> int:
+    """The rows of a tile of ``rows`` queries or keys: at most :data:`TILES` tiles, each of at
+    least :data:`TILE_ROWS` rows."""
+    return max(TILE_ROWS, -(-rows // TILES))
+
+
+def _tiles(span: Span, causal: bool) -> Iterator[Span]:
+    """A span as consecutive pieces of its queries, each a span of its own (a causal piece's
+    square starts at its first query's key)."""
+    step = _step(span.n)
+    for at in range(0, span.n, step):
+        split = span.split + at if causal else span.split
+        yield span._replace(q=span.q + at, n=min(step, span.n - at), split=split)
 
 
 class Loop:
     """The per-span loop: each long span's parts and each block of short spans
-    (:mod:`cpshard.attention.blocks`) through the part kernel, parts merged by LSE."""
+    (:mod:`cpshard.attention.blocks`) through the part kernel, parts merged by LSE. A long
+    span goes in tiles (:func:`_tiles`, its keys before the causal square in pieces too), so a
+    part's results and gradients (and the kernel's own copies) are a tile's, not a span's: the
+    call holds its output, the key buffer and their gradients plus one tile's."""
 
     def __init__(self, blocks: Blocks, q: torch.Tensor, softcap: float | None) -> None:
         self.kern, self.heads = part_kernel(q, softcap), q.shape[1]
         self.blocks, self.dtype = blocks, q.dtype
 
     def _items(self) -> Iterator[tuple[tuple[slice, ...], list[Part]]]:
-        """Each span or block: its query rows' index into ``[B, H, L, ...]`` and its parts."""
+        """Each tile of a span and each block: its query rows' index into ``[B, H, L, ...]``
+        and its parts."""
         for it, causal in zip(self.blocks.items, self.blocks.causal, strict=True):
-            rows = (slice(it.row, it.row + 1), slice(None), slice(it.q, it.q + it.n))
-            yield rows, _parts(it, causal, self.blocks, self.dtype)
+            if isinstance(it, Block):
+                pieces: Iterator[Span | Block] = iter((it,))
+                key_step = 0
+            else:
+                pieces, key_step = _tiles(it, causal), _step(it.split - it.k + it.n)
+            for piece in pieces:
+                rows = (slice(it.row, it.row + 1), slice(None), slice(piece.q, piece.q + piece.n))
+                yield rows, _parts(piece, causal, self.blocks, self.dtype, key_step)
 
     def _keys(self, t: T, at: tuple[slice, slice, slice]) -> T:
         """A part's keys or values as the kernel takes them: a view for a kernel with GQA and
@@ -85,10 +119,13 @@ class Loop:
         range (a single document, as head-parallel attention attends it): the kernel then takes
         the whole tensors, with no zero-filled results to add its own into."""
         items = self.blocks.items
-        if q.shape[0] != 1 or len(items) != 1:
+        if q.shape[0] != 1 or len(items) != 1 or isinstance(items[0], Block):
             return None
-        rows, parts = next(self._items())
-        return parts[0] if len(parts) == 1 and rows[2] == slice(0, q.shape[2]) else None
+        span = items[0]
+        if span.q != 0 or span.n != q.shape[2]:
+            return None
+        parts = _parts(span, self.blocks.causal[0], self.blocks, self.dtype, max(span.split, 1))
+        return parts[0] if len(parts) == 1 else None
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
         whole = self._whole(q)
@@ -99,21 +136,17 @@ class Loop:
         out = q.new_zeros(*q.shape[:3], v.shape[-1])
         lse = q.new_full(q.shape[:3], float("-inf"), dtype=lse_dtype(q.dtype))
         for rows, parts in self._items():
-            qs = q[rows].contiguous()
-            results = []
-            for keys, how in parts:
+            qs = q[rows]
+            for i, (keys, how) in enumerate(parts):
                 at = (rows[0], slice(None), keys)
-                results.append(
-                    self.kern.forward(qs, self._keys(k, at), self._keys(v, at), how, scale)
+                o, part_lse = self.kern.forward(
+                    qs, self._keys(k, at), self._keys(v, at), how, scale
                 )
-            if len(results) == 1:
-                out[rows], lse[rows] = results[0]
-                continue
-            total = torch.logsumexp(torch.stack([r[1] for r in results]), dim=0)
-            out[rows] = sum(
-                o * torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype) for o, part_lse in results
-            )
-            lse[rows] = total
+                if i == 0:
+                    out[rows], lse[rows] = o, part_lse
+                else:
+                    merge_part(out[rows], lse[rows], o, part_lse.to(lse.dtype))
+                del o, part_lse  # one part's results held at a time
         return out, lse
 
     def backward(self, grad: T, q: T, k: T, v: T, out: T, lse: T, scale: float | None) -> Grads:
@@ -125,9 +158,12 @@ class Loop:
                 grad, q, self._keys(k, at), self._keys(v, at), out, lse, whole[1], scale
             )
             return dq, fold_heads(dk, kv_heads), fold_heads(dv, kv_heads)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq = torch.zeros_like(q)
+        dk, dv = gradient_zeros(k, v)
         for rows, parts in self._items():
-            g, qs, os_, ls = (t[rows].contiguous() for t in (grad, q, out, lse))
+            # the tile's views, its output gradient laid out token-major once (the CPU flash
+            # kernels' layout, which they would otherwise copy for every part)
+            g, qs, os_, ls = token_major(grad[rows]), q[rows], out[rows], lse[rows]
             for keys, how in parts:
                 at = (rows[0], slice(None), keys)
                 dqs, dks, dvs = self.kern.backward(
@@ -137,7 +173,56 @@ class Loop:
                 dk[at] += fold_heads(dks, kv_heads)
                 dv[at] += fold_heads(dvs, kv_heads)
                 del dqs, dks, dvs  # freed before the next part's are made
+            del g, qs, os_, ls
         return dq, dk, dv
+
+
+def token_major(t: T) -> T:
+    """``[B, H, N, D]`` ``t`` copied to a token-major layout (``[B, N, H, D]`` in memory)."""
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def merge_part(out: T, lse: T, o: T, part_lse: T) -> None:
+    """Adds one more key part's output ``o`` and log-sum-exp to ``out`` and ``lse`` (the parts
+    so far), in place: each weighed by its share of the joint softmax (flash-attention's
+    merge, one part at a time, so only one part's results are held); ``o`` is overwritten."""
+    total = torch.logaddexp(lse, part_lse)
+    out.mul_(torch.exp(lse - total).unsqueeze(-1).to(out.dtype))
+    out.add_(o.mul_(torch.exp(part_lse - total).unsqueeze(-1).to(o.dtype)))
+    lse.copy_(total)
+
+
+def _halves_of(a: T, b: T) -> T | None:
+    """The contiguous tensor whose last dim is ``a`` then ``b`` where they are exactly its two
+    halves (views), else None."""
+    base = a._base
+    if (
+        base is None
+        or b._base is not base
+        or not base.is_contiguous()
+        or not a.shape[:-1] == b.shape[:-1] == base.shape[:-1]
+        or a.shape[-1] + b.shape[-1] != base.shape[-1]
+    ):
+        return None
+    ends = (a.data_ptr() - base.data_ptr(), b.data_ptr() - base.data_ptr())
+    return base if ends == (0, a.shape[-1] * a.element_size()) else None
+
+
+def gradient_zeros(k: T, v: T) -> tuple[T, T]:
+    """Zeros for the gradients of ``k`` and ``v`` laid out as they are: the two halves of one
+    tensor where they are (the exchange's key buffer), so that the buffer's gradient goes back
+    joined with no copy (:func:`joined`)."""
+    if _halves_of(k, v) is None:
+        return torch.zeros_like(k), torch.zeros_like(v)
+    both = k.new_zeros(*k.shape[:3], k.shape[3] + v.shape[3])
+    return both[..., : k.shape[3]], both[..., k.shape[3] :]
+
+
+def joined(a: T, b: T) -> T:
+    """``torch.cat([a, b], -1)``: the tensor whose halves they are where they are exactly that
+    (:func:`gradient_zeros`), else a copy."""
+    base = _halves_of(a, b)
+    return torch.cat([a, b], dim=-1) if base is None else base
 
 
 # ------------------------------------------------------------------ the varlen path

@@ -35,7 +35,15 @@ from cpshard.attention.kernels import lse_dtype
 from cpshard.attention.ops import cp_attention_backward_op, cp_attention_op
 from cpshard.attention.state import HeadParallel
 from cpshard.comm.group import group_from_name
-from cpshard.comm.heads import head_ranges, heads_to_seq, seq_to_heads, to_heads, to_seq_into
+from cpshard.comm.heads import (
+    head_ranges,
+    heads_to_seq,
+    inverse_order,
+    seq_to_heads,
+    to_heads,
+    to_seq_into,
+    token_sources,
+)
 from cpshard.fingerprints import HEADS, call_key
 from cpshard.masks import MaskDescription
 
@@ -96,10 +104,11 @@ def head_attention_op(
     out = q.new_zeros(*q.shape[:3], v.shape[3])
     tokens = group.world * q.shape[2]
     lse = q.new_empty(q.shape[0], split.q[me][1], tokens, dtype=lse_dtype(q.dtype))
+    sources, inverse = token_sources(order, q.shape[2]), inverse_order(order)  # once per call
     for kv_ranges, q_chunks in chunks(split):
-        k_h, v_h = to_heads([k, v], group_name, [kv_ranges, kv_ranges], order, key)
+        k_h, v_h = to_heads([k, v], group_name, [kv_ranges, kv_ranges], sources, key)
         for q_ranges in q_chunks:
-            (q_h,) = to_heads([q], group_name, [q_ranges], order, key)
+            (q_h,) = to_heads([q], group_name, [q_ranges], sources, key)
             rows = _local(split, me, q_ranges)
             if q_h.shape[1]:
                 ends = sinks[q_ranges[me][0] : sum(q_ranges[me])] if sinks is not None else None
@@ -109,7 +118,7 @@ def head_attention_op(
             else:  # no heads here in this chunk: the all-to-all back still runs
                 out_h = q_h.new_zeros(*q_h.shape[:3], v.shape[3])
             del q_h
-            to_seq_into([out], [out_h], group_name, [q_ranges], order, key)
+            to_seq_into([out], [out_h], group_name, [q_ranges], inverse, key)
             del out_h
         del k_h, v_h
     return out, lse
@@ -163,12 +172,13 @@ def head_attention_backward_op(
     dk: torch.Tensor | None = None  # made once the first K/V chunk's gradients are back
     dv: torch.Tensor | None = None
     dsinks = torch.zeros_like(sinks) if sinks is not None else q.new_zeros(0)
+    sources, inverse = token_sources(order, q.shape[2]), inverse_order(order)  # once per call
     for kv_ranges, q_chunks in chunks(split):
-        k_h, v_h = to_heads([k, v], group_name, [kv_ranges, kv_ranges], order, key)
+        k_h, v_h = to_heads([k, v], group_name, [kv_ranges, kv_ranges], sources, key)
         dk_h: torch.Tensor | None = None  # the first query chunk's, the others' added
         dv_h: torch.Tensor | None = None
         for q_ranges in q_chunks:
-            q_h, o_h, g_h = to_heads([q, out, grad], group_name, [q_ranges] * 3, order, key)
+            q_h, o_h, g_h = to_heads([q, out, grad], group_name, [q_ranges] * 3, sources, key)
             start, count = q_ranges[me]
             if count:
                 ends = sinks[start : start + count] if sinks is not None else None
@@ -187,14 +197,14 @@ def head_attention_backward_op(
             else:  # no heads here in this chunk: the all-to-all back still runs
                 dq_h = q_h
             del q_h, o_h, g_h
-            to_seq_into([dq], [dq_h], group_name, [q_ranges], order, key)
+            to_seq_into([dq], [dq_h], group_name, [q_ranges], inverse, key)
             del dq_h
         if dk_h is None or dv_h is None:  # no heads here in this chunk
             dk_h, dv_h = torch.zeros_like(k_h), torch.zeros_like(v_h)
         del k_h, v_h
         if dk is None or dv is None:
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        to_seq_into([dk, dv], [dk_h, dv_h], group_name, [kv_ranges, kv_ranges], order, key)
+        to_seq_into([dk, dv], [dk_h, dv_h], group_name, [kv_ranges, kv_ranges], inverse, key)
         del dk_h, dv_h
     assert dk is not None and dv is not None, "every rank walks at least one K/V chunk"
     return dq, dk, dv, dsinks

@@ -92,6 +92,7 @@ def cp_attention_op(
     d_v = v.shape[-1]
     q, k, v = (_widen(t, d) for t in (q, k, v))
     out, lse = engine.implementation(state, q, d, softcap).forward(q, k, v, scale)
+    del k, v  # the key buffer, freed before the output is laid out
     out = out[..., :d_v]
     if sinks is not None:
         out = out * _gate(lse, sinks).to(out.dtype)
@@ -151,8 +152,8 @@ def cp_attention_backward_op(
     dq = _like(dq[..., :d_k], q)
     if state.exchange.keeps_local:  # the kernels' gradients are this rank's own
         return dq, _like(dk[..., :d_k], key_in), _like(dv[..., :d_v], value_in), dsinks
-    dkv = torch.cat([dk[..., :d_k], dv[..., :d_v]], dim=-1)
-    del dk, dv
+    dkv = engine.joined(dk[..., :d_k], dv[..., :d_v])
+    del k, v, dk, dv  # the key buffer and its gradient's views: freed as it goes back
     dkv = state.restore(dkv, length)
     return dq, _like(dkv[..., :d_k], key_in), _like(dkv[..., d_k:], value_in), dsinks
 

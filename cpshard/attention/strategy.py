@@ -13,15 +13,20 @@ decided once per step and head shape, and kept in the step's state).
 * ``hierarchical``: ``heads`` inside each node of a 2-D ``(inter, intra)`` CP mesh, then the
   needed-rows exchange between the nodes' ranks that hold the same heads (keeping the gathered
   heads for the backward rather than gathering them again).
-* ``auto``: the one of those the step planned with the least cost over a forward and
-  backward: the bytes its busiest rank receives plus the bytes it holds at its peak beyond
-  what every strategy holds (the output and the gradients of q, k and v): a byte held weighs
-  as much as a byte moved, so where a strategy moves fewer bytes but holds more (the needed
-  rows of a long document: its key buffer and that buffer's gradient) the two are weighed
-  (ties go to the first above).
+* ``auto``: memory first, then bytes. Of the strategies the step planned, those that hold at
+  their peak no more than ``heads`` does (the head-parallel bound, below DeepSpeed-Ulysses's,
+  which keeps every gathered head: a step that fits under DeepSpeed-Ulysses fits under
+  ``auto``), the one with the least cost over a forward and backward: the bytes its busiest
+  rank receives plus the bytes it holds at its peak beyond what every strategy holds (the
+  output and the gradients of q, k and v), a byte held weighing as much as a byte moved (ties
+  go to the first above). So short documents, whose needed rows are few, take
+  ``needed_rows``; one long document takes them where their key buffer and its gradient
+  (``2 x S x KV heads`` rows of K/V) hold no more than ``heads``' gathered K/V and query head
+  with their gradients (``4 x S`` rows), i.e. with at most two K/V heads, else ``heads``.
 
 The memory model (alike on every rank, from the plans): ``needed_rows`` holds the key buffer
-of the rank receiving the most rows and its gradient; ``heads`` one K/V head and one query head
+of the rank receiving the most rows and its gradient (the per-span loop attends a long span in
+tiles, so its own temporaries are a tile's); ``heads`` one K/V head and one query head
 gathered over every rank's tokens with their gradients (it gathers a head at a time, again in
 the backward); ``hierarchical`` its gathered heads with their gradients (kept from the forward)
 and its inner exchange's key buffer and gradient.
@@ -123,8 +128,8 @@ def chosen_strategy(
     state: AttentionState, window: int | None, q_heads: int, kv_heads: int, d_k: int, d_v: int,
     size: int,
 ) -> str:  # fmt: skip
-    """The strategy a call uses (``auto``: the least bytes moved plus held, decided once per
-    step and shape)."""
+    """The strategy a call uses (``auto``: of those holding no more than ``heads``, the least
+    bytes moved plus held; decided once per step and shape)."""
     if state.strategy != "auto":
         return state.strategy
     key = ("strategy", window, q_heads, kv_heads, d_k, d_v, size)
@@ -132,8 +137,17 @@ def chosen_strategy(
     if found is None:
         costs = strategy_bytes(state, window, q_heads, kv_heads, d_k, d_v, size)
         held = strategy_memory(state, window, q_heads, kv_heads, d_k, d_v, size)
-        found = state.derived[key] = min(costs, key=lambda s: costs[s] + held[s])
+        found = state.derived[key] = auto_choice(costs, held)
     return found
+
+
+def auto_choice(costs: dict[str, int], held: dict[str, int]) -> str:
+    """``auto``'s pick from each planned strategy's bytes moved (``costs``) and held (``held``):
+    of those holding no more than ``heads`` (where planned), the least of the two summed; ties
+    go to the first."""
+    bound = held.get("heads")
+    fits = [s for s in costs if bound is None or held[s] <= bound]
+    return min(fits, key=lambda s: costs[s] + held[s])
 
 
 def route(

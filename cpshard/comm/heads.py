@@ -135,26 +135,27 @@ def _heads_out(out: torch.Tensor, got: torch.Tensor, c: int, k: int, lo: int) ->
         torch.sum(got.unflatten(0, (world // k, k)), 1, out=dest)
 
 
-def _token_sources(
-    order: torch.Tensor | None, length: int
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+Sources = tuple[torch.Tensor, torch.Tensor] | None  # per gathered token: source rank, row there
+
+
+def token_sources(order: torch.Tensor | None, length: int) -> Sources:
     """Where token p of ``order`` (``[W * L]`` or ``[B, W * L]``) comes from: its source rank
-    and row there (once per call, for every part and round)."""
+    and row there (None: rank-major). Made once per attention call, for every head chunk, part
+    and round of its movements."""
     return None if order is None else (order // length, order % length)
 
 
-def _inverse_order(order: torch.Tensor | None) -> torch.Tensor | None:
-    """The inverse permutation of ``order``: rank-major token q is token ``inverse[q]`` (once
-    per call, for every part and round)."""
+def inverse_order(order: torch.Tensor | None) -> torch.Tensor | None:
+    """The inverse permutation of ``order``: rank-major token q is token ``inverse[q]`` (None:
+    rank-major). Made once per attention call, for every head chunk, part and round of its
+    movements."""
     if order is None:
         return None
     positions = torch.arange(order.shape[-1], device=order.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, positions)
 
 
-def _tokens_out(
-    dest: torch.Tensor, got: torch.Tensor, sources: tuple[torch.Tensor, torch.Tensor] | None
-) -> None:
+def _tokens_out(dest: torch.Tensor, got: torch.Tensor, sources: Sources) -> None:
     """Received ``[W, B, g, L, D]`` (each source's tokens) -> ``dest`` ``[B, g, W * L, D]``
     whose token p is source ``src[p]``'s row ``row[p]`` (``sources``; None: rank-major)."""
     world, b, g, length, _ = got.shape
@@ -214,7 +215,7 @@ def _unpack_tokens(
     me: int,
     length: int,
     lo: int,
-    sources: tuple[torch.Tensor, torch.Tensor] | None,
+    sources: Sources,
 ) -> None:
     """A round's receive buffer of :func:`seq_to_heads` into heads ``[lo, lo + n)`` of
     ``outs``, tokens in the call's order (``sources``)."""
@@ -268,12 +269,13 @@ def to_heads(
     parts: list[torch.Tensor],
     group_name: str,
     ranges: list[list[tuple[int, int]]],
-    order: torch.Tensor | None,
+    sources: Sources,
     key: int,
 ) -> list[torch.Tensor]:
     """The movement of :func:`seq_to_heads` for ``ranges[part][rank] = (start, count)`` (no
-    autograd): callers that move a few heads at a time (head-parallel attention's chunks) call
-    it directly."""
+    autograd), the tokens ordered by ``sources`` (:func:`token_sources` of the order): callers
+    that move a few heads at a time (head-parallel attention's chunks) call it directly, with
+    the order's sources made once."""
     group = group_from_name(group_name)
     world, me = group.world, group.rank
     regular = [_regular(part) for part in ranges]
@@ -284,7 +286,6 @@ def to_heads(
         _token_major(x, b, part[me][1], world * length, d)
         for x, part, d in zip(parts, ranges, widths)
     ]
-    sources = _token_sources(order, length)
     for lo, counts in _rounds(ranges, head_bytes):
         sends = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
         recvs = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
@@ -307,7 +308,7 @@ def seq_to_heads(
 ) -> list[torch.Tensor]:
     """This rank's tokens of all heads -> its heads of every rank's tokens (module docstring)."""
     ranges = head_ranges(heads, len(parts), group_from_name(group_name).world)
-    return to_heads(parts, group_name, ranges, order, key)
+    return to_heads(parts, group_name, ranges, token_sources(order, parts[0].shape[2]), key)
 
 
 @seq_to_heads.register_fake
@@ -331,12 +332,13 @@ def to_seq_into(
     parts: list[torch.Tensor],
     group_name: str,
     ranges: list[list[tuple[int, int]]],
-    order: torch.Tensor | None,
+    inverse: torch.Tensor | None,
     key: int,
 ) -> None:
-    """The movement of :func:`heads_to_seq` into ``outs`` (``[B, H_i, L, D_i]``, no autograd):
-    the heads ``ranges`` name are written where the ranges are regular, else added, so ``outs``
-    hold zeros there unless every part's ranges are regular."""
+    """The movement of :func:`heads_to_seq` into ``outs`` (``[B, H_i, L, D_i]``, no autograd),
+    the tokens ordered by the inverse of the order (:func:`inverse_order`): the heads
+    ``ranges`` name are written where the ranges are regular, else added, so ``outs`` hold zeros
+    there unless every part's ranges are regular."""
     group = group_from_name(group_name)
     world, me = group.world, group.rank
     regular = [_regular(part) for part in ranges]
@@ -344,7 +346,6 @@ def to_seq_into(
     length = parts[0].shape[2] // world
     widths = [x.shape[3] for x in parts]
     head_bytes = [b * length * d * x.element_size() for x, d in zip(parts, widths)]
-    inverse = _inverse_order(order)
     for lo, counts in _rounds(ranges, head_bytes):
         sends = [sum(b * n[me] * length * d for n, d in zip(counts, widths))] * world
         recvs = [sum(b * n[r] * length * d for n, d in zip(counts, widths)) for r in range(world)]
@@ -376,7 +377,7 @@ def heads_to_seq(
         fill(b, _head_count(part), length, x.shape[3], dtype=x.dtype, device=x.device)
         for x, part in zip(parts, ranges)
     ]
-    to_seq_into(outs, parts, group_name, ranges, order, key)
+    to_seq_into(outs, parts, group_name, ranges, inverse_order(order), key)
     return outs
 
 

@@ -117,6 +117,28 @@ def test_kernel_paths_match_dense_reference(pools, path: str) -> None:
     _check(pools(3).run(_distributed, layouts, path, timeout=600), layouts, 3)
 
 
+def _in_tiles(rank: int, world: int, layouts: list[str], path: str) -> list[tuple]:
+    """:func:`_distributed` with tiles of at most 3 queries (and keys): every long span of the
+    loop in tiles, its keys before the causal square in pieces."""
+    from cpshard.attention import engine
+
+    saved = engine.TILES, engine.TILE_ROWS
+    engine.TILES, engine.TILE_ROWS = 64, 3
+    try:
+        return _distributed(rank, world, layouts, path)
+    finally:
+        engine.TILES, engine.TILE_ROWS = saved
+
+
+@pytest.mark.parametrize("path", ["per_segment", "math"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_long_spans_in_tiles_match_dense_reference(pools, world: int, path: str) -> None:
+    """The loop's tiles (what bounds a long document's memory) are exact, with the CPU flash
+    kernels and the explicit part kernel."""
+    layouts = ["contiguous", "head_tail", "balanced"]
+    _check(pools(world).run(_in_tiles, layouts, path, timeout=600), layouts, world)
+
+
 @pytest.mark.parametrize("path", ["per_segment", "varlen", "math"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_bidirectional_within_documents(pools, world: int, path: str) -> None:

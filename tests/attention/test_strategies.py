@@ -190,11 +190,14 @@ def test_variants(pools, strategy: str, world: int) -> None:
 # ------------------------------------------------------------------ the cost model and auto
 
 # (auto's pick, the fewest bytes, layout, packing, S, query heads, KV heads): ``hierarchical``
-# moves the fewest bytes of the last step but holds its gathered heads (kept from the forward)
+# moves the fewest bytes of the third step but holds its gathered heads (kept from the
+# forward); the needed rows of the last move the fewest and the least bytes moved plus held,
+# but hold more than ``heads`` (a long document's four K/V heads): memory first
 WINNERS = [
     ("needed_rows", "needed_rows", "contiguous", "short_docs", 48, 8, 2),
     ("heads", "heads", "stripe", "one_doc", 48, 8, 8),
     ("needed_rows", "hierarchical", "stripe", "one_doc", 96, 8, 2),
+    ("heads", "needed_rows", "contiguous", "one_doc", 48, 16, 4),
 ]
 
 
@@ -240,10 +243,13 @@ def _measured(rank: int, world: int, layout: str, packing: str, s: int, heads: i
 
 
 @pytest.mark.parametrize("winner", WINNERS, ids=[f"{w[0]}-{w[1]}" for w in WINNERS])
-def test_auto_picks_the_least_bytes_moved_and_held(pool4, winner: tuple) -> None:
+def test_auto_picks_within_heads_memory_the_least_bytes_moved_and_held(
+    pool4, winner: tuple
+) -> None:
     """For steps built so that each strategy wins: the bytes every strategy's fwd+bwd really
-    receives (busiest rank) equal the cost model's, and ``auto`` picks the least of those plus
-    the modelled bytes held (alike on every rank)."""
+    receives (busiest rank) equal the cost model's, and ``auto`` picks, of the strategies whose
+    modelled bytes held are at most ``heads``', the least of those plus the bytes held (alike
+    on every rank)."""
     name, fewest, *step = winner
     got = pool4.run(_measured, *step, timeout=600)
     busiest = {s: max(r[s][0] for r in got) for s in ("needed_rows", "heads", "hierarchical")}
@@ -251,7 +257,8 @@ def test_auto_picks_the_least_bytes_moved_and_held(pool4, winner: tuple) -> None
     assert busiest == costs, (busiest, costs)
     assert all(r["auto"][5] == held for r in got)
     assert min(busiest, key=busiest.__getitem__) == fewest, busiest
-    assert min(busiest, key=lambda s: busiest[s] + held[s]) == name, (busiest, held)
+    fits = [s for s in busiest if held[s] <= held["heads"]]
+    assert min(fits, key=lambda s: busiest[s] + held[s]) == name, (busiest, held)
     assert all(r["auto"][2] == name for r in got)
     assert max(r["auto"][0] for r in got) == busiest[name]
 
