@@ -108,13 +108,14 @@ def build_parser(prog: str = "cpshard bench") -> argparse.ArgumentParser:
         default=None,
         help=f"comma-separated subset of {','.join(OPS)} (default: {','.join(DEFAULT_OPS)}, "
         "the attention section on one case; all, and the default with --full: every one but "
-        "planning and memory, which run only when named)",
+        "planning, memory and heads_memory, which run only when named)",
     )
     bench.add_argument(
         "--full",
         action="store_true",
         help="every section's whole grid (the attention section: every layout and head shape, "
-        "sliding windows, soft-capping and sinks); without --ops, every op but planning and memory",
+        "sliding windows, soft-capping and sinks; heads_memory: S = 16384 too); without --ops, "
+        "every op but planning, memory and heads_memory",
     )
     bench.add_argument(
         "--sizes",
@@ -161,8 +162,8 @@ def build_parser(prog: str = "cpshard bench") -> argparse.ArgumentParser:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="tiny problems for the planner, vision, layouts, blockdiag, attention and mixers "
-        "sections (a smoke test: their figures mean nothing)",
+        help="tiny problems for the planner, vision, layouts, blockdiag, attention, mixers and "
+        "heads_memory sections (a smoke test: their figures mean nothing)",
     )
     bench.add_argument(
         "--timeout",

@@ -9,11 +9,12 @@ from cpshard.validation import is_int
 GATHER_OPS = ("ragged", "ragged_even", "sequence", "halo")
 SECTION_OPS = (
     "planner", "vision", "layouts", "blockdiag", "attention", "mixers", "loss", "planning",
-    "memory",
+    "memory", "heads_memory",
 )  # fmt: skip
 OPS = (*GATHER_OPS, "strategies", *SECTION_OPS)
-# ``--full`` and ``--ops all``: every op but those that run only when named (long grids)
-NAMED_ONLY_OPS = ("planning", "memory")
+# ``--full`` and ``--ops all``: every op but those that run only when named (long grids, and
+# ``heads_memory``'s cases: fresh ranks per case, minutes on a CPU)
+NAMED_ONLY_OPS = ("planning", "memory", "heads_memory")
 FULL_OPS = tuple(op for op in OPS if op not in NAMED_ONLY_OPS)
 # the default: a representative subset (the transport, CP attention under each exchange
 # strategy, the vision planner) that finishes in a few minutes on a 2-core CPU machine

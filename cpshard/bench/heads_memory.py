@@ -9,24 +9,32 @@ The peak is resident memory: ``VmHWM`` after resetting it (``/proc/self/clear_re
 calls. Ranks are spawned with ``MALLOC_MMAP_THRESHOLD_`` fixed (unless already set), so that the
 C allocator maps and unmaps every large block: the peak is what the call holds at once, not
 what the heap kept from an earlier call. Every output is checked against a plain Ulysses
-statement (one all-to-all each way per tensor, SDPA between). Run ``python -m
-cpshard.bench.heads_memory [--worlds 2 4] [--seqs 4096 16384]``.
+statement (one all-to-all each way per tensor, SDPA between).
+
+``cpshard bench --ops heads_memory`` runs it as a section (rank 0 runs the cases in a fresh
+process, which spawns their ranks; opt-in: the cases take minutes on a CPU); ``python -m
+cpshard.bench.heads_memory [--worlds 2 4] [--seqs 4096 16384] [--json PATH]`` runs it alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
+import json
 import os
 import statistics
+import sys
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cpshard.bench.child import run_in_child
 from cpshard.bench.config import BenchConfig
 from cpshard.bench.memory import release_freed_memory
+from cpshard.bench.report import mib
 from cpshard.bench.runtime import Runtime
 from cpshard.bench.timing import time_steps
 
@@ -101,6 +109,16 @@ def deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def deepspeed_version() -> str | None:
+    """The installed DeepSpeed's version, None where it is not installed."""
+    if not deepspeed_installed():
+        return None
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown version"
+
+
 def deepspeed_attention(pg: dist.ProcessGroup) -> Attend:
     """DeepSpeed-Ulysses: ``DistributedAttention`` around SDPA on ``[B, S, H, D]`` views of the
     shards, K/V heads repeated up to W when fewer (as it needs)."""
@@ -127,12 +145,13 @@ def deepspeed_attention(pg: dist.ProcessGroup) -> Attend:
 
 def cpshard_attention(
     pg: dist.ProcessGroup, seq: int, strategy: str, q_heads: int, kv_heads: int
-) -> tuple[Attend, str]:
+) -> tuple[Attend, str, int]:
     """cpshard over one causal document of ``seq`` tokens, contiguous shards, with ``strategy``;
-    and the strategy a call of those heads takes (``auto``'s pick)."""
+    the strategy a call of those heads takes (``auto``'s pick) and the bytes the cost model
+    says it holds beyond the floor (:func:`~cpshard.attention.strategy.strategy_memory`)."""
     from cpshard import ContextParallelSharder, cp_attention
     from cpshard.attention import active_state
-    from cpshard.attention.strategy import chosen_strategy
+    from cpshard.attention.strategy import chosen_strategy, strategy_memory
 
     doc = torch.ones(1, seq, dtype=torch.int64)
     sharder = ContextParallelSharder(pg, "contiguous", strategy=strategy)
@@ -144,8 +163,10 @@ def cpshard_attention(
 
     with ctx():
         size = torch.tensor([], dtype=torch.float32).element_size()
-        picked = chosen_strategy(active_state(), None, q_heads, kv_heads, HEAD_DIM, HEAD_DIM, size)
-    return attend, picked
+        args = (active_state(), None, q_heads, kv_heads, HEAD_DIM, HEAD_DIM, size)
+        picked = chosen_strategy(*args)
+        held = strategy_memory(*args)[picked]
+    return attend, picked, held
 
 
 def leaves(
@@ -196,17 +217,18 @@ def measure(
     with_deepspeed: bool,
     runs: int = 5,
     repeats: int = 5,
-) -> dict[str, dict[str, float | str]] | None:
+) -> dict[str, dict[str, float | str | None]] | None:
     """Rank 0's row: per implementation, median fwd+bwd seconds (max over ranks), its resident
-    peak (bytes) and what it ran (``auto``: the strategy it picked)."""
+    peak (bytes), what it ran (``auto``: the strategy it picked) and the bytes the cost model
+    says that holds beyond the floor (None for DeepSpeed)."""
     pg = dist.group.WORLD
     rt = Runtime(BenchConfig(world=world), rank, world, "gloo", torch.device("cpu"), pg)
     q, k, v, grad = leaves(rank, seq // world, q_heads, kv_heads)
     impls = {s: cpshard_attention(pg, seq, s, q_heads, kv_heads) for s in STRATEGIES}
     if with_deepspeed:
-        impls["deepspeed"] = (deepspeed_attention(pg), "Ulysses")
+        impls["deepspeed"] = (deepspeed_attention(pg), "Ulysses", None)
     want = ulysses_attention(pg, q, k, v).detach()
-    for name, (fn, _) in impls.items():
+    for name, (fn, *_) in impls.items():
         if not torch.allclose(fn(q, k, v).detach(), want, rtol=1e-4, atol=1e-4):
             raise AssertionError(f"rank {rank}: {name} differs from the reference")
 
@@ -218,19 +240,22 @@ def measure(
 
         return run
 
-    steps = {name: step(fn) for name, (fn, _) in impls.items()}
+    steps = {name: step(fn) for name, (fn, *_) in impls.items()}
     times = time_steps(rt, steps, warmup=1, repeats=repeats, iters=1, target_s=0)
-    row: dict[str, dict[str, float | str]] = {
-        name: {"s": times[name].median_s, "peak": resident_peak(rt, fn, runs), "ran": ran}
-        for (name, fn), (_, ran) in zip(steps.items(), impls.values())
-    }
-    row["floor"] = {"s": 0.0, "peak": floor_bytes(seq // world, q_heads, kv_heads), "ran": ""}
+    row: dict[str, dict[str, float | str | None]] = {
+        name: {
+            "s": times[name].median_s, "peak": resident_peak(rt, fn, runs), "ran": ran,
+            "held_model": held,
+        }
+        for (name, fn), (_, ran, held) in zip(steps.items(), impls.values())
+    }  # fmt: skip
+    row["floor"] = {"peak": floor_bytes(seq // world, q_heads, kv_heads)}
     return row if rank == 0 else None
 
 
 def run_case(
     world: int, seq: int, q_heads: int, kv_heads: int, runs: int = 5, repeats: int = 5
-) -> dict[str, dict[str, float | str]]:
+) -> dict[str, dict[str, float | str | None]]:
     """One case on ``world`` spawned ranks (with the module's fixed mmap threshold)."""
     from cpshard.testing import run_ranks
 
@@ -241,33 +266,127 @@ def run_case(
     )[0]  # fmt: skip
 
 
-def main() -> None:
-    """Print one line per case (W, S, heads) and implementation, with its peak over
-    DeepSpeed's (where installed) and over the floor."""
+def case_row(
+    world: int, seq: int, q_heads: int, kv_heads: int, runs: int = 5, repeats: int = 5
+) -> dict:
+    """One case measured, as a JSON-able row: per implementation its peak (bytes), median
+    fwd+bwd seconds and what it ran; the floor; DeepSpeed's version (None: not installed)."""
+    got = run_case(world, seq, q_heads, kv_heads, runs, repeats)
+    floor = got.pop("floor")
+    impls = {
+        name: {
+            "peak_bytes": int(fig["peak"]), "fwd_bwd_s": float(fig["s"]), "ran": fig["ran"],
+            "held_model_bytes": fig["held_model"],
+        }
+        for name, fig in got.items()
+    }
+    return {
+        "world": world, "seq_len": seq, "q_heads": q_heads, "kv_heads": kv_heads,
+        "head_dim": HEAD_DIM, "dtype": "float32", "runs": runs, "floor_bytes": int(floor["peak"]),
+        "deepspeed": deepspeed_version(), "impls": impls,
+    }  # fmt: skip
+
+
+def _ratio(peak: int, ref: int | None) -> str:
+    return f"{peak / ref:.2f}" if ref else "-"
+
+
+def render(rows: list[dict]) -> str:
+    """The section's table: per case each strategy's peak with its ratio to DeepSpeed-Ulysses's
+    (where installed) and to the floor."""
+    versions = {r["deepspeed"] for r in rows}
+    ds = ", ".join(sorted(v for v in versions if v)) or "not installed: ratios to the floor only"
+    out = [
+        "# heads_memory: peak extra resident memory of one fwd+bwd of causal attention over one",
+        "#   document (VmHWM, max over ranks, median of runs; contiguous shards, d = 64, fp32,",
+        "#   gloo ranks) per strategy, beside DeepSpeed-Ulysses (DistributedAttention + SDPA;",
+        f"#   DeepSpeed {ds}) and the floor (out, dq, dk, dv)",
+        "#   cells: MiB (/ DeepSpeed, / floor)",
+        "#" + f"{'W':>2} {'S':>6} {'heads':>5} "
+        + " ".join(f"{n:>22}" for n in (*STRATEGIES, "deepspeed")) + f" {'floor':>6} {'auto ran':>12}",
+    ]
+    for r in rows:
+        floor, impls = r["floor_bytes"], r["impls"]
+        ref = impls.get("deepspeed", {}).get("peak_bytes")
+        cells = []
+        for name in (*STRATEGIES, "deepspeed"):
+            if name not in impls:
+                cells.append(f"{'-':>22}")
+                continue
+            peak = impls[name]["peak_bytes"]
+            text = f"{mib(peak)} ({_ratio(peak, ref)}, {_ratio(peak, floor)})"
+            cells.append(f"{text:>22}")
+        heads = f"{r['q_heads']}/{r['kv_heads']}"
+        out.append(
+            f" {r['world']:>2} {r['seq_len']:>6} {heads:>5} {' '.join(cells)} {mib(floor):>6} "
+            f"{impls['auto']['ran']:>12}"
+        )
+    return "\n".join(out)
+
+
+def _cases(rt: Runtime) -> list[tuple[int, int, int, int]]:
+    """(W, S, query heads, KV heads) of the section's cases: W = 2 and 4 at S = 4096 (with
+    ``--full`` also 16384; with ``--quick`` W = 2 at S = 1024)."""
+    worlds = (2,) if rt.cfg.quick else (2, 4)
+    seqs = (1024,) if rt.cfg.quick else (4096, 16384) if rt.cfg.full else (4096,)
+    return [(w, s, qh, kvh) for w in worlds for s in seqs for qh, kvh in HEAD_SHAPES]
+
+
+def steps(rt: Runtime) -> int:
+    return len(_cases(rt))
+
+
+def run(rt: Runtime) -> list[dict] | None:
+    """Rank 0 runs each case in a fresh process (which spawns the case's ranks, the allocator
+    set as the measurement needs) while the others wait."""
+    runs = 1 if rt.cfg.quick else 3
+    repeats = 1 if rt.cfg.quick else rt.cfg.repeats
+    rows = []
+    for world, seq, qh, kvh in _cases(rt):
+        rt.progress(f"heads_memory W={world} S={seq} heads={qh}/{kvh}")
+        if rt.rank == 0:
+            args = ["--worlds", str(world), "--seqs", str(seq), "--heads", f"{qh}/{kvh}"]
+            args += ["--runs", str(runs), "--repeats", str(repeats), "--json"]
+            rows.extend(run_in_child("cpshard.bench.heads_memory", *args))
+        dist.barrier(group=rt.pg, **rt.barrier_kwargs)
+    return rows if rt.rank == 0 else None
+
+
+def _head_shape(text: str) -> tuple[int, int]:
+    try:
+        q_heads, kv_heads = (int(n) for n in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--heads: {text!r} is not Q/KV (e.g. 8/2)") from None
+    if q_heads < 1 or kv_heads < 1 or q_heads % kv_heads:
+        raise argparse.ArgumentTypeError(f"--heads: {text!r}: KV heads must divide query heads")
+    return q_heads, kv_heads
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the cases (W, S, heads) and print the section's table, or write its rows as JSON
+    with ``--json`` (a progress line per case on stderr)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument(
+        "--heads", type=_head_shape, nargs="+", default=list(HEAD_SHAPES),
+        help="query/KV head shapes (default: 8/8 8/2)",
+    )  # fmt: skip
     p.add_argument("--runs", type=int, default=5, help="measured calls per implementation")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per implementation")
-    args = p.parse_args()
-    print(
-        f"{'W':>2} {'S':>6} {'heads':>5} {'impl':>11} {'ran':>11} {'fwd+bwd ms':>11} "
-        f"{'peak MiB':>9} {'/ DeepSpeed':>11} {'/ floor':>8}"
-    )
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the rows to PATH")
+    args = p.parse_args(argv)
+    rows = []
     for world in args.worlds:
         for seq in args.seqs:
-            for qh, kvh in HEAD_SHAPES:
-                row = run_case(world, seq, qh, kvh, args.runs, args.repeats)
-                ds = row.get("deepspeed", {}).get("peak")
-                for name, fig in row.items():
-                    peak = float(fig["peak"])
-                    over_ds = f"{peak / float(ds):.2f}" if ds else "-"
-                    print(
-                        f"{world:>2} {seq:>6} {qh:>2}/{kvh:<2} {name:>11} {fig['ran']:>11} "
-                        f"{float(fig['s']) * 1e3:>11.1f} {peak / 2**20:>9.1f} {over_ds:>11} "
-                        f"{peak / float(row['floor']['peak']):>8.2f}",
-                        flush=True,
-                    )
+            for qh, kvh in args.heads:
+                print(f"heads_memory: W={world} S={seq} heads={qh}/{kvh}", file=sys.stderr)
+                rows.append(case_row(world, seq, qh, kvh, args.runs, args.repeats))
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    else:
+        print(render(rows), flush=True)
 
 
 if __name__ == "__main__":

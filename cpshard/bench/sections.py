@@ -26,6 +26,7 @@ SECTION_MODULES = {
     "loss": "cpshard.bench.linear_loss",
     "planning": "cpshard.bench.planning",
     "memory": "cpshard.bench.memory_prediction",
+    "heads_memory": "cpshard.bench.heads_memory",
 }
 
 
