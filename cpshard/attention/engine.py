@@ -7,7 +7,10 @@ which the loop attends next to the launches (:class:`Together`).
 
 The loop splits a span whose document starts before the run into a non-causal prefix part and
 a causal square part, merged by their log-sum-exp (flash-attention's decomposition), so no
-``[L, S]`` mask is ever built; runs of a few tokens (``stripe`` gives single-token runs) go in
+``[L, S]`` mask is ever built; a long span goes in tiles of its queries (at most
+:data:`TILES`, each of at least :data:`TILE_ROWS`), the prefix of each in pieces alike, each
+part merged into the output as it comes, so the loop holds one tile's results and gradients
+at a time; runs of a few tokens (``stripe`` gives single-token runs) go in
 blocks of one document, one masked call each, and so do the tiles of a run a sliding window
 cuts (:mod:`cpshard.attention.blocks`). Each span packs
 its document's prefix, so a step whose packing would exceed ``PACKED_KEYS_PER_ROW`` key rows per
