@@ -303,7 +303,8 @@ def render(rows: list[dict]) -> str:
         f"#   DeepSpeed {ds}) and the floor (out, dq, dk, dv)",
         "#   cells: MiB (/ DeepSpeed, / floor)",
         "#" + f"{'W':>2} {'S':>6} {'heads':>5} "
-        + " ".join(f"{n:>22}" for n in (*STRATEGIES, "deepspeed")) + f" {'floor':>6} {'auto ran':>12}",
+        + " ".join(f"{n:>22}" for n in (*STRATEGIES, "deepspeed"))
+        + f" {'floor':>6} {'auto ran':>12}",
     ]
     for r in rows:
         floor, impls = r["floor_bytes"], r["impls"]
