@@ -42,6 +42,7 @@ HEAD_DIM = 64
 HEAD_SHAPES = ((8, 8), (8, 2))  # (query heads, key/value heads)
 STRATEGIES = ("heads", "needed_rows", "auto")
 MMAP_THRESHOLD = "65536"  # bytes: larger blocks are mapped apart and unmapped when freed
+CASE_TIMEOUT_S = 3600.0  # a case's whole run, and each of its collectives
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -256,14 +257,17 @@ def measure(
 def run_case(
     world: int, seq: int, q_heads: int, kv_heads: int, runs: int = 5, repeats: int = 5
 ) -> dict[str, dict[str, float | str | None]]:
-    """One case on ``world`` spawned ranks (with the module's fixed mmap threshold)."""
-    from cpshard.testing import run_ranks
+    """One case on ``world`` spawned ranks (with the module's fixed mmap threshold; collectives
+    wait as long as a case may take: a long document's backward on a loaded CPU keeps the other
+    ranks waiting for minutes)."""
+    from cpshard.testing import RankPool
 
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
-    return run_ranks(
-        measure, world, seq, q_heads, kv_heads, deepspeed_installed(), runs, repeats,
-        timeout=3600,
-    )[0]  # fmt: skip
+    with RankPool(world, pg_timeout=CASE_TIMEOUT_S) as pool:
+        return pool.run(
+            measure, seq, q_heads, kv_heads, deepspeed_installed(), runs, repeats,
+            timeout=CASE_TIMEOUT_S,
+        )[0]  # fmt: skip
 
 
 def case_row(
