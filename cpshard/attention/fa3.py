@@ -30,6 +30,7 @@ from cpshard.attention.kernels import (
     Visible,
     device_capability,
     fold_heads,
+    op_takes,
     repeat_heads,
 )
 from cpshard.attention.packing import Packing
@@ -44,19 +45,30 @@ def runs_fa3(q: torch.Tensor) -> bool:
     return q.is_cuda and q.dtype in HALF and device_capability(q.device)[0] == 9
 
 
+# The keywords Fa3Varlen / Fa3Part pass (FA3's op schemas name them so)
+FWD_ARGS = {
+    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+    "is_causal", "window_size_left", "window_size_right", "softcap",
+}  # fmt: skip
+BWD_ARGS = FWD_ARGS | {"dq", "dk", "dv", "deterministic"}
+
+
+def compatible(ops: Any) -> bool:
+    """Whether an op namespace has FA3's ``fwd`` and ``bwd`` with the arguments cpshard passes."""
+    return op_takes(getattr(ops, "fwd", None), FWD_ARGS) and op_takes(
+        getattr(ops, "bwd", None), BWD_ARGS
+    )
+
+
 @functools.cache
 def fa3_ops() -> Any | None:
-    """The FA3 package's op namespace (``torch.ops.flash_attn_3``, with ``fwd`` and ``bwd``)
-    where ``flash_attn_interface`` imports and registers them, else None (looked up once)."""
+    """The FA3 package's op namespace (``torch.ops.flash_attn_3``) where ``flash_attn_interface``
+    imports and registers ops cpshard can call, else None (looked up once)."""
     try:
         importlib.import_module("flash_attn_interface")
     except Exception:  # absent, or built for another torch / CUDA: not this process's kernel
         return None
-    ops = getattr(torch.ops, "flash_attn_3", None)
-    try:
-        return ops if ops is not None and ops.fwd is not None and ops.bwd is not None else None
-    except AttributeError:
-        return None
+    return torch.ops.flash_attn_3 if compatible(torch.ops.flash_attn_3) else None
 
 
 def fa3_serving(q: torch.Tensor, d: int) -> Any | None:

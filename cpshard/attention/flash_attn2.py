@@ -18,24 +18,42 @@ from typing import Any
 
 import torch
 
-from cpshard.attention.kernels import Grads, T, Tensors, TorchFlashVarlen, device_capability
+from cpshard.attention.kernels import (
+    Grads,
+    T,
+    Tensors,
+    TorchFlashVarlen,
+    device_capability,
+    op_takes,
+)
 from cpshard.attention.packing import Packing
+
+
+# The arguments FlashAttnVarlen passes by keyword (the package's 2.7 / 2.8 op schemas)
+FORWARD_ARGS = {
+    "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+    "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
+}  # fmt: skip
+BACKWARD_ARGS = FORWARD_ARGS | {"alibi_slopes", "deterministic"}
+
+
+def compatible(ops: Any) -> bool:
+    """Whether an op namespace has the package's varlen forward and backward with the
+    arguments cpshard passes."""
+    forward = getattr(ops, "_flash_attn_varlen_forward", None)
+    backward = getattr(ops, "_flash_attn_varlen_backward", None)
+    return op_takes(forward, FORWARD_ARGS) and op_takes(backward, BACKWARD_ARGS)
 
 
 @functools.cache
 def flash_attn_ops() -> Any | None:
-    """The flash-attn package's op namespace (``torch.ops.flash_attn``, with the varlen forward
-    and backward) where ``flash_attn`` imports and registers them, else None (looked up once)."""
+    """The flash-attn package's op namespace (``torch.ops.flash_attn``) where ``flash_attn``
+    imports and registers varlen ops cpshard can call, else None (looked up once)."""
     try:
         importlib.import_module("flash_attn")
     except Exception:  # absent, or built for another torch / CUDA
         return None
-    ops = torch.ops.flash_attn
-    try:
-        found = ops._flash_attn_varlen_forward, ops._flash_attn_varlen_backward
-    except AttributeError:  # a release before the ops were registered with torch
-        return None
-    return ops if all(op is not None for op in found) else None
+    return torch.ops.flash_attn if compatible(torch.ops.flash_attn) else None
 
 
 def runs_flash_attn(q: torch.Tensor) -> bool:

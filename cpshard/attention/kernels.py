@@ -133,6 +133,17 @@ def device_capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def op_takes(op: object, names: set[str]) -> bool:
+    """Whether a package's torch op (an ``OpOverloadPacket``) exists and its schema has
+    arguments of every name in ``names``: the keywords cpshard calls it with, so that a build
+    with another argument list is never chosen."""
+    try:
+        schema = op.default._schema  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return False
+    return names <= {a.name for a in schema.arguments}
+
+
 def torch_flash_runs_on(device: torch.device) -> bool:
     """torch's flash kernels run on this GPU: built in, and an sm80+ device."""
     return torch.backends.cuda.is_flash_attention_available() and (

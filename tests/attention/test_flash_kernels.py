@@ -293,3 +293,19 @@ def test_fa3_is_left_alone_where_it_cannot_serve() -> None:
         assert choice.varlen_kernel(q, 12, 12) is None  # not a multiple of 8
         assert choice.varlen_kernel(q, 264, 264) is None  # over 256
         assert choice.varlen_kernel(q, D, 16) is None  # unequal head dims
+
+
+def test_only_builds_taking_the_arguments_passed_are_chosen() -> None:
+    """A package's ops are used only where their schemas name every argument cpshard passes:
+    the stand-ins (the packages' own argument lists) pass, a build without soft-cap does not."""
+    from cpshard.attention import fa3, flash_attn2
+
+    assert fa3.compatible(flash_standin.fa3_ops)
+    assert flash_attn2.compatible(flash_standin.fa2_ops)
+    assert not fa3.compatible(flash_standin.fa2_ops)
+    assert not flash_attn2.compatible(flash_standin.fa3_ops)
+    assert not fa3.compatible(torch.ops.cpshard_no_such_namespace)
+    older = torch.library.Library("cpshard_standin_fa3_nosoftcap", "DEF")
+    for schema in (flash_standin.FA3_FWD, flash_standin.FA3_BWD):
+        older.define(schema.replace(" float softcap = 0.0,", ""))
+    assert not fa3.compatible(torch.ops.cpshard_standin_fa3_nosoftcap)
