@@ -62,9 +62,7 @@ def _sequences(q: T, k: T, cu_q: T | None, cu_k: T | None) -> list[tuple[tuple, 
     if cu_q is None:
         return [((b, slice(None)), (b, slice(None))) for b in range(q.shape[0])]
     bq, bk = cu_q.tolist(), cu_k.tolist()
-    return [
-        ((slice(bq[i], bq[i + 1]),), (slice(bk[i], bk[i + 1]),)) for i in range(len(bq) - 1)
-    ]
+    return [((slice(bq[i], bq[i + 1]),), (slice(bk[i], bk[i + 1]),)) for i in range(len(bq) - 1)]
 
 
 def _visible(n: int, m: int, causal: bool, left: int, right: int) -> T:

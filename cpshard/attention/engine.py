@@ -33,8 +33,8 @@ from cpshard.attention.kernels import (
     repeat_heads,
 )
 from cpshard.attention.packing import Packing
-from cpshard.planning.spans import Span
 from cpshard.attention.state import AttentionState
+from cpshard.planning.spans import Span
 
 
 def _parts(item: Span | Block, causal: bool, blocks: Blocks, dtype: torch.dtype) -> list[Part]:
@@ -227,9 +227,9 @@ class Together:
         return dq, dk, dv
 
 
-# The kernels the latest call of this process ran (:func:`attention_kernel`): a name kept on
-# the host when the call picks its kernel, so reading it syncs nothing.
-_latest: list[str] = []
+# The kernel the latest call of this process ran (:func:`attention_kernel`): a name kept on the
+# host when the call picks its kernel, so reading it syncs nothing.
+_latest_kernel: str | None = None
 
 
 def attention_kernel() -> str | None:
@@ -237,7 +237,7 @@ def attention_kernel() -> str | None:
     (``"fa3_varlen"``, ``"torch_flash_varlen"``, ``"flash_attn_varlen"``, ``"math_varlen"``,
     ``"cpu_flash"``, ``"fa3_part"``, ``"math_part"``; the varlen kernel and the loop's joined
     by ``" + "`` where a step needs both), or None before any call."""
-    return _latest[-1] if _latest else None
+    return _latest_kernel
 
 
 def implementation(
@@ -249,8 +249,9 @@ def implementation(
     explicit part kernel; the loop for the spans no packing states
     (:attr:`AttentionState.rest`) and for a step with no packing. Records the choice
     (:func:`attention_kernel`)."""
+    global _latest_kernel
     impl = _implementation(state, q, d, softcap)
-    _latest[:] = [impl.name]
+    _latest_kernel = impl.name
     return impl
 
 

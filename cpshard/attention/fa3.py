@@ -137,7 +137,9 @@ class Fa3Part:
     def forward(self, q: T, k: T, v: T, how: Visible, scale: float | None) -> Tensors:
         if isinstance(how, torch.Tensor):
             heads = q.shape[1]
-            return self.masked.forward(q, repeat_heads(k, heads), repeat_heads(v, heads), how, scale)
+            return self.masked.forward(
+                q, repeat_heads(k, heads), repeat_heads(v, heads), how, scale
+            )
         out, lse, *_ = self.ops.fwd(
             *(t.transpose(1, 2) for t in (q, k, v)),
             softmax_scale=scale, is_causal=how, softcap=_cap(self.softcap),

@@ -28,7 +28,6 @@ from cpshard.attention.kernels import (
 )
 from cpshard.attention.packing import Packing
 
-
 # The arguments FlashAttnVarlen passes by keyword (the package's 2.7 / 2.8 op schemas)
 FORWARD_ARGS = {
     "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",

@@ -22,7 +22,12 @@ import torch.nn.functional as F
 
 import cpshard
 from cpshard.attention import engine, fa3, flash_attn2
-from cpshard.attention.kernels import MathVarlen, TorchFlashVarlen, VarlenKernel, torch_flash_runs_on
+from cpshard.attention.kernels import (
+    MathVarlen,
+    TorchFlashVarlen,
+    VarlenKernel,
+    torch_flash_runs_on,
+)
 
 SOFTCAP = 50.0  # Gemma 2's attention logit soft-cap
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128

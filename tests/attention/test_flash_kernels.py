@@ -72,6 +72,11 @@ def _reference(q, k, v, lengths, causal, left, softcap, scale):
     return torch.cat(outs), torch.cat(lses, 1)
 
 
+def _cumulative(lengths: list[int]) -> torch.Tensor:
+    """int32 ``[0, l0, l0 + l1, ...]``: the kernels' ``cu_seqlens``."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
 # (query, key) lengths per sequence, causal, left window, softcap, heads, kv heads
 STANDIN_CASES = [
     ([(5, 5), (3, 9), (1, 4)], True, -1, 0.0, 4, 2),
@@ -87,12 +92,23 @@ def test_the_fa3_standin_equals_autograd_on_dense_masking(case: tuple) -> None:
     g = torch.Generator().manual_seed(len(lengths) + heads)
     tq, tk = sum(n for n, _ in lengths), sum(m for _, m in lengths)
     q = torch.randn(tq, heads, D, dtype=torch.float64, generator=g).requires_grad_()
-    k, v = (torch.randn(tk, kv_heads, D, dtype=torch.float64, generator=g).requires_grad_() for _ in "kv")
+    k, v = (
+        torch.randn(tk, kv_heads, D, dtype=torch.float64, generator=g).requires_grad_()
+        for _ in "kv"
+    )
     dout = torch.randn(tq, heads, D, dtype=torch.float64, generator=g)
-    cu = lambda i: torch.tensor([0, *torch.tensor([x[i] for x in lengths]).cumsum(0)], dtype=torch.int32)  # noqa: E731
-    args = {"cu_seqlens_q": cu(0), "cu_seqlens_k": cu(1), "max_seqlen_q": max(n for n, _ in lengths),
-            "max_seqlen_k": max(m for _, m in lengths), "softmax_scale": 0.4, "is_causal": causal,
-            "window_size_left": left, "window_size_right": -1, "softcap": softcap}  # fmt: skip
+    q_lens, k_lens = ([x[i] for x in lengths] for i in (0, 1))
+    args = {
+        "cu_seqlens_q": _cumulative(q_lens),
+        "cu_seqlens_k": _cumulative(k_lens),
+        "max_seqlen_q": max(q_lens),
+        "max_seqlen_k": max(k_lens),
+        "softmax_scale": 0.4,
+        "is_causal": causal,
+        "window_size_left": left,
+        "window_size_right": -1,
+        "softcap": softcap,
+    }
     out, lse, *_ = flash_standin.fa3_ops.fwd(q.detach(), k.detach(), v.detach(), **args)
     want_out, want_lse = _reference(q, k, v, lengths, causal, left, softcap, 0.4)
     torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
@@ -114,19 +130,32 @@ def test_fa3_parts_backward_from_the_merged_output_is_each_parts_share(softcap) 
     g = torch.Generator().manual_seed(3)
     n, prefix = 6, 5
     q = torch.randn(1, 4, n, D, dtype=torch.float64, generator=g).requires_grad_()
-    k, v = (torch.randn(1, 2, prefix + n, D, dtype=torch.float64, generator=g).requires_grad_() for _ in "kv")
+    k, v = (
+        torch.randn(1, 2, prefix + n, D, dtype=torch.float64, generator=g).requires_grad_()
+        for _ in "kv"
+    )
     dout = torch.randn(1, 4, n, D, dtype=torch.float64, generator=g)
-    kern, parts = Fa3Part(flash_standin.fa3_ops, softcap), [(slice(0, prefix), False), (slice(prefix, None), True)]
-    results = [kern.forward(q.detach(), k[:, :, at].detach(), v[:, :, at].detach(), how, 0.35) for at, how in parts]
+    kern, parts = (
+        Fa3Part(flash_standin.fa3_ops, softcap),
+        [(slice(0, prefix), False), (slice(prefix, None), True)],
+    )
+    results = [
+        kern.forward(q.detach(), k[:, :, at].detach(), v[:, :, at].detach(), how, 0.35)
+        for at, how in parts
+    ]
     lse = torch.logsumexp(torch.stack([r[1] for r in results]), 0)
     out = sum(o * torch.exp(part_lse - lse)[..., None] for o, part_lse in results)
     flat = lambda t: t[0].transpose(0, 1)  # noqa: E731  [1, H, n, D] -> [n, H, D]
-    want_out, want_lse = _reference(flat(q), flat(k), flat(v), [(n, prefix + n)], True, -1, softcap, 0.35)
+    want_out, want_lse = _reference(
+        flat(q), flat(k), flat(v), [(n, prefix + n)], True, -1, softcap, 0.35
+    )
     torch.testing.assert_close(flat(out), want_out, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse[0], want_lse, rtol=0, atol=1e-12)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for at, how in parts:
-        dqs, dks, dvs = kern.backward(dout, q.detach(), k[:, :, at].detach(), v[:, :, at].detach(), out, lse, how, 0.35)
+        dqs, dks, dvs = kern.backward(
+            dout, q.detach(), k[:, :, at].detach(), v[:, :, at].detach(), out, lse, how, 0.35
+        )
         dq += dqs
         dk[:, :, at] += dks
         dv[:, :, at] += dvs
@@ -140,14 +169,18 @@ def test_a_wrong_standin_is_caught() -> None:
     one: the check can fail."""
     lengths = [(3, 9)]
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(9 if t != "q" else 3, 2, D, dtype=torch.float64, generator=g) for t in "qkv")
+    q, k, v = (
+        torch.randn(9 if t != "q" else 3, 2, D, dtype=torch.float64, generator=g) for t in "qkv"
+    )
     top_left, _ = _reference(q, k, v, [(3, 3)], True, -1, 0.0, 0.5)  # keys 0..2 only
     out, *_ = flash_standin.fa3_ops.fwd(
-        q, k, v, cu_seqlens_q=torch.tensor([0, 3], dtype=torch.int32), cu_seqlens_k=torch.tensor([0, 9], dtype=torch.int32),
+        q, k, v, cu_seqlens_q=_cumulative([3]), cu_seqlens_k=_cumulative([9]),
         max_seqlen_q=3, max_seqlen_k=9, softmax_scale=0.5, is_causal=True,
     )  # fmt: skip
     assert not torch.allclose(out, top_left)
-    torch.testing.assert_close(out, _reference(q, k, v, lengths, True, -1, 0.0, 0.5)[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        out, _reference(q, k, v, lengths, True, -1, 0.0, 0.5)[0], rtol=0, atol=1e-12
+    )
 
 
 # ------------------------------------------------------------------- CP attention through them
