@@ -235,7 +235,8 @@ def logit_grads(probs: T, g: T, out: T, v: T, raw: T, softcap: float | None) -> 
 class MathPart:
     """Explicit matmul-softmax (fp16/bf16 computed in fp32), for devices and dtypes no flash
     kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take) and for logit
-    soft-capping (``softcap * tanh(score / softcap)``, which no flash kernel here implements).
+    soft-capping (``softcap * tanh(score / softcap)``) where no flash kernel taking it does
+    (FA3, the flash-attn package's FA2: :mod:`cpshard.attention.choice`).
     Queries go in chunks of at most ``SCORES`` score elements: memory O(SCORES) per part, not
     O(n * m)."""
 
