@@ -342,3 +342,35 @@ def test_only_builds_taking_the_arguments_passed_are_chosen() -> None:
     for schema in (flash_standin.FA3_FWD, flash_standin.FA3_BWD):
         older.define(schema.replace(" float softcap = 0.0,", ""))
     assert not fa3.compatible(torch.ops.cpshard_standin_fa3_nosoftcap)
+
+
+def _host_reads(rank: int, world: int, loop: bool) -> list[str]:
+    """The host reads of two soft-capped layers and their backward through FA3 in a step after a
+    first one (the kernel's choice reads no tensor data)."""
+    import cpshard
+    from cpshard.attention import active_state, packing
+    from tests.helpers import recording_host_reads
+
+    keys_per_row = packing.PACKED_KEYS_PER_ROW
+    packing.PACKED_KEYS_PER_ROW = 0 if loop else keys_per_row
+    doc, *full, _, _ = _case(CASES[1])
+    reads: list[str] = []
+    for step in range(2):  # the second step's setup makes the views the first one's calls read
+        ctx, sharder = step_context("balanced", doc)
+        qkv = [_sharded(sharder, t).requires_grad_() for t in full[:3]]
+        with ctx():
+            state = active_state()
+        with flash_on_cpu("fa3"), recording_host_reads(reads if step else [], state.key):
+            for _ in range(2):
+                with ctx():
+                    out = cpshard.cp_attention(*qkv, enable_gqa=True, softcap=0.8)
+                out.sum().backward()
+            ran = cpshard.attention_kernel()
+    packing.PACKED_KEYS_PER_ROW = keys_per_row
+    assert ran == ("fa3_part" if loop else "fa3_varlen"), ran
+    return reads
+
+
+@pytest.mark.parametrize("loop", [False, True], ids=["varlen", "loop"])
+def test_the_fa3_path_reads_no_tensor_data_on_the_host(pools, loop: bool) -> None:
+    assert pools(2).run(_host_reads, loop, timeout=120) == [[], []]
