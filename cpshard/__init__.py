@@ -1,7 +1,7 @@
 """cpshard: context-parallel sharding building blocks for long-context LLM and VLM training."""
 
 from cpshard._build import BuildInfo, build_info
-from cpshard.attention import cp_attention, cp_blockdiag_sdpa
+from cpshard.attention import attention_kernel, cp_attention, cp_blockdiag_sdpa
 from cpshard.batch import BatchTargets, ShardedBatch, document_ids
 from cpshard.consensus import check_mode, current_check_mode, raise_on_any_rank
 from cpshard.layouts import (
@@ -68,6 +68,7 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "__version__",
+    "attention_kernel",
     "BatchTargets",
     "build_info",
     "BuildInfo",

@@ -276,6 +276,8 @@ class StandInVarlen:
     same statement (``torch.func``: autograd is off inside a custom op). It
     records every packing it is handed."""
 
+    name = "stand_in_varlen"
+
     def __init__(self) -> None:
         self.packings: list = []
         self.calls = {"forward": 0, "backward": 0}

@@ -12,7 +12,11 @@ The package, in call order (each module imports only those after it):
   or head parallel: :mod:`~cpshard.attention.head_attention`, all-to-alls before and after the
   inner attention, its heads split by :mod:`~cpshard.attention.head_split`);
 * :mod:`~cpshard.attention.ops`: the attention custom ops (forward and backward);
-* :mod:`~cpshard.attention.engine`: one varlen launch for a step's spans, or the per-span loop;
+* :mod:`~cpshard.attention.engine`: one varlen launch for a step's spans, or the per-span loop
+  (and which kernel the latest call ran: :func:`attention_kernel`);
+* :mod:`~cpshard.attention.choice`: which kernel serves a call's queries;
+* :mod:`~cpshard.attention.fa3` / :mod:`~cpshard.attention.flash_attn2`: FlashAttention-3 and
+  the flash-attn package's soft-capped FA2 kernels, through their packages' torch ops;
 * :mod:`~cpshard.attention.kernels`: the kernels (torch's varlen flash, CPU flash, math);
 * :mod:`~cpshard.attention.step`: a step's states from its layout and documents (and
   :mod:`~cpshard.attention.head_plan`: its head-parallel plans);
@@ -30,6 +34,7 @@ The package, in call order (each module imports only those after it):
 
 from cpshard.attention.activation import activated
 from cpshard.attention.api import cp_attention, cp_blockdiag_sdpa
+from cpshard.attention.engine import attention_kernel
 from cpshard.attention.state import AttentionState, active_state
 from cpshard.attention.step import step_state
 
@@ -37,6 +42,7 @@ __all__ = [
     "AttentionState",
     "activated",
     "active_state",
+    "attention_kernel",
     "cp_attention",
     "cp_blockdiag_sdpa",
     "step_state",

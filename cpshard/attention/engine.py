@@ -24,34 +24,23 @@ from collections.abc import Iterator
 import torch
 
 from cpshard.attention.blocks import Block, Blocks
+from cpshard.attention.choice import capped_varlen_kernel, math_varlen, part_kernel, varlen_kernel
 from cpshard.attention.kernels import (
     Grads,
     Part,
     T,
     Tensors,
     VarlenKernel,
+    fold_heads,
     lse_dtype,
-    math_varlen,
-    part_kernel,
-    varlen_kernel,
+    repeat_heads,
 )
 from cpshard.attention.packing import Packing
-from cpshard.planning.spans import Span
 from cpshard.attention.state import AttentionState
+from cpshard.planning.spans import Span
 
 TILES = 16  # the most tiles a long span's queries (and the keys before its square) go in
 TILE_ROWS = 128  # the fewest queries (keys) of a tile: shorter spans go whole
-
-
-def repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """KV heads repeated for the queries' ``heads`` (GQA)."""
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
-def fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Adjoint of :func:`repeat_heads`: the gradient of repeated heads summed onto each KV head."""
-    b, heads, n, d = grad.shape
-    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)
 
 
 def _parts(
@@ -95,6 +84,7 @@ class Loop:
     def __init__(self, blocks: Blocks, q: torch.Tensor, softcap: float | None) -> None:
         self.kern, self.heads = part_kernel(q, softcap), q.shape[1]
         self.blocks, self.dtype = blocks, q.dtype
+        self.name = self.kern.name
 
     def _items(self) -> Iterator[tuple[tuple[slice, ...], list[Part]]]:
         """Each tile of a span and each block: its query rows' index into ``[B, H, L, ...]``
@@ -256,6 +246,7 @@ class Varlen:
 
     def __init__(self, kern: VarlenKernel, packings: tuple[Packing, ...]) -> None:
         self.kern, self.packings = kern, packings
+        self.name = kern.name
 
     @staticmethod
     def _packed(p: Packing, q: T, k: T, v: T) -> tuple[T, T, T]:
@@ -310,6 +301,7 @@ class Together:
 
     def __init__(self, varlen: Varlen, loop: Loop) -> None:
         self.varlen, self.loop = varlen, loop
+        self.name = f"{varlen.name} + {loop.name}"
 
     def forward(self, q: T, k: T, v: T, scale: float | None) -> Tensors:
         out, lse = self.varlen.forward(q, k, v, scale)
@@ -323,15 +315,40 @@ class Together:
         return dq, dk, dv
 
 
+# The kernel the latest call of this process ran (:func:`attention_kernel`): a name kept on the
+# host when the call picks its kernel, so reading it syncs nothing.
+_latest_kernel: str | None = None
+
+
+def attention_kernel() -> str | None:
+    """Which kernel the latest CP attention call of this process ran, forward or backward
+    (``"fa3_varlen"``, ``"torch_flash_varlen"``, ``"flash_attn_varlen"``, ``"math_varlen"``,
+    ``"cpu_flash"``, ``"fa3_part"``, ``"math_part"``; the varlen kernel and the loop's joined
+    by ``" + "`` where a step needs both), or None before any call."""
+    return _latest_kernel
+
+
 def implementation(
     state: AttentionState, q: torch.Tensor, d: int, softcap: float | None
 ) -> Loop | Varlen | Together:
     """The varlen path where the rank has spans and the step a packing: one launch of a flash
-    kernel per kind of span that serves q with head dim ``d`` (and logits with no soft-cap),
-    else the explicit varlen kernel in chunks where the loop would run the explicit part
-    kernel; the loop for the spans no packing states (:attr:`AttentionState.rest`) and for a
-    step with no packing."""
-    kern: VarlenKernel | None = varlen_kernel(q, d, d) if softcap is None else None
+    kernel per kind of span that serves q with head dim ``d`` (soft-capped logits: one that
+    takes the soft-cap), else the explicit varlen kernel in chunks where the loop would run the
+    explicit part kernel; the loop for the spans no packing states
+    (:attr:`AttentionState.rest`) and for a step with no packing. Records the choice
+    (:func:`attention_kernel`)."""
+    global _latest_kernel
+    impl = _implementation(state, q, d, softcap)
+    _latest_kernel = impl.name
+    return impl
+
+
+def _implementation(
+    state: AttentionState, q: torch.Tensor, d: int, softcap: float | None
+) -> Loop | Varlen | Together:
+    kern: VarlenKernel | None = (
+        varlen_kernel(q, d, d) if softcap is None else capped_varlen_kernel(q, d, softcap)
+    )
     if kern is None:
         kern = math_varlen(part_kernel(q, softcap))
     packed = state.packing_on(q.device) if kern is not None and len(state.span_table) else None

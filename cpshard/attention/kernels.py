@@ -6,8 +6,11 @@ backward cannot use autograd).
   multiple of 8 up to 256; causal aligned bottom-right, GQA in the kernel): ONE launch per layer
   for every span of the step. No flash-attn package is needed (flash-attn's
   ``flash_attn_varlen_func`` is an autograd function, which a custom op's explicit backward
-  cannot call; torch ships the same FA2 kernels).
+  cannot call; torch ships the same FA2 kernels; it calls the package's ops directly where
+  soft-capping needs it: :mod:`cpshard.attention.flash_attn2`).
   A windowed step's packing passes its window as the kernels' left window.
+  FlashAttention-3 on Hopper GPUs: :mod:`cpshard.attention.fa3`; which kernel serves which
+  queries: :mod:`cpshard.attention.choice`.
 * :class:`MathVarlen`: the varlen kernels' contract in explicit matmul-softmax (fp16/bf16
   computed in fp32), over the packing's chunks: many short spans in one launch group, a long
   span in row pieces of bounded memory. It serves the varlen path where no flash kernel does
@@ -16,7 +19,7 @@ backward cannot use autograd).
 * Part kernels for the per-span loop: :class:`CpuFlash` (torch's CPU flash kernel) and
   :class:`MathPart` (explicit matmul-softmax in query chunks) for devices and dtypes no flash
   kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take) and for
-  soft-capped logits: use fp16/bf16 on GPUs.
+  soft-capped logits where no flash kernel takes them: use fp16/bf16 on GPUs.
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ T = torch.Tensor
 class Kernel(Protocol[How]):
     """An attention kernel with an explicit backward (a custom op's backward cannot use
     autograd). ``how`` says which keys each query sees: a :class:`Packing` for a varlen kernel,
-    ``causal`` for a part kernel. The backward takes the forward's output and log-sum-exp."""
+    ``causal`` for a part kernel. The backward takes the forward's output and log-sum-exp.
+    ``name`` says which kernel it is (:func:`cpshard.attention_kernel`)."""
+
+    name: str
 
     def forward(self, q: T, k: T, v: T, how: How, scale: float | None) -> Tensors: ...
 
@@ -70,6 +76,8 @@ class TorchFlashVarlen:
     """torch's own varlen flash-attention kernels (CUDA fp16/bf16), dropout off; a windowed
     packing's window is the kernels' left window (keys ``window - 1`` before a query and the
     query itself)."""
+
+    name = "torch_flash_varlen"
 
     @staticmethod
     def _window(p: Packing) -> dict[str, int | None]:
@@ -120,22 +128,27 @@ class TorchFlashVarlen:
 
 
 @functools.cache
-def _flash_runs_on(device: torch.device) -> bool:
-    """torch's flash kernels run on this GPU: built in, and an sm80+ device (a host query)."""
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """A CUDA device's compute capability, queried on the host once per device."""
+    return torch.cuda.get_device_capability(device)
+
+
+def op_takes(op: object, names: set[str]) -> bool:
+    """Whether a package's torch op (an ``OpOverloadPacket``) exists and its schema has
+    arguments of every name in ``names``: the keywords cpshard calls it with, so that a build
+    with another argument list is never chosen."""
+    try:
+        schema = op.default._schema  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return False
+    return names <= {a.name for a in schema.arguments}
+
+
+def torch_flash_runs_on(device: torch.device) -> bool:
+    """torch's flash kernels run on this GPU: built in, and an sm80+ device."""
     return torch.backends.cuda.is_flash_attention_available() and (
-        torch.cuda.get_device_capability(device) >= (8, 0)
+        device_capability(device) >= (8, 0)
     )
-
-
-def varlen_kernel(q: torch.Tensor, d_k: int, d_v: int) -> VarlenKernel | None:
-    """The one-launch kernel for CUDA fp16/bf16 queries with equal head dims that the flash
-    kernels take (a multiple of 8, at most 256) on a GPU they run on, else None (the loop).
-    (Unequal q/k and v head dims reach the kernels padded to the larger one.)"""
-    fits = d_k == d_v and d_k % 8 == 0 and d_k <= 256
-    half = q.dtype in (torch.float16, torch.bfloat16)
-    if q.is_cuda and half and fits and _flash_runs_on(q.device):
-        return TorchFlashVarlen()
-    return None
 
 
 @functools.cache
@@ -175,6 +188,8 @@ class CpuFlash:
     backward of each part is its exact share of the joint softmax's gradient. ``grouped``: GQA
     in the kernel, and K/V of any strides (the last 1), so the loop copies none (where this
     torch's kernels do, see :func:`_cpu_flash_groups`)."""
+
+    name = "cpu_flash"
 
     @property
     def grouped(self) -> bool:
@@ -220,10 +235,12 @@ def logit_grads(probs: T, g: T, out: T, v: T, raw: T, softcap: float | None) -> 
 class MathPart:
     """Explicit matmul-softmax (fp16/bf16 computed in fp32), for devices and dtypes no flash
     kernel serves (CUDA fp32/fp64, pre-sm80 GPUs, head dims flash does not take) and for logit
-    soft-capping (``softcap * tanh(score / softcap)``, which no flash kernel here implements).
+    soft-capping (``softcap * tanh(score / softcap)``) where no flash kernel taking it does
+    (FA3, the flash-attn package's FA2: :mod:`cpshard.attention.choice`).
     Queries go in chunks of at most ``SCORES`` score elements: memory O(SCORES) per part, not
     O(n * m)."""
 
+    name = "math_part"
     SCORES = 1 << 22
     grouped = False  # K/V heads repeated for the queries' and made contiguous by the caller
 
@@ -280,6 +297,8 @@ class MathVarlen:
     ``[q_first, q_last]``, logits soft-capped before the mask. Every packed query belongs to
     exactly one chunk. A query that sees no key gets a zero output and a ``-inf``
     log-sum-exp."""
+
+    name = "math_varlen"
 
     def __init__(self, softcap: float | None = None) -> None:
         self.softcap = softcap
@@ -340,12 +359,12 @@ def repeat_kv(t: T, heads: int) -> T:
     return t if t.shape[0] == heads else t.repeat_interleave(heads // t.shape[0], dim=0)
 
 
-def math_varlen(part: PartKernel) -> MathVarlen | None:
-    """The explicit varlen kernel where the loop would run the explicit part kernel ``part``
-    (no flash kernel serves the queries, or the logits are soft-capped), else None."""
-    return MathVarlen(part.softcap) if isinstance(part, MathPart) else None
+def repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[B, KV heads, n, D]`` repeated to the queries' ``heads`` (GQA)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def part_kernel(q: torch.Tensor, softcap: float | None = None) -> PartKernel:
-    """The per-segment part kernel for q's device (soft-capped logits: the explicit one)."""
-    return CpuFlash() if q.device.type == "cpu" and softcap is None else MathPart(softcap)
+def fold_heads(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Adjoint of :func:`repeat_heads`: the gradient of repeated heads summed onto each KV head."""
+    b, heads, n, d = grad.shape
+    return grad if heads == kv_heads else grad.view(b, kv_heads, heads // kv_heads, n, d).sum(2)

@@ -18,8 +18,8 @@ The attention variants of today's models, each exact forward and backward:
 * ``window``: a sliding window (keys a query sees, itself included); the step's windowed state
   (:meth:`~cpshard.attention.state.AttentionState.windowed`) exchanges only the rows the
   windows reach and its spans start where their windows do;
-* ``softcap``: logits ``softcap * tanh(score / softcap)`` (the explicit kernel: no flash kernel
-  here implements it);
+* ``softcap``: logits ``softcap * tanh(score / softcap)`` (in the flash kernel where one takes
+  it, FA3 or the flash-attn package's FA2, else the explicit kernel: :mod:`~.choice`);
 * ``sinks``: a learned logit per query head in every softmax denominator, with no value (the
   output scaled by ``sigmoid(lse - sink)``); its gradient is returned;
 * q/k and v head dims that differ (multi-head latent attention): the smaller side is padded

@@ -64,9 +64,10 @@ def path(name: str, seen: list[str]) -> Iterator[None]:
     """Route cp_attention to the varlen kernel (``varlen``: as chosen by cpshard) or the loop
     (``loop``: no varlen kernel); record which implementation each call used."""
     saved_kernel, saved_impl = engine.varlen_kernel, engine.implementation
-    saved_math = engine.math_varlen
+    saved_math, saved_capped = engine.math_varlen, engine.capped_varlen_kernel
     if name == "loop":
         engine.varlen_kernel = lambda q, d_k, d_v: None
+        engine.capped_varlen_kernel = lambda q, d, softcap: None
         engine.math_varlen = lambda part: None
 
     def recording(*args, **kwargs):
@@ -79,7 +80,7 @@ def path(name: str, seen: list[str]) -> Iterator[None]:
         yield
     finally:
         engine.varlen_kernel, engine.implementation = saved_kernel, saved_impl
-        engine.math_varlen = saved_math
+        engine.math_varlen, engine.capped_varlen_kernel = saved_math, saved_capped
 
 
 def explicit(q, k, v, visible: torch.Tensor, softcap: float | None, sinks) -> torch.Tensor:

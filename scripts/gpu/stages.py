@@ -14,7 +14,10 @@ ends (``OUT/<stage>.json``); they run after the build stage made the extension.
 * ``graph``: (world size 1: a captured graph cannot hold the host-staged transfers) CUDA-graph
   capture of a warmed layer replayed on new inputs;
 * ``bench``: one CP layer step at W = 2 on the shared GPU, the varlen attention against
-  per-document SDPA (the kernels against copy bandwidth and the per-call verb cost against
+  per-document SDPA, and each attention kernel cpshard can run here (torch's FA2 flash op,
+  FlashAttention-3, the flash-attn package's soft-capped FA2, the explicit one), plain and
+  soft-capped, against per-document SDPA with which kernel ran (:mod:`varlen_kernels`; the
+  kernels against copy bandwidth and the per-call verb cost against
   torch's ``all_gather_into_tensor`` are ``cpshard.bench.kernels`` and
   ``cpshard.bench.nccl_world1``, which check.sh runs as stages of their own).
 
@@ -52,6 +55,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import numerics  # noqa: E402
 import stage_args  # noqa: E402
 import steady_state  # noqa: E402
+import varlen_kernels  # noqa: E402
 
 import cpshard  # noqa: E402
 from cpshard.attention import active_state  # noqa: E402
@@ -477,6 +481,7 @@ def bench(device: str, out: Path, repeats: int) -> dict:
         "per_document_sdpa_ms": sdpa_ms,
         "documents": docs,
         "repeats": repeats,
+        "attention_kernels": varlen_kernels.bench(device, repeats, docs),
     }
 
 

@@ -123,6 +123,13 @@ def test_the_dry_run_from_a_fresh_clone_without_cpshard_runs_every_stage(tmp_pat
     assert numerics["ok"] and numerics["cases"] and numerics["device"] == "cpu"
     bench = json.loads((out / "bench.json").read_text())
     assert bench["dry_run"] and bench["layer_step_w2_ms"] > 0
+    # the attention kernels: what CPU cannot run said so, the explicit one timed, the choice named
+    kernels = bench["attention_kernels"]["kernels"]
+    for name in ("torch_flash_varlen", "fa3_varlen", "flash_attn_varlen"):
+        assert not kernels[name]["available"] and "not available" in kernels[name]["why"]
+    math = kernels["math_varlen"]
+    assert math["plain_ms"] > 0 and math["softcap_ms"] > 0 and math["softcap_ran"] == "math_varlen"
+    assert bench["attention_kernels"]["chosen"] == {"plain": "cpu_flash", "softcap": "math_varlen"}
     assert json.loads((out / "kernels_cpu.json").read_text())
     # what needs a GPU skipped and says why, in its JSON and in the summary
     for name in ("steady_state.json", "nccl_world1.json"):
