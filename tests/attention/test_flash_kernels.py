@@ -291,6 +291,28 @@ def test_cp_attention_through_fa3(pools, world: int, loop: bool) -> None:
     assert all(c > 0 for c in calls), calls  # the stand-in computed, not a fallback
 
 
+def _in_tiles(rank: int, world: int, layouts: list[str]) -> list[tuple]:
+    """:func:`_distributed` through FA3's part kernel in the loop, every long span in tiles of
+    at most 3 queries (and keys)."""
+    from cpshard.attention import engine
+
+    saved = engine.TILES, engine.TILE_ROWS
+    engine.TILES, engine.TILE_ROWS = 64, 3
+    try:
+        return _distributed(rank, world, layouts, "fa3", True)
+    finally:
+        engine.TILES, engine.TILE_ROWS = saved
+
+
+def test_cp_attention_through_fa3_parts_in_tiles(pools) -> None:
+    """The loop's tiles hand FA3's part kernel views of the queries and output and a tile's
+    output gradient: exact, W = 3."""
+    layouts = ["contiguous", "balanced"]
+    got = pools(3).run(_in_tiles, layouts, timeout=600)
+    _check(got, layouts, 3, _fa3_ran)
+    assert {name for rank in got for result in rank for name in result[5]} == {"fa3_part"}
+
+
 def _flash_attn_ran(layout: str, softcap, ran: list, calls: dict) -> bool:
     """Soft-capped logits on the varlen path ran the flash-attn package's kernel (the loop,
     which no package kernel serves, the explicit one); plain logits kept torch's CPU flash."""
