@@ -3,15 +3,17 @@ layout and activation checkpointing (``cpshard plan --memory --max-seq-len``'s s
 predictor per model and checkpointing setting): the table of docs/memory.md.
 
     python -m cpshard.bench.memory_table [--models llama3-8b qwen3-32b] [--worlds 8 32 128]
-        [--layouts head_tail contiguous] [--device h100] [--docs one]
+        [--layouts head_tail contiguous] [--device h100] [--docs one] [--fsdp off on]
 
 Each cell: the largest S, a multiple of 1024 x W (1k tokens per rank), up to 64M, whose worst
-of ranks 0 and W-1 is predicted to fit (bf16 parameters, AdamW, the full-logits loss).
+of ranks 0 and W-1 is predicted to fit (bf16 parameters, AdamW, the full-logits loss; replicated
+on every CP rank, or sharded by FSDP2 over the W CP ranks).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
@@ -33,14 +35,16 @@ def main() -> None:
     p.add_argument("--strategy", default="auto")
     p.add_argument("--device", default="h100")
     p.add_argument("--docs", default="one")
+    p.add_argument("--fsdp", nargs="+", choices=("off", "on"), default=["off", "on"])
     args = p.parse_args()
     dev = device(args.device)
-    print(f"| model | checkpointing | W | " + " | ".join(args.layouts) + " |")
-    print("|---|---|---|" + "---|" * len(args.layouts))
+    print(f"| model | FSDP2 | checkpointing | W | " + " | ".join(args.layouts) + " |")
+    print("|---|---|---|---|" + "---|" * len(args.layouts))
     for name in args.models:
-        for checkpointing in (False, True):
+        for fsdp, checkpointing in itertools.product(args.fsdp, (False, True)):
             started = time.perf_counter()
-            predictor = Predictor(StepSpec(model_config(name), DTYPES["bf16"], checkpointing))
+            spec = StepSpec(model_config(name), DTYPES["bf16"], checkpointing, fsdp=fsdp == "on")
+            predictor = Predictor(spec)
             for world in args.worlds:
                 cells = []
                 for layout in args.layouts:
@@ -50,11 +54,13 @@ def main() -> None:
                     )  # fmt: skip
                     cells.append("none" if found.seq_len is None else f"{found.seq_len // 1024}k")
                     took = time.perf_counter() - started
-                    print(f"  {name} ckpt={checkpointing} W={world} {layout}: {cells[-1]} "
+                    print(f"  {name} fsdp={fsdp} ckpt={checkpointing} W={world} {layout}: "
+                          f"{cells[-1]} "
                           f"({len(found.tried)} predictions, {took:.0f} s)",
                           file=sys.stderr, flush=True)  # fmt: skip
                 ckpt = "on" if checkpointing else "off"
-                print(f"| {name} | {ckpt} | {world} | " + " | ".join(cells) + " |", flush=True)
+                print(f"| {name} | {fsdp} | {ckpt} | {world} | " + " | ".join(cells) + " |",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
