@@ -124,6 +124,9 @@ def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
     memory.add_argument("--device", default="h100",
                         help=f"{', '.join(DEVICES)} or a size (96GiB, 80GB); default h100",
                         )  # fmt: skip
+    memory.add_argument("--jobs", type=_count("--jobs"), metavar="N",
+                        help="ranks traced in N forked processes at once (default: the CPU "
+                        "count; the same figures)")  # fmt: skip
     memory.add_argument("--max-seq-len", type=_count("--max-seq-len"), metavar="LIMIT",
                         help="search the largest S <= LIMIT (multiple of --seq-len) that fits",
                         )  # fmt: skip
@@ -135,7 +138,9 @@ def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
 
 def _memory(args: argparse.Namespace) -> MemorySetup | None:
     if not args.memory:
-        for flag in ("max_seq_len", "hidden_size", "intermediate_size", "vocab_size", "dp_shard"):
+        for flag in (
+            "max_seq_len", "hidden_size", "intermediate_size", "vocab_size", "dp_shard", "jobs",
+        ):  # fmt: skip
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')}: only with --memory")
         if args.fsdp:
@@ -156,7 +161,8 @@ def _memory(args: argparse.Namespace) -> MemorySetup | None:
         model_config(args.model, **sizes), DTYPES[args.dtype], args.checkpointing == "on",
         args.optimizer, args.loss, args.fsdp, args.dp_shard or 1,
     )  # fmt: skip
-    return MemorySetup(args.model, spec, device(args.device), args.max_seq_len)
+    jobs = args.jobs or os.cpu_count() or 1
+    return MemorySetup(args.model, spec, device(args.device), args.max_seq_len, jobs)
 
 
 def _shape(args: argparse.Namespace) -> HeadShape:

@@ -69,7 +69,7 @@ def run_memory(job: Setup, mem: MemorySetup) -> int:
         return _search(predictor, mem, job, started)
     ranks = predictor.ranks(
         job.world, job.ranks, job.layout, job.strategy, document_ids(job.lengths, job.seq_len),
-        job.mesh, _progress(len(job.ranks), started),
+        job.mesh, _progress(len(job.ranks), started), mem.jobs,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     layers, traced = mem.spec.layers, predictor.traced
@@ -91,7 +91,7 @@ def _search(predictor: Predictor, mem: MemorySetup, job: Setup, started: float) 
 
     found = largest_fitting(
         predictor, job.world, job.ranks, job.layout, job.strategy, job.docs, mem.device.bytes,
-        job.seq_len, mem.max_seq_len, job.mesh, progress,
+        job.seq_len, mem.max_seq_len, job.mesh, progress, mem.jobs,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     head = _header(mem, job, job.seq_len)[0].replace(f"S={job.seq_len}", f"S <= {mem.max_seq_len}")

@@ -28,6 +28,7 @@ temporaries are the largest parameter's), plus what the rank still holds after i
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -283,11 +284,25 @@ def optimizer_peak(
     return _plain(tracker.get_tracker_snapshot("peak")[DEVICE])
 
 
-def later_step_views(strategy: str, mesh: tuple[int, int] | None) -> None:
+def later_step_views(strategy: str, mesh: tuple[int, int] | None, packing: bool = True) -> None:
     """Mark the attention's host views as read by an earlier step, so the sharder's setup makes
-    and places them (outside the traced step) as a job's later steps do."""
-    states.seen_views.update({"blocks", "packing", "needed_rows"})
+    and places them (outside the traced step) as a job's later steps do. ``packing``: the varlen
+    packing too (on CPU only the explicit kernel of soft-capped logits reads it: see
+    :func:`reads_packing`; made for a step that never reads it, it costs the setup the most
+    time and changes no figure)."""
+    states.seen_views.update({"blocks", "needed_rows"})
     states.seen_views.update(head_parallel_kinds(strategy, mesh))
+    if packing:
+        states.seen_views.add("packing")
+    else:
+        states.seen_views.discard("packing")
+
+
+def reads_packing(spec: StepSpec) -> bool:
+    """Whether the traced (CPU) step's attention reads the varlen packing: where its logits are
+    soft-capped (the explicit kernel, varlen in chunks); the CPU flash kernel's loop does not."""
+    text = spec.config.get_text_config()
+    return getattr(text, "attn_logit_softcapping", None) is not None
 
 
 @dataclass
@@ -344,30 +359,92 @@ class Predictor:
         doc_ids: torch.Tensor,
         mesh: tuple[int, int] | None = None,
         progress: Callable[[int, RankMemory], None] | None = None,
+        jobs: int = 1,
     ) -> list[RankMemory]:
         """Every rank of ``ranks``' predicted peak for one step of the ``[1, S]`` packed batch
         of documents ``doc_ids`` sharded as ``layout`` (``progress(done, rank's figures)``
-        after each)."""
+        after each, in the order they finish). ``jobs`` > 1: ranks traced in that many forked
+        processes at once (each rank's trace is its own: the same figures as one process)."""
         spec = self.spec
+        if jobs < 1:
+            raise ValueError(f"--jobs: must be >= 1, got {jobs}")
         batch = packed_batch(doc_ids, int(spec.config.vocab_size))
-        later_step_views(strategy, mesh)
+        packing = reads_packing(spec)
+        later_step_views(strategy, mesh, packing)
+        job = _Job(world, layout, strategy, batch, mesh, packing)
+        jobs = min(jobs, len(ranks))
+        if jobs > 1 and "fork" in mp.get_all_start_methods():
+            return self._forked(job, ranks, jobs, progress)
         out: list[RankMemory] = []
         for rank in ranks:
-            start = time.perf_counter()
-            with simulated_rank(rank, world, mesh, spec.dp_shard) as group:
-                sharder = ContextParallelSharder(group, layout, strategy=strategy)
-                ctx, local = sharder.shard(batch)
-                if self.shared is not None:
-                    built, step = self.shared, self._step(self.shared.model, group)
-                else:
-                    built, step = self._built(group, world_mesh())
-                assert step is not None
-                trace = trace_rank(
-                    self.mode, step, built.opt, local, ctx, spec.fsdp, self.replay
-                )
-            snap, at = compose(trace, spec.layers, built.optimizer_peak)
-            seconds = time.perf_counter() - start
-            out.append(RankMemory(rank, _total(snap), by_category(snap), at, seconds))
+            out.append(self.rank(job, rank))
             if progress is not None:
                 progress(len(out), out[-1])
         return out
+
+    def rank(self, job: _Job, rank: int) -> RankMemory:
+        """``rank``'s predicted peak for ``job``."""
+        spec = self.spec
+        start = time.perf_counter()
+        with simulated_rank(rank, job.world, job.mesh, spec.dp_shard) as group:
+            sharder = ContextParallelSharder(group, job.layout, strategy=job.strategy)
+            ctx, local = sharder.shard(job.batch)
+            if self.shared is not None:
+                built, step = self.shared, self._step(self.shared.model, group)
+            else:
+                built, step = self._built(group, world_mesh())
+            assert step is not None
+            trace = trace_rank(self.mode, step, built.opt, local, ctx, spec.fsdp, self.replay)
+        if not job.packing and "packing" in states.seen_views:
+            raise RuntimeError(
+                "--model: the traced step read the attention's varlen packing, which "
+                "reads_packing said it would not (its setup did not make it): no prediction"
+            )
+        snap, at = compose(trace, spec.layers, built.optimizer_peak)
+        seconds = time.perf_counter() - start
+        return RankMemory(rank, _total(snap), by_category(snap), at, seconds)
+
+    def _forked(
+        self,
+        job: _Job,
+        ranks: list[int],
+        jobs: int,
+        progress: Callable[[int, RankMemory], None] | None,
+    ) -> list[RankMemory]:
+        """:meth:`rank` of each of ``ranks`` in a pool of ``jobs`` forked processes (each
+        inherits this predictor; one thread each, so no OpenMP pool crosses the fork)."""
+        global _FORKED
+        _FORKED = (self, job)
+        found: dict[int, RankMemory] = {}
+        try:
+            context = mp.get_context("fork")
+            with context.Pool(jobs, torch.set_num_threads, (1,)) as pool:
+                for m in pool.imap_unordered(_rank_in_child, ranks):
+                    found[m.rank] = m
+                    if progress is not None:
+                        progress(len(found), m)
+        finally:
+            _FORKED = None
+        return [found[r] for r in ranks]
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One step to predict for each rank: the CP job and its packed batch."""
+
+    world: int
+    layout: str
+    strategy: str
+    batch: dict[str, torch.Tensor]
+    mesh: tuple[int, int] | None
+    packing: bool
+
+
+# The predictor and job a forked pool's processes trace ranks of (set only while it runs).
+_FORKED: tuple[Predictor, _Job] | None = None
+
+
+def _rank_in_child(rank: int) -> RankMemory:
+    assert _FORKED is not None, "a forked process inherits the predictor"
+    predictor, job = _FORKED
+    return predictor.rank(job, rank)

@@ -131,13 +131,15 @@ def test_composition_equals_a_trace_of_every_layer(
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_replayed_attention_calls_give_the_traced_result(fsdp: bool) -> None:
     """The later layers' attention calls replayed give every figure of tracing them again, to
-    the byte (and the replay does happen: fewer ops are traced)."""
+    the byte; so do ranks traced in forked processes."""
     spec = StepSpec(model_config("llama", **_SMALL), torch.float32, False, "adamw", fsdp=fsdp)
     ids = document_ids(document_lengths("pareto:8", 2048), 2048)
     fresh = Predictor(spec, replay=False).ranks(4, [0, 3], "head_tail", "auto", ids)
     replayed = Predictor(spec).ranks(4, [0, 3], "head_tail", "auto", ids)
     strip = lambda ms: [(m.rank, m.peak_bytes, m.by_category, m.at) for m in ms]  # noqa: E731
     assert strip(replayed) == strip(fresh)
+    forked = Predictor(spec).ranks(4, [0, 3, 1], "head_tail", "auto", ids, jobs=2)
+    assert strip(forked) == strip(Predictor(spec).ranks(4, [0, 3, 1], "head_tail", "auto", ids))
 
 
 def test_plan_memory_reports_every_rank(tmp_path, capsys) -> None:
@@ -206,6 +208,8 @@ def test_plan_memory_searches_the_largest_fitting_sequence(tmp_path) -> None:
         (["--max-seq-len", "8k", "--heads", "4", "--head-dim", "8"], "--max-seq-len"),
         (["--hidden-size", "64", "--heads", "4", "--head-dim", "8"], "--hidden-size"),
         (["--fsdp", "--heads", "4", "--head-dim", "8"], "--fsdp"),
+        (["--jobs", "2", "--heads", "4", "--head-dim", "8"], "--jobs"),
+        (["--memory", "--model", "llama", "--jobs", "0"], "--jobs"),
         (["--memory", "--model", "llama", "--dp-shard", "2"], "--dp-shard"),
         (["--memory", "--model", "llama", "--fsdp", "--dp-shard", "0"], "--dp-shard"),
     ],
