@@ -265,12 +265,9 @@ class _StepTracking:
                 continue
             categories.append(winfo.reftype.value)
             left[winfo.reftype.value] = left.get(winfo.reftype.value, 0) + winfo.mem_consumed
-        net = {k: now.get(k, 0) - entry.get(k, 0) for k in set(now) | set(entry)}
-        net = {str(getattr(k, "value", k)): v for k, v in net.items() if v}
-        left_total = sum(left.values())
-        if {k: v for k, v in net.items() if k != _TOTAL_KEY} != left or net.get(
-            _TOTAL_KEY, 0
-        ) != left_total:
+        left[_TOTAL_KEY] = sum(left.values())
+        net = {str(getattr(k, "value", k)): now.get(k, 0) - entry.get(k, 0) for k in {*now, *entry}}
+        if {k: v for k, v in net.items() if v} != {k: v for k, v in left.items() if v}:
             return None  # the call left something besides its outputs (a cache, a buffer)
         peak = rec["peak"] if rec["peak"] is not None else now
         delta = {k: peak.get(k, 0) - entry.get(k, 0) for k in set(peak) | set(entry)}
