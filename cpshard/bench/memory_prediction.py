@@ -2,8 +2,8 @@
 
 Each rank of the bench's gloo group runs the real training step
 (:mod:`cpshard.simulation.training_step`: a small random Llama, a packed batch sharded by the
-sharder, forward, loss, backward, AdamW step) twice and measures the second (a later step, as
-the prediction models): the bytes its parameters and optimizer state hold, plus the peak of the
+sharder, forward, loss, backward, AdamW step; replicated, or sharded by FSDP2 over the ranks)
+twice and measures the second (a later step, as the prediction models): the bytes its parameters and optimizer state hold, plus the peak of the
 running sum of torch's CPU allocator events during the step (:func:`cpshard.bench.memory.
 cpu_peak`, the profiler's record, independent of the predictor's tracker). Rank 0 then predicts
 every rank's peak in a fresh process (a simulated rank needs the fake backend as its default
@@ -30,11 +30,14 @@ from cpshard.simulation.step_loss import LOSSES, LossModule
 from cpshard.simulation.step_memory import Predictor
 from cpshard.simulation.training_step import (
     DTYPES,
+    CausalStep,
     StepSpec,
     build_model,
     forward_backward,
+    fully_shard_step,
     make_optimizer,
     packed_batch,
+    world_mesh,
 )
 
 # A small Llama: big enough that activations dominate, small enough for a CPU step.
@@ -56,10 +59,16 @@ class Case:
     checkpointing: bool = False
     docs: str = DOCS
     loss: str = "cross_entropy"
+    fsdp: bool = False
+    dp_shard: int = 1
 
 
 SMOKE = (Case(1024, "head_tail"),)
-DEFAULT = (Case(8192, "head_tail"), Case(8192, "contiguous", checkpointing=True))
+DEFAULT = (
+    Case(8192, "head_tail"),
+    Case(8192, "contiguous", checkpointing=True),
+    Case(8192, "head_tail", fsdp=True),
+)
 FULL = (
     *DEFAULT,
     Case(16384, "head_tail"),
@@ -67,55 +76,76 @@ FULL = (
     Case(16384, "head_tail", strategy="heads"),
     Case(16384, "contiguous", docs="one"),
     Case(16384, "head_tail", loss="linear_cross_entropy"),
+    Case(16384, "head_tail", fsdp=True),
+    Case(16384, "contiguous", checkpointing=True, fsdp=True),
 )
 
 
 def spec_of(case: Case) -> StepSpec:
     """The step of ``case``: :data:`SMALL_LLAMA` in :data:`DTYPE` with AdamW."""
     return StepSpec(
-        model_config("llama", **SMALL_LLAMA), DTYPES[DTYPE], case.checkpointing, "adamw", case.loss
-    )
+        model_config("llama", **SMALL_LLAMA), DTYPES[DTYPE], case.checkpointing, "adamw",
+        case.loss, case.fsdp, case.dp_shard,
+    )  # fmt: skip
 
 
 def _held(model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> int:
-    """Bytes of ``model``'s parameters and buffers and ``opt``'s state (distinct storages)."""
+    """Bytes of ``model``'s parameters and buffers and ``opt``'s state (distinct storages; a
+    DTensor's: its local shard's)."""
     seen: dict[int, int] = {}
     tensors = [*model.parameters(), *model.buffers()]
     if opt is not None:
         states = [v for s in opt.state.values() for v in s.values()]
         tensors += [v for v in states if isinstance(v, torch.Tensor)]
     for t in tensors:
-        st = t.untyped_storage()
+        st = getattr(t, "_local_tensor", t).untyped_storage()
         seen[st.data_ptr()] = st.nbytes()
     return sum(seen.values())
 
 
+def cp_group(case: Case) -> dist.ProcessGroup:
+    """This rank's CP group for ``case``: every rank, or with ``dp_shard`` replicas those of
+    this rank's replica (consecutive ranks)."""
+    if case.dp_shard == 1:
+        return dist.group.WORLD
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if world % case.dp_shard:
+        raise ValueError(f"dp_shard: {case.dp_shard} does not divide {world} ranks")
+    mesh = (case.dp_shard, world // case.dp_shard)
+    return init_device_mesh("cpu", mesh, mesh_dim_names=("dp", "cp"))["cp"].get_group()
+
+
 def measure_rank(group: dist.ProcessGroup, case: Case) -> int:
-    """This rank's measured peak bytes of a later step of ``case`` on ``group``."""
+    """This rank's measured peak bytes of a later step of ``case`` with CP over ``group``."""
     spec = spec_of(case)
     torch.manual_seed(0)
     model = build_model(spec, spec.layers)
-    opt = make_optimizer(spec, model)
+    step = CausalStep(model, LossModule(model.get_output_embeddings(), LOSSES[spec.loss], group))
+    if spec.fsdp:
+        fully_shard_step(step, world_mesh())
+    opt = make_optimizer(spec, step)
     ids = document_ids(document_lengths(case.docs, case.seq_len), case.seq_len)
     batch = packed_batch(ids, int(spec.config.vocab_size))
-    loss_module = LossModule(model.get_output_embeddings(), LOSSES[spec.loss], group)
     sharder = ContextParallelSharder(group, case.layout, strategy=case.strategy)
 
-    def step(ctx, local) -> None:  # noqa: ANN001
-        forward_backward(model, loss_module, local, ctx)
+    def train(ctx, local) -> None:  # noqa: ANN001
+        forward_backward(step, local, ctx)
         if opt is not None:
             opt.step()
             opt.zero_grad(set_to_none=True)
 
-    step(*sharder.shard(batch))  # the first step: the guard's audit, the views' first use
+    train(*sharder.shard(batch))  # the first step: the guard's audit, the views' first use
     release_freed_memory()
     ctx, local = sharder.shard(batch)
-    held = _held(model, opt)
-    return held + cpu_peak(lambda: step(ctx, local))
+    held = _held(step, opt)
+    return held + cpu_peak(lambda: train(ctx, local))
 
 
 def predict(world: int, case: Case) -> list[dict]:
-    """Every rank's predicted peak of ``case`` (in a process without a default group)."""
+    """Every CP rank's predicted peak of ``case`` on ``world`` CP ranks (in a process without a
+    default group)."""
     ids = document_ids(document_lengths(case.docs, case.seq_len), case.seq_len)
     predictor = Predictor(spec_of(case))
     found = predictor.ranks(world, list(range(world)), case.layout, case.strategy, ids)
@@ -158,13 +188,15 @@ def render(rows: list[dict]) -> str:
     out = [
         "# memory prediction: cpshard plan --memory's per-rank peak of a training step beside",
         f"#   the measured one (CPU allocator), a Llama ({size}), {DTYPE}, AdamW, later step",
-        f"#{'W':>3} {'S':>7} {'layout':>12} {'strategy':>9} {'ckpt':>5} {'docs':>10} {'rank':>4} "
+        f"#{'W':>3} {'S':>7} {'layout':>12} {'strategy':>9} {'ckpt':>5} {'fsdp':>5} {'docs':>10} "
+        f"{'rank':>4} "
         f"{'predicted MiB':>14} {'measured MiB':>13} {'ratio':>6}  peak at",
     ]
     for r in rows:
         out.append(
             f" {r['world']:>3} {r['seq_len']:>7} {r['layout']:>12} {r['strategy']:>9} "
-            f"{'on' if r['checkpointing'] else 'off':>5} {r['docs']:>10} {r['rank']:>4} "
+            f"{'on' if r['checkpointing'] else 'off':>5} {'on' if r.get('fsdp') else 'off':>5} "
+            f"{r['docs']:>10} {r['rank']:>4} "
             f"{r['predicted'] / 2**20:>14.1f} {r['measured'] / 2**20:>13.1f} {r['ratio']:>6.3f}"
             f"  {r['at']}"
         )

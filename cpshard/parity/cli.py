@@ -29,7 +29,9 @@ for every layout and world size, and compare it with the same model in one proce
 document of the packed batch runs alone: the loss, the logits, every parameter gradient, the
 labelled-token count and the gradient-norm ratio; per rank, the attention cost and the K/V bytes
 received. A difference is located at the first module whose inputs equal the reference's but
-whose output does not.
+whose output does not. The loss, unless --loss gives one, is the one CPTrainer computes:
+cp_linear_cross_entropy from the final hidden states (the logits never held) where the model's
+LM head is a plain nn.Linear, else cp_cross_entropy of the logits; the report names it.
 
 MODEL: a transformers class (LlamaForCausalLM, Qwen3ForCausalLM,
 Qwen3VLForConditionalGeneration, ...) built tiny with a random config, a config.json, or
@@ -116,7 +118,9 @@ def parser(prog: str = "cpshard parity") -> argparse.ArgumentParser:
         "--batch", help="a torch.save'd batch dict, or module:function(replica) -> batch"
     )
     p.add_argument(
-        "--loss", help="module:function(logits, sharded batch, group) -> loss or (loss, labels)"
+        "--loss",
+        help="module:function(logits, sharded batch, group) -> loss or (loss, labels) "
+        "(default: cp_linear_cross_entropy where the LM head allows, else cp_cross_entropy)",
     )
     p.add_argument(
         "--layouts",

@@ -18,9 +18,11 @@ DEFAULT_TOL = 1e-9
 @dataclass(frozen=True)
 class Setup:
     """The model, the batch, the loss (``module:function`` called as ``fn(logits, batch,
-    group)`` returning the loss or ``(loss, labels used)``; None: :func:`cpshard.cp_cross_entropy`
-    of the sharded batch's targets) and the tolerance of "exact" (absolute, scaled by the
-    reference's magnitude when it exceeds 1)."""
+    group)`` returning the loss or ``(loss, labels used)``; None: the loss of the sharded
+    batch's targets as ``CPTrainer`` computes it, :func:`cpshard.cp_linear_cross_entropy` from
+    the final hidden states where the LM head allows, else :func:`cpshard.cp_cross_entropy` of
+    the logits) and the tolerance of "exact" (absolute, scaled by the reference's magnitude when
+    it exceeds 1)."""
 
     model: ModelSpec
     batch: BatchSpec = BatchSpec()

@@ -24,8 +24,13 @@ def table(report: ParityReport) -> str:
         f"{'case':<34} {'verdict':<8} {'loss err':>8} {'logits':>8} {'grad err':>8} "
         f"{'tokens cp/ref':>13} {'|g| ratio':>9} {'balance':>7} {'K/V KiB':>8}  worst gradient"
     )
+    losses = sorted(
+        {r.loss_fn + (f" ({r.loss_reason})" if r.loss_reason else "") for r in report.results
+         if r.loss_fn}
+    )  # fmt: skip
     lines = [
-        f"cpshard parity: {report.setup.model.value} (float64, gloo, CPU)",
+        f"cpshard parity: {report.setup.model.value} (float64, gloo, CPU)"
+        + (f"; loss: {', '.join(losses)}" if losses else ""),
         head,
         "-" * len(head),
     ]

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from cpshard.attention.state import active_state
+from cpshard.integrations import linear_head
 from cpshard.loss import cp_cross_entropy, reduce_cp_gradients
 from cpshard.parity.batches import IGNORE, make_batch
 from cpshard.parity.config import BLOCKDIAG, Case, Setup
@@ -58,6 +59,39 @@ def _fsdp(model: torch.nn.Module, mesh: Any, mode: str) -> None:
     fully_shard(model, mesh=target)
 
 
+CHUNKED_LOSS = "cp_linear_cross_entropy"
+LOGITS_LOSS = "cp_cross_entropy"
+
+
+def loss_choice(setup: Setup, model: torch.nn.Module) -> tuple[str, str | None]:
+    """The loss the step computes and, where it is not the chunked one, why: the user's
+    ``--loss``; else, as ``CPTrainer`` chooses, :func:`cpshard.cp_linear_cross_entropy` from the
+    final hidden states where the model's LM head allows it
+    (:func:`cpshard.integrations.linear_head.head_problem`), else
+    :func:`cpshard.cp_cross_entropy` of the logits."""
+    if setup.loss is not None:
+        return setup.loss, "the loss given"
+    problem = linear_head.head_problem(model)
+    return (CHUNKED_LOSS, None) if problem is None else (LOGITS_LOSS, problem)
+
+
+def _chunked_loss(
+    model: torch.nn.Module, ids: torch.Tensor, local: Any, group: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss as ``CPTrainer`` computes it through the model's installed forward
+    (:func:`cpshard.integrations.linear_head.install`): the batch's targets as ``shift_labels``,
+    the CP group's labelled-token count as ``num_items_in_batch``, each rank's share times the
+    group's size (what the Trainer's CP arithmetic makes of it); and the labels it used."""
+    labels = local.targets.labels
+    count = (labels != IGNORE).sum()
+    dist.all_reduce(count, group=group)
+    out = model(
+        input_ids=ids, position_ids=local["position_ids"], shift_labels=labels,
+        num_items_in_batch=count, use_cache=False, **{linear_head.LINEAR_LOSS_KWARG: True},
+    )  # fmt: skip
+    return out.loss * dist.get_world_size(group), labels
+
+
 def _loss(
     setup: Setup, logits: torch.Tensor, local: Any, group: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,6 +119,10 @@ def _measure(setup: Setup, case: Case, ref: Reference) -> dict[str, Any]:
     model = build_model(setup.model)
     if case.fsdp is not None:
         _fsdp(model, mesh, case.fsdp)
+    loss_name, loss_reason = loss_choice(setup, model)
+    chunked = loss_name == CHUNKED_LOSS
+    if chunked:
+        linear_head.install(model)
     batch = make_batch(setup.batch, vocab_size(model), replica)
     mine: ReplicaReference = ref.replicas[replica]
     gather = ContextParallelSharder(
@@ -99,8 +137,15 @@ def _measure(setup: Setup, case: Case, ref: Reference) -> dict[str, Any]:
     with ctx():
         state = active_state()
         with recording(model, ids.shape[0], ids.shape[1]) as rec:
-            logits = forward(model, setup.model, ids, local["position_ids"])
-        loss, labels = _loss(setup, logits, local, group)
+            if chunked:
+                loss, labels = _chunked_loss(model, ids, local, group)
+            else:
+                logits = forward(model, setup.model, ids, local["position_ids"])
+        if chunked:  # the logits, never held by the loss, for the comparison only
+            with torch.no_grad():
+                logits = forward(model, setup.model, ids, local["position_ids"])
+        else:
+            loss, labels = _loss(setup, logits, local, group)
     loss.backward()
     if case.fsdp in (None, "dp"):
         reduce_cp_gradients(model, group)
@@ -160,6 +205,8 @@ def _measure(setup: Setup, case: Case, ref: Reference) -> dict[str, Any]:
         "kv_rows": rows,
         "kv_bytes": rows * row_bytes if row_bytes is not None else None,
         "cp": dist.get_world_size(group),
+        "loss_fn": loss_name,
+        "loss_reason": loss_reason,
     }
 
 

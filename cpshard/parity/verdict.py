@@ -15,7 +15,7 @@ EXACT, DIFFERS, REFUSED, CRASHED = "exact", "differs", "refused", "crashed"
 @dataclass
 class CaseResult:
     """One case: its verdict, the diagnosis (empty when exact), the worst measurements over the
-    ranks, and the per-rank attention cost and received K/V bytes."""
+    ranks, the per-rank attention cost and received K/V bytes, and the loss the step ran."""
 
     case: str
     world: int
@@ -33,6 +33,8 @@ class CaseResult:
     first_layer: str | None = None
     cost: list[int] = field(default_factory=list)
     kv_bytes: list[int | None] = field(default_factory=list)
+    loss_fn: str | None = None  # the loss the CP step computed
+    loss_reason: str | None = None  # why not cp_linear_cross_entropy
 
     @property
     def balance(self) -> float | None:
@@ -100,6 +102,8 @@ def judge(case: Case, ranks: list[dict[str, Any]], tol: float) -> CaseResult:
         first_layer=layers[0] if layers else None,
         cost=[m["cost"] for m in ranks],
         kv_bytes=[m["kv_bytes"] for m in ranks],
+        loss_fn=r0["loss_fn"],
+        loss_reason=r0["loss_reason"],
     )
     findings = []
     if layers:

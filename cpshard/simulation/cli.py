@@ -49,7 +49,8 @@ loss, backward, optimizer step) by category, and whether the worst rank fits --d
 is then a named shape ({named}), a transformers model type (llama, qwen3, ...; sizes from
 --hidden-size, --intermediate-size, --vocab-size, --layers, --heads, --kv-heads, --head-dim) or
 a config.json path. --max-seq-len LIMIT searches the largest S up to LIMIT that fits (--seq-len
-is then the granularity).
+is then the granularity). --fsdp: parameters, gradients and optimizer state sharded by FSDP2
+over the W CP ranks times --dp-shard data-parallel replicas (default: replicated).
 """
 
 
@@ -114,9 +115,18 @@ def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
                         help="activation checkpointing of every decoder layer")  # fmt: skip
     memory.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw")
     memory.add_argument("--loss", choices=tuple(LOSSES), default="cross_entropy")
+    memory.add_argument("--fsdp", action="store_true",
+                        help="parameters, gradients and optimizer state sharded by FSDP2 over "
+                        "the CP ranks x --dp-shard (default: replicated on every rank)")
+    memory.add_argument("--dp-shard", type=_count("--dp-shard"), metavar="N",
+                        help="with --fsdp: N data-parallel replicas share the sharding "
+                        "(FSDP2 over N x W ranks; default 1)")  # fmt: skip
     memory.add_argument("--device", default="h100",
                         help=f"{', '.join(DEVICES)} or a size (96GiB, 80GB); default h100",
                         )  # fmt: skip
+    memory.add_argument("--jobs", type=_count("--jobs"), metavar="N",
+                        help="ranks traced in N forked processes at once (default: the CPU "
+                        "count; the same figures)")  # fmt: skip
     memory.add_argument("--max-seq-len", type=_count("--max-seq-len"), metavar="LIMIT",
                         help="search the largest S <= LIMIT (multiple of --seq-len) that fits",
                         )  # fmt: skip
@@ -128,9 +138,13 @@ def parser(prog: str = "cpshard plan") -> argparse.ArgumentParser:
 
 def _memory(args: argparse.Namespace) -> MemorySetup | None:
     if not args.memory:
-        for flag in ("max_seq_len", "hidden_size", "intermediate_size", "vocab_size"):
+        for flag in (
+            "max_seq_len", "hidden_size", "intermediate_size", "vocab_size", "dp_shard", "jobs",
+        ):  # fmt: skip
             if getattr(args, flag) is not None:
                 raise ValueError(f"--{flag.replace('_', '-')}: only with --memory")
+        if args.fsdp:
+            raise ValueError("--fsdp: only with --memory")
         return None
     if args.model is None:
         raise ValueError("--model: needed with --memory")
@@ -145,9 +159,10 @@ def _memory(args: argparse.Namespace) -> MemorySetup | None:
     }  # fmt: skip
     spec = StepSpec(
         model_config(args.model, **sizes), DTYPES[args.dtype], args.checkpointing == "on",
-        args.optimizer, args.loss,
+        args.optimizer, args.loss, args.fsdp, args.dp_shard or 1,
     )  # fmt: skip
-    return MemorySetup(args.model, spec, device(args.device), args.max_seq_len)
+    jobs = args.jobs or os.cpu_count() or 1
+    return MemorySetup(args.model, spec, device(args.device), args.max_seq_len, jobs)
 
 
 def _shape(args: argparse.Namespace) -> HeadShape:

@@ -57,33 +57,49 @@ def _echo_store_of(pg: dist.ProcessGroup) -> EchoStore:
     return EchoStore(pg.size())
 
 
+def _cp_group(
+    world: int, mesh: tuple[int, int] | None, dp: int
+) -> dist.ProcessGroup | DeviceMesh:
+    """The CP group of the first data-parallel replica (ranks ``0 .. world - 1``)."""
+    if mesh is None:
+        if dp == 1:
+            return dist.group.WORLD
+        return init_device_mesh("cpu", (dp, world), mesh_dim_names=("dp", "cp"))["cp"].get_group()
+    if dp == 1:
+        return init_device_mesh("cpu", mesh, mesh_dim_names=("inter", "intra"))
+    every = init_device_mesh("cpu", (dp, *mesh), mesh_dim_names=("dp", "inter", "intra"))
+    return every["inter", "intra"]
+
+
 @contextmanager
 def simulated_rank(
-    rank: int, world: int, mesh: tuple[int, int] | None = None
+    rank: int, world: int, mesh: tuple[int, int] | None = None, dp: int = 1
 ) -> Iterator[dist.ProcessGroup | DeviceMesh]:
-    """Inside the block this process is rank ``rank`` of ``world`` on the fake backend; yields
-    the CP group (the default group) or, for ``mesh=(inter, intra)``, the 2-D ``DeviceMesh``
-    with dims ``("inter", "intra")``. The group is destroyed on exit. Refuses to run in a
-    process that already has a default group (it would be lost)."""
+    """Inside the block this process is CP rank ``rank`` of ``world`` on the fake backend, in
+    the first of ``dp`` data-parallel replicas (the fake world has ``dp * world`` ranks, this one
+    ``rank``); yields the CP group (the default group when ``dp`` is 1) or, for
+    ``mesh=(inter, intra)``, the 2-D ``DeviceMesh`` with dims ``("inter", "intra")``. The groups
+    are destroyed on exit. Refuses to run in a process that already has a default group (it
+    would be lost)."""
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
 
     if not 0 <= rank < world:
         raise ValueError(f"rank: {rank} is out of range for world {world}")
     if mesh is not None and mesh[0] * mesh[1] != world:
         raise ValueError(f"mesh: {mesh[0]}x{mesh[1]} does not have {world} ranks")
+    if dp < 1:
+        raise ValueError(f"dp: must be >= 1, got {dp}")
     if dist.is_initialized():
         raise RuntimeError(
             "simulated_rank: this process already has a default process group; simulate in a "
             "process of its own"
         )
-    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world)
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=dp * world)
     try:
         # torch's Python stores cannot take StoreChannel's ``append`` through the group's
         # PrefixStore, so the channel is handed the echo store directly.
         with mock.patch.object(host, "_store_of", _echo_store_of):
-            if mesh is None:
-                yield dist.group.WORLD
-            else:
-                yield init_device_mesh("cpu", mesh, mesh_dim_names=("inter", "intra"))
+            yield _cp_group(world, mesh, dp)
     finally:
         dist.destroy_process_group()
+

@@ -12,6 +12,13 @@ from cpshard.simulation.memory_report import gib, payload, render
 from cpshard.simulation.memory_search import largest_fitting
 from cpshard.simulation.plan_setup import MemorySetup, Setup
 from cpshard.simulation.step_memory import Predictor, RankMemory
+from cpshard.simulation.training_step import StepSpec
+
+
+def _sharding(spec: StepSpec) -> str:
+    if not spec.fsdp:
+        return "replicated"
+    return "FSDP2 over the CP ranks" + (f" x {spec.dp_shard} replicas" if spec.dp_shard > 1 else "")
 
 
 def _header(mem: MemorySetup, job: Setup, seq_len: int) -> list[str]:
@@ -20,7 +27,7 @@ def _header(mem: MemorySetup, job: Setup, seq_len: int) -> list[str]:
     return [
         f"# cpshard plan --memory: {mem.model} ({spec.layers} layers, {str(spec.dtype)[6:]}, "
         f"optimizer {spec.optimizer}, checkpointing {'on' if spec.checkpointing else 'off'}, "
-        f"loss {spec.loss}), {where}, S={seq_len}, docs {job.docs}, layout {job.layout}, "
+        f"loss {spec.loss}, {_sharding(spec)}), {where}, S={seq_len}, docs {job.docs}, layout {job.layout}, "
         f"strategy {job.strategy}; peak bytes per rank in GiB, PREDICTED",
     ]
 
@@ -30,6 +37,7 @@ def _setup_fields(mem: MemorySetup, job: Setup) -> dict:
     return {
         "model": mem.model, "layers": spec.layers, "dtype": str(spec.dtype)[6:],
         "optimizer": spec.optimizer, "checkpointing": spec.checkpointing, "loss": spec.loss,
+        "fsdp": spec.fsdp, "dp_shard": spec.dp_shard,
         "world": job.world, "mesh": job.mesh, "seq_len": job.seq_len, "docs": job.docs,
         "documents": len(job.lengths), "layout": job.layout, "strategy": job.strategy,
     }  # fmt: skip
@@ -61,12 +69,13 @@ def run_memory(job: Setup, mem: MemorySetup) -> int:
         return _search(predictor, mem, job, started)
     ranks = predictor.ranks(
         job.world, job.ranks, job.layout, job.strategy, document_ids(job.lengths, job.seq_len),
-        job.mesh, _progress(len(job.ranks), started),
+        job.mesh, _progress(len(job.ranks), started), mem.jobs,
     )  # fmt: skip
     seconds = time.perf_counter() - started
-    print(render(_header(mem, job, job.seq_len), ranks, mem.device, mem.spec.layers, seconds))
+    layers, traced = mem.spec.layers, predictor.traced
+    print(render(_header(mem, job, job.seq_len), ranks, mem.device, layers, traced, seconds))
     _write(job.json_path, {"setup": _setup_fields(mem, job),
-                           **payload(ranks, mem.device, mem.spec.layers, seconds)})  # fmt: skip
+                           **payload(ranks, mem.device, layers, traced, seconds)})  # fmt: skip
     return 0
 
 
@@ -82,7 +91,7 @@ def _search(predictor: Predictor, mem: MemorySetup, job: Setup, started: float) 
 
     found = largest_fitting(
         predictor, job.world, job.ranks, job.layout, job.strategy, job.docs, mem.device.bytes,
-        job.seq_len, mem.max_seq_len, job.mesh, progress,
+        job.seq_len, mem.max_seq_len, job.mesh, progress, mem.jobs,
     )  # fmt: skip
     seconds = time.perf_counter() - started
     head = _header(mem, job, job.seq_len)[0].replace(f"S={job.seq_len}", f"S <= {mem.max_seq_len}")

@@ -6,17 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cpshard.byte_units import parse_bytes
-from cpshard.simulation.step_memory import CATEGORIES, TRACED_LAYERS, RankMemory
+from cpshard.simulation.step_memory import CATEGORIES, RankMemory
 
 # Named devices -> their memory as sold (decimal GB).
 DEVICES = {"h100": 80 * 10**9, "h200": 141 * 10**9, "a100": 80 * 10**9, "b200": 192 * 10**9}
 
 METHOD = (
     "the real step (forward, loss, backward, optimizer step) under FakeTensorMode on torch's fake "
-    "process group, tracked by torch's MemTracker with cpshard's ops traced through; {traced} "
-    "decoder layers traced per rank and composed to {layers} (identical layers: each further "
-    "layer repeats the second's saved activations, gradients, parameters and optimizer state); "
-    "the optimizer step traced once and composed alike; CPU kernels' allocations"
+    "process group, tracked by torch's MemTracker (FSDPMemTracker with FSDP2's fully_shard on "
+    "the fake group) with cpshard's ops traced through; {traced} decoder layers traced per rank "
+    "and composed to {layers} (identical layers: each further layer repeats the second's saved "
+    "activations, gradients, parameters and optimizer state); the optimizer step traced and "
+    "composed alike; CPU kernels' allocations"
 )
 
 
@@ -45,11 +46,16 @@ def worst(ranks: list[RankMemory]) -> RankMemory:
 
 
 def render(
-    header: list[str], ranks: list[RankMemory], dev: Device, layers: int, seconds: float
+    header: list[str],
+    ranks: list[RankMemory],
+    dev: Device,
+    layers: int,
+    traced: int,
+    seconds: float,
 ) -> str:
     """The report's text: ``header`` lines, a row per rank (GiB), the worst rank and the fit."""
     names = list(CATEGORIES)
-    out = [*header, "# method: " + METHOD.format(traced=TRACED_LAYERS, layers=layers)]
+    out = [*header, "# method: " + METHOD.format(traced=traced, layers=layers)]
     out.append(
         f"#{'rank':>5} {'peak GiB':>9} " + " ".join(f"{n:>12}" for n in names) + "  peak at"
     )
@@ -71,7 +77,9 @@ def render(
     return "\n".join(out)
 
 
-def payload(ranks: list[RankMemory], dev: Device, layers: int, seconds: float) -> dict:
+def payload(
+    ranks: list[RankMemory], dev: Device, layers: int, traced: int, seconds: float
+) -> dict:
     """The report as JSON: ``ranks`` (rank, peak_bytes, by_category, at, trace_s), the worst
     rank, the device and whether the worst fits it, the method and the time taken."""
     w = worst(ranks)
@@ -83,6 +91,6 @@ def payload(ranks: list[RankMemory], dev: Device, layers: int, seconds: float) -
         ],
         "worst": {"rank": w.rank, "peak_bytes": w.peak_bytes, "at": w.at},
         "device": {"name": dev.name, "bytes": dev.bytes, "fits": w.peak_bytes <= dev.bytes},
-        "method": METHOD.format(traced=TRACED_LAYERS, layers=layers),
+        "method": METHOD.format(traced=traced, layers=layers),
         "seconds": seconds,
     }  # fmt: skip

@@ -34,10 +34,12 @@ def largest_fitting(
     limit: int,
     mesh: tuple[int, int] | None = None,
     progress: Callable[[int, int], None] | None = None,
+    jobs: int = 1,
 ) -> Search:
     """The largest S, a multiple of ``granularity`` up to ``limit``, whose worst rank among
     ``ranks`` is predicted to fit ``budget`` bytes with documents ``docs`` (a ``--docs``
-    spec: ``pareto:N`` keeps N documents at every S). ``progress(S, worst peak)`` per try."""
+    spec: ``pareto:N`` keeps N documents at every S). ``progress(S, worst peak)`` per try;
+    ``jobs``: ranks traced in that many processes at once."""
     if granularity < 1 or limit < granularity:
         raise ValueError(f"--max-seq-len: needs a limit >= {granularity}, got {limit}")
     limit = limit // granularity * granularity
@@ -46,7 +48,9 @@ def largest_fitting(
     def peak(seq: int) -> int:
         if seq not in tried:
             ids = document_ids(document_lengths(docs, seq), seq)
-            found: list[RankMemory] = predictor.ranks(world, ranks, layout, strategy, ids, mesh)
+            found: list[RankMemory] = predictor.ranks(
+                world, ranks, layout, strategy, ids, mesh, jobs=jobs
+            )
             tried[seq] = max(m.peak_bytes for m in found)
             if progress is not None:
                 progress(seq, tried[seq])

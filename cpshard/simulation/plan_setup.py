@@ -12,13 +12,14 @@ from cpshard.simulation.training_step import StepSpec
 
 @dataclass(frozen=True)
 class MemorySetup:
-    """``--memory``'s settings: the ``--model`` as given, the step, the device and the
-    search's limit (None: predict ``--seq-len`` only)."""
+    """``--memory``'s settings: the ``--model`` as given, the step, the device, the search's
+    limit (None: predict ``--seq-len`` only) and the processes tracing ranks at once."""
 
     model: str
     spec: StepSpec
     device: Device
     max_seq_len: int | None
+    jobs: int = 1
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,9 @@
 in one process, and the diagnoses of set-ups that do not.
 
 * transformers Llama (through the command, with ``--json`` and its exit code), Qwen3-VL and a
-  user's own decoder calling ``cpshard.cp_attention``: exact;
+  user's own decoder calling ``cpshard.cp_attention``: exact; the transformers models' loss is
+  the chunked ``cp_linear_cross_entropy`` from the final hidden states (as ``CPTrainer``
+  computes it), the user's decoder's ``cp_cross_entropy`` of its logits (the reason said);
 * a user's decoder whose attention calls plain SDPA, and BLOOM (its own attention code):
   refused, naming the attention module;
 * Mamba2 and Bamba (Mamba2 and attention), tiny from their default configs: exact;
@@ -62,7 +64,9 @@ def test_command_exits_0_for_llama_and_writes_json(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "2/2 cases exact" in done.stdout, done.stdout
+    assert "; loss: cp_linear_cross_entropy\n" in done.stdout, done.stdout
     report = json.loads(out.read_text())
+    assert {c["loss_fn"] for c in report["cases"]} == {"cp_linear_cross_entropy"}
     assert report["exact"] and [c["verdict"] for c in report["cases"]] == ["exact", "exact"]
     for case in report["cases"]:
         assert case["count"] == case["ref_count"] > 0 and abs(case["grad_norm_ratio"] - 1) < 1e-9
@@ -82,6 +86,10 @@ def test_exact_models(pools, tmp_path: Path) -> None:
     for model in models:
         report = _run(pools, model, [Case("head_tail", 2), Case("balanced", 2)])
         assert report.exact, [(r.case, r.verdict, r.diagnosis) for r in report.results]
+        chunked = model != "tests.helpers:cp_aware_decoder"
+        for r in report.results:
+            assert r.loss_fn == ("cp_linear_cross_entropy" if chunked else "cp_cross_entropy"), r
+            assert (r.loss_reason is None) == chunked, r
 
 
 def test_plain_sdpa_attention_is_located(pools) -> None:
@@ -117,6 +125,7 @@ def test_per_rank_mean_loss_names_the_loss(pools) -> None:
         pools, "LlamaForCausalLM", [Case("blockdiag", 2)], "tests.helpers:per_rank_mean_loss"
     )
     (r,) = report.results
+    assert r.loss_fn == "tests.helpers:per_rank_mean_loss", r  # the loss given runs
     assert r.verdict == "differs" and r.count == r.ref_count and r.logits_err < 1e-12, r
     assert "a per-rank mean?" in r.diagnosis and "gradients differ" in r.diagnosis, r.diagnosis
 
