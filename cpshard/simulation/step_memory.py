@@ -28,7 +28,11 @@ temporaries are the largest parameter's), plus what the rank still holds after i
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -418,7 +422,7 @@ class Predictor:
         found: dict[int, RankMemory] = {}
         try:
             context = mp.get_context("fork")
-            with context.Pool(jobs, torch.set_num_threads, (1,)) as pool:
+            with context.Pool(jobs, _start_tracer, (os.getpid(),)) as pool:
                 for m in pool.imap_unordered(_rank_in_child, ranks):
                     found[m.rank] = m
                     if progress is not None:
@@ -442,6 +446,17 @@ class _Job:
 
 # The predictor and job a forked pool's processes trace ranks of (set only while it runs).
 _FORKED: tuple[Predictor, _Job] | None = None
+
+
+def _start_tracer(parent: int) -> None:
+    """A forked tracer's start: one thread, and (on Linux) ended by its parent's death, so a
+    ``cpshard plan`` killed by a signal it cannot catch leaves no tracer running."""
+    torch.set_num_threads(1)
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the request was made
+            os._exit(1)
 
 
 def _rank_in_child(rank: int) -> RankMemory:
