@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 import numerics  # noqa: E402
 import stage_args  # noqa: E402
 import steady_state  # noqa: E402
+import timing  # noqa: E402
 import varlen_kernels  # noqa: E402
 
 import cpshard  # noqa: E402
@@ -410,21 +410,6 @@ def multi_rank(stage: str, device: str, out: Path, worlds: list[int]) -> dict:
 # ---------------------------------------------------------------- bench
 
 
-def _timed(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
-
-
 def _layer_step_rank(rank: int, world: int, device: str, repeats: int) -> dict:
     """Median milliseconds of this rank's CP layer step (set-up, forward, backward)."""
     low = torch.bfloat16 if device == "cuda" else torch.float32
@@ -433,7 +418,7 @@ def _layer_step_rank(rank: int, world: int, device: str, repeats: int) -> dict:
     step = lambda: _cp_step(  # noqa: E731
         dist.group.WORLD, rank, world, lp, weight, {}, "needed_rows", device, warm=False
     )
-    return {"ok": True, "ms": _timed(step, device, repeats)}
+    return {"ok": True, "ms": timing.median_ms(step, device, repeats)}
 
 
 # the bodies of the stages that run on spawned ranks (_run_rank looks them up by name)
@@ -465,12 +450,12 @@ def bench(device: str, out: Path, repeats: int) -> dict:
             at += n
 
     with ctx():
-        varlen_ms = _timed(
+        varlen_ms = timing.median_ms(
             lambda: cpshard.cp_attention(q, k, v, is_causal=True, position_ids=position_ids),
             device,
             repeats,
         )
-    sdpa_ms = _timed(per_document, device, repeats)
+    sdpa_ms = timing.median_ms(per_document, device, repeats)
     return {
         "ok": all(r["ok"] for r in ranks),
         "dry_run": device != "cuda",

@@ -12,8 +12,6 @@ recorded as not available with the reason, never timed. Which kernel cpshard's o
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -29,23 +27,10 @@ from cpshard.attention.kernels import (
     torch_flash_runs_on,
 )
 
+import timing  # beside this script: the GPU check puts its folder on the path
+
 SOFTCAP = 50.0  # Gemma 2's attention logit soft-cap
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
-
-
-def _timed(fn: Callable[[], object], device: str, repeats: int) -> float:
-    """Median milliseconds of ``fn`` over ``repeats`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def _kernels(q: torch.Tensor) -> dict[str, tuple[VarlenKernel | None, VarlenKernel | None] | str]:
@@ -121,7 +106,7 @@ def bench(device: str, repeats: int, docs: list[int]) -> dict:
             at += n
         return torch.autograd.grad(torch.cat(outs, 2), (q, k, v), grad)
 
-    sdpa_ms = _timed(per_document, device, repeats)
+    sdpa_ms = timing.median_ms(per_document, device, repeats)
     kernels: dict[str, dict] = {}
     for name, found in _kernels(q).items():
         if isinstance(found, str):
@@ -133,7 +118,7 @@ def bench(device: str, repeats: int, docs: list[int]) -> dict:
                 row[f"{logits}_ms"] = None
                 continue
             with _forced(kern):
-                ms = _timed(step(softcap), device, repeats)
+                ms = timing.median_ms(step(softcap), device, repeats)
                 row[f"{logits}_ran"] = cpshard.attention_kernel()
             row[f"{logits}_ms"] = ms
             row[f"{logits}_vs_sdpa"] = ms / sdpa_ms
