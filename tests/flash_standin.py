@@ -176,6 +176,17 @@ def _fa3_fwd(
     return o, lse, q.new_empty(0), q.new_empty(0, dtype=torch.float32)
 
 
+def _backward_into(into: tuple[T, T, T], *args: object) -> T:
+    """:func:`attend_backward` of ``args``, counted, its q / k / v gradients written into the
+    caller's buffers ``into`` (as both packages' ops do); returns ``rowsum(dout * out)`` in
+    float32 (their ``softmax_d``)."""
+    calls["bwd"] += 1
+    grads = attend_backward(*args)
+    for buffer, g in zip(into, grads[:3], strict=True):
+        buffer.copy_(g)
+    return grads[3].float()
+
+
 def _fa3_bwd(
     dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqlens_q=None,
     cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=None, max_seqlen_k=None,
@@ -184,15 +195,12 @@ def _fa3_bwd(
 ):  # fmt: skip
     _refuse(seqused_q=seqused_q, seqused_k=seqused_k)
     assert softmax_lse.is_contiguous(), "the log-sum-exp is read contiguous"
-    calls["bwd"] += 1
-    grads = attend_backward(
-        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, is_causal,
-        window_size_left, window_size_right, softcap,
+    softmax_d = _backward_into(
+        (dq, dk, dv), dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
+        softmax_scale, is_causal, window_size_left, window_size_right, softcap,
     )  # fmt: skip
-    for into, g in zip((dq, dk, dv), grads[:3], strict=True):
-        into.copy_(g)
     e = q.new_empty(0, dtype=torch.float32)
-    return grads[3].float(), e, e.clone(), e.clone(), e.clone()
+    return softmax_d, e, e.clone(), e.clone(), e.clone()
 
 
 _FA3_LIB = torch.library.Library(FA3, "DEF")
@@ -234,14 +242,10 @@ def _fa2_backward(
     rng_state: T | None = None, zero_tensors: bool = False,
 ) -> T:  # fmt: skip
     _refuse(alibi_slopes=alibi_slopes)
-    calls["bwd"] += 1
-    grads = attend_backward(
-        dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal,
-        window_size_left, window_size_right, softcap,
+    return _backward_into(
+        (dq, dk, dv), dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
+        softmax_scale, causal, window_size_left, window_size_right, softcap,
     )  # fmt: skip
-    for into, g in zip((dq, dk, dv), grads[:3], strict=True):
-        into.copy_(g)
-    return grads[3].float()
 
 
 fa3_ops = getattr(torch.ops, FA3)

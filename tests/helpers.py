@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -228,6 +228,46 @@ def variant_attention(
     else:
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     return (probs @ v) * (doc != 0)[:, None, :, None]
+
+
+def assert_variant_results(
+    got: list[list[tuple]],
+    layouts: list[str],
+    world: int,
+    cases: list[tuple],
+    make_case: Callable[[tuple], tuple[torch.Tensor, ...]],
+    label: str = "",
+    on_rank: Callable[[str, str, tuple, tuple], None] | None = None,
+) -> None:
+    """Each rank's CP attention results ``got`` (per layout, then per case of ``cases``: the
+    gathered output and that rank's gradients of q, k, v and the sinks) against
+    :func:`variant_attention` on the whole batch ``make_case(case)`` gives (doc ids, q, k, v,
+    the output's weight, sinks; a case ends with its window, soft-cap and whether it has sinks):
+    every rank's output, and the gradients summed over ranks. ``on_rank(where, layout, case,
+    result)`` checks anything more of each rank's result."""
+    at = 0
+    for layout in layouts:
+        for case in cases:
+            *_, window, softcap, with_sinks = case
+            doc, q, k, v, w, sinks = make_case(case)
+            leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
+            want = variant_attention(
+                *leaves[:3], doc, True, window, softcap, leaves[3] if with_sinks else None
+            )
+            grads = torch.autograd.grad((want * w).sum(), leaves, allow_unused=True)
+            where = " ".join(part for part in (layout, label, f"W={world}", case[0]) if part)
+            for r in range(world):
+                torch.testing.assert_close(
+                    got[r][at][0], want, rtol=0, atol=1e-12, msg=f"{where} output on rank {r}"
+                )
+                if on_rank is not None:
+                    on_rank(f"{where} rank {r}", layout, case, got[r][at])
+            for j, name in enumerate(["q", "k", "v", "sinks"][: 3 + with_sinks]):
+                total = sum(got[r][at][1 + j] for r in range(world))
+                torch.testing.assert_close(
+                    total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}"
+                )
+            at += 1
 
 
 def masked_attention(

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from cpshard.layouts import LAYOUTS
-from tests.helpers import kernel_path, packed_doc_ids, step_context, variant_attention
+from tests.helpers import assert_variant_results, kernel_path, packed_doc_ids, step_context
 
 D = 8
 
@@ -75,34 +75,11 @@ def _distributed(rank: int, world: int, layouts: list[str], path: str) -> list[t
     return results
 
 
-def _check(got: list[list[tuple]], layouts: list[str], world: int, path: str) -> None:
-    at = 0
-    for layout in layouts:
-        for case in CASES:
-            *_, window, softcap, with_sinks = case
-            doc, q, k, v, w, sinks = _case(case)
-            leaves = [t.requires_grad_() for t in (q, k, v, sinks)]
-            want = variant_attention(
-                *leaves[:3], doc, True, window, softcap, leaves[3] if with_sinks else None
-            )
-            grads = torch.autograd.grad((want * w).sum(), leaves, allow_unused=True)
-            where = f"{layout} {path} W={world} {case[0]}"
-            for r in range(world):
-                torch.testing.assert_close(
-                    got[r][at][0], want, rtol=0, atol=1e-12, msg=f"{where} output on rank {r}"
-                )
-            for j, name in enumerate(["q", "k", "v", "sinks"][: 3 + with_sinks]):
-                total = sum(got[r][at][1 + j] for r in range(world))
-                torch.testing.assert_close(
-                    total, grads[j], rtol=0, atol=1e-10, msg=f"{where} grad {name}"
-                )
-            at += 1
-
-
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_every_layout_and_the_blockdiag_batch(pools, world: int) -> None:
     layouts = [*LAYOUTS, "blockdiag"]
-    _check(pools(world).run(_distributed, layouts, "per_segment", timeout=600), layouts, world, "")
+    got = pools(world).run(_distributed, layouts, "per_segment", timeout=600)
+    assert_variant_results(got, layouts, world, CASES, _case)
 
 
 @pytest.mark.parametrize("path", ["varlen", "math"])
@@ -110,7 +87,8 @@ def test_kernel_paths(pools, path: str) -> None:
     """The one-launch varlen path (its CPU stand-in honouring the window) and the explicit
     part kernel (CUDA fp32/fp64), W = 3."""
     layouts = ["contiguous", "stripe", "balanced", "blockdiag"]
-    _check(pools(3).run(_distributed, layouts, path, timeout=600), layouts, 3, path)
+    got = pools(3).run(_distributed, layouts, path, timeout=600)
+    assert_variant_results(got, layouts, 3, CASES, _case, path)
 
 
 # --------------------------------------------------------------------------- per-step plans
